@@ -1,0 +1,3 @@
+from mlxd.cli.main import main
+
+main()

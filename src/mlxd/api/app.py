@@ -1,0 +1,42 @@
+"""The FastAPI app factory: routers, middleware, error handlers, and the runtime's lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+
+from mlxd import __version__
+from mlxd.api import openai, simple
+from mlxd.api.errors import install_error_handlers
+from mlxd.api.middleware import RequestIdMiddleware
+from mlxd.api.streaming import ClientGone
+from mlxd.config import Settings
+from mlxd.runtime.service import Runtime
+
+
+def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
+    rt = runtime or Runtime(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await rt.start()
+        try:
+            yield
+        finally:
+            await rt.stop()
+
+    app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan)
+    app.state.runtime = rt
+    app.state.settings = settings
+    install_error_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    app.add_middleware(RequestIdMiddleware)
+    app.include_router(openai.router)
+    app.include_router(simple.router)
+    return app

@@ -1,0 +1,78 @@
+"""Every failure becomes an OpenAI error object with a status that tells the truth."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlxd.core.errors import MlxdError
+
+log = logging.getLogger(__name__)
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_payload(exc: MlxdError) -> dict:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                      "code": exc.code}}
+
+
+# Union members and validators appear in pydantic locations ("stop.str", "x.list[int]");
+# the caller only wants the field path.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-.*|.*\[.*\]|"
+                       r"constrained-.*|json-or-python.*|lax-.*|strict-.*)$")
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body" and not _TYPE_TAG.match(str(p))]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MlxdError)
+    async def _mlxd(_: Request, exc: MlxdError) -> JSONResponse:
+        if exc.status >= 500:
+            log.error("%s: %s", exc.code, exc.message)
+        return openai_error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return openai_error(400, "the request body is not valid JSON",
+                                "invalid_request_error", None, "invalid_json")
+        msgs: list[str] = []
+        for e in errs:
+            param = _loc_to_param(tuple(e.get("loc", ())))
+            msg = f"{param or 'body'}: {e.get('msg')}"
+            if msg not in msgs and len(msgs) < 5:
+                msgs.append(msg)
+        return openai_error(400, "; ".join(msgs), "invalid_request_error",
+                            _loc_to_param(tuple(first.get("loc", ()))), "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return openai_error(exc.status_code, detail, type_, None, None,
+                            getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return openai_error(500, f"internal error: {type(exc).__name__}", "server_error",
+                            None, "internal_error")

@@ -1,0 +1,202 @@
+"""OpenAI wire schemas (the subset mlxd serves) and their translation to SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mlxd.core.errors import InvalidRequest
+from mlxd.core.types import SamplingParams
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _Req(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Req):
+    include_usage: bool = False
+
+
+class SamplingFields(_Req):
+    model: str = "default"
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    stop: Stop = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
+                 ) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequest("only n=1 is supported", param="n")
+        bias: dict[int, float] | None = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise InvalidRequest(
+                    "logit_bias keys must be token ids", param="logit_bias"
+                ) from None
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            logit_bias=bias,
+            stop=stop,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def to_sampling(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+        return self.sampling(
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+        )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as chat templates expect them: text content as a plain string."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.type in ("text", "input_text") and part.text is not None:
+                        texts.append(part.text)
+                    elif part.type in ("image_url", "input_image", "image"):
+                        raise InvalidRequest(
+                            "this model does not accept images",
+                            param=f"messages[{i}].content",
+                        )
+                    else:
+                        raise InvalidRequest(
+                            f"unsupported content part type '{part.type}'",
+                            param=f"messages[{i}].content",
+                        )
+                d["content"] = "".join(texts)
+            elif m.content is None:
+                d["content"] = ""
+            if d["role"] == "developer":
+                d["role"] = "system"
+            out.append(d)
+        return out
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=1)
+    suffix: str | None = None
+
+    def to_sampling(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequest("echo is not supported", param="echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", param="suffix")
+        return self.sampling(
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+        )
+
+    def single_prompt(self) -> tuple[str | None, list[int] | None]:
+        p = self.prompt
+        if isinstance(p, list):
+            if len(p) == 0:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+            if all(isinstance(x, int) for x in p):
+                return None, list(p)  # type: ignore[arg-type]
+            if len(p) != 1:
+                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+            p = p[0]
+            if isinstance(p, list):
+                return None, list(p)
+        return p, None  # type: ignore[return-value]
+
+
+class GenerateBody(_Req):
+    """The simple dialect: prompt in, text out."""
+
+    prompt: str = Field(min_length=1)
+    model: str = "default"
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.7, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    chat: bool = Field(
+        False, description="Wrap the prompt in the model's chat template as one user turn."
+    )
+
+    def to_sampling(self) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k or 0, 0),
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+        )

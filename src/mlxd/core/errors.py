@@ -1,0 +1,57 @@
+"""Errors with stable codes; each dialect renders them in its own wire shape."""
+
+from __future__ import annotations
+
+
+class MlxdError(Exception):
+    """Base error. ``status`` is the HTTP status that tells the truth about the failure."""
+
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+class InvalidRequest(MlxdError):
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(MlxdError):
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+
+
+class QueueFull(MlxdError):
+    status = 429
+    code = "queue_full"
+    type = "rate_limit_error"
+
+
+class Unavailable(MlxdError):
+    status = 503
+    code = "service_unavailable"
+    type = "server_error"
+
+
+class ModelLoadError(MlxdError):
+    status = 500
+    code = "model_load_failed"
+    type = "server_error"
+
+
+class EngineError(MlxdError):
+    status = 500
+    code = "engine_error"
+    type = "server_error"

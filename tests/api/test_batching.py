@@ -1,0 +1,113 @@
+"""Continuous batching, disconnects and the admission queue, observed through HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+
+
+def _wait_for(pred, timeout: float = 10.0, every: float = 0.02) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
+def _model_status(srv, name: str) -> dict:
+    return next(m for m in srv.health()["models"] if m["name"] == name)
+
+
+def test_sixteen_concurrent_requests_complete_in_one_batch(start_server, long_llama):
+    srv = start_server(long_llama, engine={"max_num_seqs": 16})
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+    async def one(i: int):
+        return await client.chat.completions.create(
+            model="long-llama", messages=[{"role": "user", "content": f"request number {i}"}],
+            max_tokens=24, temperature=0,
+        )
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert len(results) == 16
+    assert all(r.usage.completion_tokens == 24 for r in results)
+    assert all(r.choices[0].finish_reason == "length" for r in results)
+    st = _model_status(srv, "long-llama")
+    assert st["max_batch_size_seen"] > 1, st
+    assert st["running"] == 0 and srv.health()["requests_in_flight"] == 0
+
+    # Batched results equal the same request run alone (greedy).
+    alone = openai.OpenAI(base_url=srv.url + "/v1", api_key="x").chat.completions.create(
+        model="long-llama", messages=[{"role": "user", "content": "request number 3"}],
+        max_tokens=24, temperature=0,
+    )
+    assert alone.choices[0].message.content == results[3].choices[0].message.content
+
+
+def test_streaming_disconnect_frees_the_slot(start_server, long_llama):
+    srv = start_server(long_llama)
+    body = {"model": "long-llama", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 4000, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert _model_status(srv, "long-llama")["running"] == 1
+        # leaving the block closes the connection mid-stream
+    t0 = time.time()
+    assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=5)
+    assert time.time() - t0 < 5
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)
+
+
+def test_non_streaming_disconnect_frees_the_slot(start_server, long_llama):
+    srv = start_server(long_llama)
+    body = {"model": "long-llama", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 4000}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            task = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if _model_status(srv, "long-llama")["running"] == 1:
+                    break
+            assert _model_status(srv, "long-llama")["running"] == 1
+            task.cancel()  # the client gives up: its connection closes
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(main())
+    assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=5)
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)
+
+
+def test_admission_queue_full_is_429_with_retry_after(start_server, long_llama):
+    srv = start_server(long_llama, engine={"max_num_seqs": 1, "max_queued_requests": 1})
+    body = {"model": "long-llama", "prompt": "x", "max_tokens": 4000, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=30) as c1, \
+         httpx.Client(base_url=srv.url, timeout=30) as c2, \
+         httpx.Client(base_url=srv.url, timeout=30) as c3:
+        with c1.stream("POST", "/v1/completions", json=body) as r1, \
+             c2.stream("POST", "/v1/completions", json=body) as r2:
+            assert r1.status_code == 200 and r2.status_code == 200
+            r3 = c3.post("/v1/completions", json={**body, "stream": False})
+            assert r3.status_code == 429
+            assert r3.headers["retry-after"] == "1"
+            err = r3.json()["error"]
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)
+    r = httpx.post(srv.url + "/v1/completions",
+                   json={"model": "long-llama", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200

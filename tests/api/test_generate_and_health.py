@@ -1,0 +1,77 @@
+"""The simple /generate dialect, /health, and the request id."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+
+def test_generate_returns_text(server):
+    with server.client() as c:
+        r = c.post("/generate", json={"prompt": "Once upon", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["text"] and body["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["model"] == "tiny-llama"
+
+
+def test_generate_accepts_json_without_content_type(server):
+    # curl -d sends application/x-www-form-urlencoded; the simple dialect still reads JSON
+    r = httpx.post(server.url + "/generate", content=b'{"prompt": "hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_generate_streams_sse_token_by_token(server):
+    body = {"prompt": "Once upon", "max_tokens": 5, "temperature": 0, "top_p": 1.0}
+    full = httpx.post(server.url + "/generate", json=body).json()["text"]
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    texts = [p["text"] for p in payloads if p["text"]]
+    assert len(texts) >= 2  # token by token, not one blob
+    assert "".join(texts) == full
+    assert payloads[-1]["finish_reason"] == "length"
+
+
+def test_generate_chat_mode_uses_the_template(server):
+    plain = httpx.post(server.url + "/generate",
+                       json={"prompt": "hi", "max_tokens": 1, "temperature": 0}).json()
+    chat = httpx.post(server.url + "/generate",
+                      json={"prompt": "hi", "max_tokens": 1, "temperature": 0,
+                            "chat": True}).json()
+    assert chat["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+
+
+def test_health_lists_loaded_models(server):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    h = r.json()
+    assert h["status"] == "ok" and h["model_loaded"] is True
+    names = {m["name"] for m in h["models"]}
+    assert {"tiny-llama", "tiny-qwen2"} <= names
+
+
+def test_request_id_round_trips(server):
+    r = httpx.get(server.url + "/health", headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    r = httpx.get(server.url + "/health")
+    assert len(r.headers["x-request-id"]) >= 16
+
+
+def test_health_is_503_when_the_device_worker_is_dead(start_server, tiny_llama):
+    srv = start_server(tiny_llama)
+    assert httpx.get(srv.url + "/health").status_code == 200
+    srv.runtime.worker.stop()  # what a crashed worker looks like from outside
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "service_unavailable"

@@ -1,0 +1,186 @@
+"""/v1/chat/completions and /v1/completions through the official openai client."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama))
+
+
+def _word_token(tokenizer, min_len: int = 2) -> tuple[int, str]:
+    """A vocabulary entry that decodes to >= min_len ASCII letters (for forcing repeats)."""
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if len(text) >= min_len and text.isascii() and text.isalpha():
+            return i, text
+    raise AssertionError("no multi-letter token")
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert r.object == "chat.completion"
+    assert r.model == "tiny-llama"
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+
+
+def test_chat_greedy_is_deterministic_and_streaming_matches(client):
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Hello there"}],
+              max_tokens=8, temperature=0)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+    stream = client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == a
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_default_model_and_second_architecture(client):
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert r.model == "tiny-llama"
+    r = client.chat.completions.create(
+        model="tiny-qwen2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0,
+    )
+    assert r.model == "tiny-qwen2" and r.usage.completion_tokens == 4
+
+
+def test_max_completion_tokens_and_sampling_params(client):
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        max_completion_tokens=5,
+        temperature=0.8,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert r.usage.completion_tokens == 5
+
+
+def test_seed_reproduces_sampled_text(client):
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Tell a story"}],
+              max_tokens=12, temperature=1.0)
+    a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
+    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content
+              for s in (1, 2, 3)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_eos_finishes_with_stop_and_is_not_shown(client, tokenizer):
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    r = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+        logit_bias={str(eos): 100},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == ""
+    assert "<|im_end|>" not in r.choices[0].message.content
+
+
+def test_logit_bias_forces_a_token(client, tokenizer):
+    tid, text = _word_token(tokenizer)
+    r = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        logit_bias={str(tid): 100},
+    )
+    assert r.choices[0].message.content == text * 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_split_across_tokens_is_never_emitted(client, tokenizer, stream):
+    tid, text = _word_token(tokenizer)
+    # Forced output is text*N; a stop string made of the end of one token and the start of
+    # the next can only match across a token boundary.
+    stop = text[-1] + text[0]
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+              logit_bias={str(tid): 100}, stop=[stop, "zzzz-unused"])
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = client.chat.completions.create(**kw)
+        content, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert finish == "stop"
+    assert content == (text * 8)[: (text * 8).index(stop)]
+    assert stop not in content
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=3,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert item.logprob <= 0
+        assert len(item.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-4)
+        assert item.top_logprobs[0].token == item.token
+    assert "".join(i.token for i in content) == r.choices[0].message.content
+
+
+def test_completions_non_streaming_and_streaming(client):
+    r = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=6,
+                                  temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
+                                            max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completions_token_prompt_and_logprobs(client, tokenizer):
+    ids = tokenizer.encode("Once upon a time")
+    r = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=3, temperature=0,
+                                  logprobs=2)
+    by_text = client.completions.create(model="tiny-llama", prompt="Once upon a time",
+                                        max_tokens=3, temperature=0)
+    assert r.choices[0].text == by_text.choices[0].text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_models_list(client):
+    ids = {m.id for m in client.models.list().data}
+    assert {"tiny-llama", "tiny-qwen2"} <= ids

@@ -1,0 +1,120 @@
+"""Shared fixtures: tiny real-architecture models and a live mlxd server on a free port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+
+from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """mlxd's real app under uvicorn in a background thread, reached over real HTTP."""
+
+    def __init__(self, settings) -> None:
+        import uvicorn
+
+        from mlxd.api.app import create_app
+
+        self.settings = settings
+        self.app = create_app(settings)
+        self.runtime = self.app.state.runtime
+        self.port = settings.server.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
+                           access_log=False, log_level="warning")
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def start(self) -> LiveServer:
+        self._thread.start()
+        deadline = time.time() + 120
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("server failed to start")
+            if time.time() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+
+def make_settings(home: Path, model: str | Path, **sections):
+    from mlxd.config import Settings
+
+    data = {
+        "server": {"port": free_port()},
+        "models": {"default": str(model), "dir": str(home / "models"), "auto_download": False},
+    }
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return Settings(**data)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny-qwen2", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def long_llama(tmp_path_factory) -> Path:
+    """A slower, long-context tiny model, for requests that must still run when we act."""
+    return make_tiny_chat_model(
+        tmp_path_factory.mktemp("m") / "long-llama", "llama", hidden_size=256, num_layers=4,
+        max_position_embeddings=8192, seed=1,
+    )
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, tiny_llama, tiny_qwen2) -> Iterator[LiveServer]:
+    home = tmp_path_factory.mktemp("home")
+    s = make_settings(home, tiny_llama, models={"preload": [str(tiny_qwen2)]},
+                      engine={"max_num_seqs": 32})
+    srv = LiveServer(s).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def start_server(tmp_path) -> Iterator:
+    """Factory for a private server with custom settings; stopped after the test."""
+    started: list[LiveServer] = []
+
+    def _start(model, **sections) -> LiveServer:
+        srv = LiveServer(make_settings(tmp_path, model, **sections)).start()
+        started.append(srv)
+        return srv
+
+    yield _start
+    for srv in started:
+        srv.stop()
