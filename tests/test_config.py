@@ -1,0 +1,82 @@
+"""Settings precedence: defaults < YAML file < MLXD_* environment < explicit flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxd.config import ConfigError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXD_HOME", str(tmp_path / "home"))
+    for k in list(__import__("os").environ):
+        if k.startswith("MLXD_") and k != "MLXD_HOME":
+            monkeypatch.delenv(k)
+
+
+def test_defaults(tmp_path):
+    s = load_settings()
+    assert s.server.host == "127.0.0.1" and s.server.port == 8000
+    assert s.models.default == "smollm2-135m-instruct"
+    assert s.models_dir == tmp_path / "home" / "models"
+    assert s.engine.max_num_seqs >= 16 and s.engine.max_queued_requests > 0
+    assert s.log.level == "info" and s.log.format == "text"
+
+
+def test_precedence_file_env_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("server:\n  port: 9001\n  host: 0.0.0.0\nengine:\n  max_num_seqs: 4\n"
+                   "log:\n  format: json\n")
+    s = load_settings(cfg)
+    assert (s.server.port, s.server.host, s.engine.max_num_seqs) == (9001, "0.0.0.0", 4)
+    monkeypatch.setenv("MLXD_SERVER__PORT", "9002")
+    monkeypatch.setenv("MLXD_ENGINE__PREFILL_STEP_SIZE", "128")
+    s = load_settings(cfg)
+    assert s.server.port == 9002 and s.server.host == "0.0.0.0"  # env wins, file fills in
+    assert s.engine.prefill_step_size == 128 and s.engine.max_num_seqs == 4
+    s = load_settings(cfg, {"server": {"port": 9003, "host": None}})
+    assert s.server.port == 9003 and s.server.host == "0.0.0.0"  # None flag masks nothing
+    assert s.log.format == "json"
+
+
+def test_home_config_file_is_read(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.yaml").write_text("models:\n  default: my-model\n  preload: [a, b]\n")
+    s = load_settings()
+    assert s.models.default == "my-model" and s.models.preload == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "needle"),
+    [
+        ("server:\n  prot: 1\n", "unknown key 'server.prot'"),
+        ("nonsense: 1\n", "unknown key 'nonsense'"),
+        ("server:\n  port: many\n", "'server.port'"),
+        ("engine:\n  max_num_seqs: 0\n", "'engine.max_num_seqs'"),
+        ("log:\n  level: loud\n", "'log.level'"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("server: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_file_is_a_clear_error_naming_the_key(tmp_path, yaml_text, needle):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(cfg)
+    assert needle in str(info.value)
+    assert str(cfg) in str(info.value)
+
+
+def test_bad_env_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MLXD_SERVER__PORT", "eighty")
+    with pytest.raises(ConfigError, match="server.port"):
+        load_settings()
+
+
+def test_missing_explicit_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(Path(tmp_path / "nope.yaml"))
