@@ -10,249 +10,27 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import struct
 from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from fixtures.gguf_writer import (
+    CHAT_TEMPLATE,
+    HIDDEN,
+    KV_HEADS,
+    _blocks,
+    bpe_vocab,
+    hf_name,
+    llama_metadata,
+    llama_tensors,
+    write_gguf,
+)
 from mlx import nn
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.store.gguf import GGUFImportError, _llama3_rope_scaling, import_gguf
-
-# --------------------------------------------------------------------------- #
-# A minimal GGUF v3 writer
-# --------------------------------------------------------------------------- #
-
-GGML_TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q6_K": 14, "BF16": 30}
-_ARRAY_ITEM_TYPES = {np.dtype("int32"): 5, np.dtype("uint32"): 4, np.dtype("float32"): 6}
-
-
-def _gguf_str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def _gguf_value(v) -> tuple[int, bytes]:
-    if isinstance(v, bool):
-        return 7, struct.pack("<?", v)
-    if isinstance(v, int):
-        return (5, struct.pack("<i", v)) if v < 0 else (4, struct.pack("<I", v))
-    if isinstance(v, float):
-        return 6, struct.pack("<f", v)
-    if isinstance(v, str):
-        return 8, _gguf_str(v)
-    if isinstance(v, np.ndarray):
-        item = _ARRAY_ITEM_TYPES[v.dtype]
-        return 9, struct.pack("<IQ", item, v.size) + v.astype(v.dtype.newbyteorder("<")).tobytes()
-    if isinstance(v, list) and all(isinstance(x, str) for x in v):
-        return 9, struct.pack("<IQ", 8, len(v)) + b"".join(_gguf_str(x) for x in v)
-    raise TypeError(f"cannot encode {type(v)}")
-
-
-def _blocks(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float32).reshape(-1, 32)
-
-
-def quantize_q8_0(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """ggml's reference Q8_0: d = amax/127, q = round(x/d); returns (bytes, dequantized)."""
-    b = _blocks(x)
-    d = np.abs(b).max(axis=1) / 127.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
-    q = np.round(b * inv[:, None]).astype(np.int8)
-    d16 = d.astype(np.float16)
-    rec = np.zeros(len(b), dtype=[("d", "<f2"), ("qs", "i1", 32)])
-    rec["d"], rec["qs"] = d16, q
-    return rec.tobytes(), (d16.astype(np.float32)[:, None] * q).reshape(x.shape)
-
-
-def quantize_q4_0(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """ggml's reference Q4_0: d = signed_absmax / -8, q = trunc(x/d + 8.5) clipped to 15."""
-    b = _blocks(x)
-    m = b[np.arange(len(b)), np.abs(b).argmax(axis=1)]
-    d = m / -8.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    q = np.minimum(15, np.floor(b * inv[:, None] + 8.5)).astype(np.uint8)
-    d16 = d.astype(np.float16)
-    rec = np.zeros(len(b), dtype=[("d", "<f2"), ("qs", "u1", 16)])
-    rec["d"], rec["qs"] = d16, q[:, :16] | (q[:, 16:] << 4)
-    deq = d16.astype(np.float32)[:, None] * (q.astype(np.float32) - 8)
-    return rec.tobytes(), deq.reshape(x.shape)
-
-
-def quantize_q4_1(x: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """ggml's reference Q4_1: d = (max-min)/15, m = min, q = round((x-m)/d)."""
-    b = _blocks(x)
-    lo, hi = b.min(axis=1), b.max(axis=1)
-    d = (hi - lo) / 15.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
-    q = np.minimum(15, np.floor((b - lo[:, None]) * inv[:, None] + 0.5)).astype(np.uint8)
-    d16, m16 = d.astype(np.float16), lo.astype(np.float16)
-    rec = np.zeros(len(b), dtype=[("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)])
-    rec["d"], rec["m"], rec["qs"] = d16, m16, q[:, :16] | (q[:, 16:] << 4)
-    deq = d16.astype(np.float32)[:, None] * q + m16.astype(np.float32)[:, None]
-    return rec.tobytes(), deq.reshape(x.shape)
-
-
-def encode_tensor(x: np.ndarray, type_name: str) -> tuple[bytes, np.ndarray]:
-    """Return the GGUF bytes for x in type_name and the float32 values they decode to."""
-    x = x.astype(np.float32)
-    if type_name == "F32":
-        return x.tobytes(), x
-    if type_name == "F16":
-        h = x.astype(np.float16)
-        return h.tobytes(), h.astype(np.float32)
-    if type_name == "BF16":
-        bits = x.view(np.uint32)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return rounded.tobytes(), (rounded.astype(np.uint32) << 16).view(np.float32)
-    if type_name == "Q6_K":  # only the size matters: the importer must refuse it
-        return bytes(x.size // 256 * 210), x
-    return {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0, "Q4_1": quantize_q4_1}[type_name](x)
-
-
-def write_gguf(path: Path, metadata: dict, tensors: list[tuple[str, np.ndarray, str]]) -> dict:
-    """Write a GGUF v3 file; returns {name: decoded float32 values}."""
-    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
-    for key, value in metadata.items():
-        vtype, payload = _gguf_value(value)
-        header += _gguf_str(key) + struct.pack("<I", vtype) + payload
-    infos, blobs, decoded, offset = b"", [], {}, 0
-    for name, x, type_name in tensors:
-        data, decoded[name] = encode_tensor(x, type_name)
-        infos += _gguf_str(name) + struct.pack("<I", x.ndim)
-        infos += b"".join(struct.pack("<Q", d) for d in reversed(x.shape))
-        infos += struct.pack("<IQ", GGML_TYPE_IDS[type_name], offset)
-        data += bytes(-len(data) % 32)
-        blobs.append(data)
-        offset += len(data)
-    head = header + infos
-    path.write_bytes(head + bytes(-len(head) % 32) + b"".join(blobs))
-    return decoded
-
-
-# --------------------------------------------------------------------------- #
-# A tiny llama with a byte-level BPE + ChatML vocabulary
-# --------------------------------------------------------------------------- #
-
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 64, 128, 4, 2, 2
-CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("o", "r")]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def _byte_chars() -> list[str]:
-    """GPT-2's bytes_to_unicode table, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def bpe_vocab() -> list[str]:
-    return CONTROL + _byte_chars() + ["".join(m) for m in MERGES]
-
-
-def tokenizer_metadata() -> dict:
-    tokens = bpe_vocab()
-    types = np.ones(len(tokens), dtype=np.int32)
-    types[: len(CONTROL)] = 3
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in MERGES],
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.padding_token_id": 2,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": CHAT_TEMPLATE,
-    }
-
-
-def llama_metadata(arch: str = "llama") -> dict:
-    return {
-        "general.architecture": arch,
-        "general.name": "tiny",
-        f"{arch}.context_length": 256,
-        f"{arch}.embedding_length": HIDDEN,
-        f"{arch}.block_count": LAYERS,
-        f"{arch}.feed_forward_length": FFN,
-        f"{arch}.attention.head_count": HEADS,
-        f"{arch}.attention.head_count_kv": KV_HEADS,
-        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        f"{arch}.rope.freq_base": 10000.0,
-        **tokenizer_metadata(),
-    }
-
-
-def llama_tensors(
-    weight_type: str | dict[str, str], *, tied: bool = True, seed: int = 0
-) -> list[tuple[str, np.ndarray, str]]:
-    """Source tensors; weight_type is one type for all matrices or a per-name-prefix map."""
-    rng = np.random.default_rng(seed)
-    vocab = len(bpe_vocab())
-
-    def kind(name: str) -> str:
-        if isinstance(weight_type, str):
-            return weight_type
-        return next(t for prefix, t in weight_type.items() if name.startswith(prefix))
-
-    def mat(rows: int, cols: int) -> np.ndarray:
-        return rng.normal(0, 0.05, (rows, cols)).astype(np.float32)
-
-    def norm() -> np.ndarray:
-        return (1 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32)
-
-    head_dim = HIDDEN // HEADS
-    out = [("token_embd.weight", mat(vocab, HIDDEN)), ("output_norm.weight", norm())]
-    if not tied:
-        out.append(("output.weight", mat(vocab, HIDDEN)))
-    for i in range(LAYERS):
-        out += [
-            (f"blk.{i}.attn_norm.weight", norm()),
-            (f"blk.{i}.attn_q.weight", mat(HEADS * head_dim, HIDDEN)),
-            (f"blk.{i}.attn_k.weight", mat(KV_HEADS * head_dim, HIDDEN)),
-            (f"blk.{i}.attn_v.weight", mat(KV_HEADS * head_dim, HIDDEN)),
-            (f"blk.{i}.attn_output.weight", mat(HIDDEN, HEADS * head_dim)),
-            (f"blk.{i}.ffn_norm.weight", norm()),
-            (f"blk.{i}.ffn_gate.weight", mat(FFN, HIDDEN)),
-            (f"blk.{i}.ffn_up.weight", mat(FFN, HIDDEN)),
-            (f"blk.{i}.ffn_down.weight", mat(HIDDEN, FFN)),
-        ]
-    # llama.cpp keeps 1-D norms in F32 whatever the file type.
-    return [(n, x, "F32" if x.ndim == 1 else kind(n)) for n, x in out]
-
-
-HF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-
-
-def hf_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{HF_NAMES[parts[2]]}.weight"
-    return f"{HF_NAMES[parts[0]]}.weight"
-
 
 # Worst-case |dequantized - source| per block, as a multiple of the block step d.
 STEP_BOUND = {"Q8_0": 0.5, "Q4_0": 1.0, "Q4_1": 0.5}
