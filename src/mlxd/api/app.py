@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import openai, simple
+from mlxd.api import ollama, openai, simple
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import RequestIdMiddleware
 from mlxd.api.streaming import ClientGone
@@ -39,4 +39,5 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     app.include_router(openai.router)
     app.include_router(simple.router)
+    app.include_router(ollama.router)
     return app

@@ -41,18 +41,32 @@ def _loc_to_param(loc: tuple) -> str | None:
     return out or None
 
 
+def is_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def ollama_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """Errors in the caller's dialect: Ollama's ``{"error": ...}`` on /api/*, else OpenAI's."""
+
     @app.exception_handler(MlxdError)
-    async def _mlxd(_: Request, exc: MlxdError) -> JSONResponse:
+    async def _mlxd(request: Request, exc: MlxdError) -> JSONResponse:
         if exc.status >= 500:
             log.error("%s: %s", exc.code, exc.message)
+        if is_ollama(request):
+            return ollama_error(exc.status, exc.message, exc.headers)
         return openai_error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
+            if is_ollama(request):
+                return ollama_error(400, "the request body is not valid JSON")
             return openai_error(400, "the request body is not valid JSON",
                                 "invalid_request_error", None, "invalid_json")
         msgs: list[str] = []
@@ -61,18 +75,24 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"{param or 'body'}: {e.get('msg')}"
             if msg not in msgs and len(msgs) < 5:
                 msgs.append(msg)
+        if is_ollama(request):
+            return ollama_error(400, "; ".join(msgs))
         return openai_error(400, "; ".join(msgs), "invalid_request_error",
                             _loc_to_param(tuple(first.get("loc", ()))), "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if is_ollama(request):
+            return ollama_error(exc.status_code, detail, getattr(exc, "headers", None))
         return openai_error(exc.status_code, detail, type_, None, None,
                             getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
+        if is_ollama(request):
+            return ollama_error(500, f"internal error: {type(exc).__name__}")
         return openai_error(500, f"internal error: {type(exc).__name__}", "server_error",
                             None, "internal_error")

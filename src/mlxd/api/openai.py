@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -11,7 +12,7 @@ from mlxd.api.common import collect, new_id, now, runtime, usage_dict
 from mlxd.api.errors import error_payload
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
-from mlxd.core.errors import MlxdError
+from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
 from mlxd.runtime.service import Generation
 
@@ -55,6 +56,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         sampling=body.to_sampling(),
         messages=body.template_messages(),
         request_id=request.state.request_id,
+        keep_alive=body.keep_alive,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     cid, created = new_id("chatcmpl"), now()
@@ -109,6 +111,7 @@ async def completions(body: CompletionRequest, request: Request):
         prompt=text,
         prompt_tokens=tokens,
         request_id=request.state.request_id,
+        keep_alive=body.keep_alive,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     cid, created = new_id("cmpl"), now()
@@ -154,14 +157,37 @@ async def _completion_stream(gen: Generation, cid: str, created: int, include_us
     yield sse("[DONE]")
 
 
+def _model_card(rt, name: str) -> dict:
+    lm = rt.models.get_loaded(name)
+    created = int(lm.loaded_at) if lm else 0
+    manifest = rt.models.store.manifest(name) if not lm else None
+    if manifest and manifest.get("created"):
+        created = _parse_ts(manifest["created"])
+    return {"id": name, "object": "model", "created": created, "owned_by": "mlxd"}
+
+
+def _parse_ts(ts: str) -> int:
+    import calendar
+
+    try:
+        return calendar.timegm(time.strptime(ts, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return 0
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
     rt = runtime(request)
-    seen: dict[str, dict] = {}
-    for lm in rt.models.loaded():
-        seen[lm.name] = {"id": lm.name, "object": "model", "created": int(lm.loaded_at),
-                         "owned_by": "mlxd"}
-    for m in rt.models.installed():
-        seen.setdefault(m["name"], {"id": m["name"], "object": "model", "created": 0,
-                                    "owned_by": "mlxd"})
-    return {"object": "list", "data": list(seen.values())}
+    names = [lm.name for lm in rt.models.loaded()]
+    names += [m["name"] for m in rt.models.installed() if m["name"] not in names]
+    return {"object": "list", "data": [_model_card(rt, n) for n in names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    rt = runtime(request)
+    loaded = {lm.name for lm in rt.models.loaded()}
+    installed = {m["name"] for m in rt.models.installed()}
+    if model_id not in loaded | installed:
+        raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
+    return _model_card(rt, model_id)

@@ -38,6 +38,9 @@ class SamplingFields(_Req):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    keep_alive: str | int | float | None = Field(
+        None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -187,6 +190,7 @@ class GenerateBody(_Req):
     chat: bool = Field(
         False, description="Wrap the prompt in the model's chat template as one user turn."
     )
+    keep_alive: str | int | float | None = None
 
     def to_sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

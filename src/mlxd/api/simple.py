@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.errors import error_payload
@@ -49,6 +49,7 @@ async def generate(request: Request, body: GenerateBody = Depends(_json_body)):
         prompt=None if body.chat else body.prompt,
         messages=[{"role": "user", "content": body.prompt}] if body.chat else None,
         request_id=request.state.request_id,
+        keep_alive=body.keep_alive,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     if body.stream:
@@ -69,3 +70,20 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
     except MlxdError as exc:
         yield sse(error_payload(exc))
     yield sse("[DONE]")
+
+
+class UnloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+
+
+@router.post("/unload")
+async def unload(request: Request):
+    """Unload one model (``{"model": ...}``) or all; memory goes back to the system."""
+    raw = await request.body()
+    try:
+        body = UnloadBody.model_validate(json.loads(raw) if raw.strip() else {})
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid body: {exc}") from None
+    result = await runtime(request).models.unload(body.model)
+    return {**result, "memory": runtime(request).memory()}

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlxd.cli.models import register as register_model_commands
 from mlxd.config import ConfigError, load_settings
 
 app = typer.Typer(
@@ -70,6 +71,9 @@ def version() -> None:
     from mlxd import __version__
 
     typer.echo(__version__)
+
+
+register_model_commands(app)  # pull, list, show, rm, quantize, ps
 
 
 def main() -> None:

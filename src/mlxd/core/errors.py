@@ -55,3 +55,17 @@ class EngineError(MlxdError):
     status = 500
     code = "engine_error"
     type = "server_error"
+
+
+class InsufficientStorage(MlxdError):
+    """The model alone is larger than the memory budget: no eviction can make it fit."""
+
+    status = 507
+    code = "model_too_large"
+    type = "server_error"
+
+
+class Conflict(MlxdError):
+    status = 409
+    code = "conflict"
+    type = "invalid_request_error"

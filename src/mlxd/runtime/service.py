@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings
@@ -15,6 +17,7 @@ from mlxd.core.errors import (
     EngineError,
     InvalidRequest,
     MlxdError,
+    ModelNotFound,
     QueueFull,
     Unavailable,
 )
@@ -37,13 +40,33 @@ class Runtime:
         self.models.store.clean_temp()
         self.worker.start()
         for name in dict.fromkeys([self.models.default_name, *self.models.preload_names]):
-            await self.models.get(name)
+            await self.models.touch(name, None)
+        self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        sweeper = getattr(self, "_sweeper", None)
+        if sweeper is not None:
+            sweeper.cancel()
         await self.models.unload_all()
         self.worker.stop()
 
+    async def _sweep(self, every: float = 0.5) -> None:
+        """Unload models whose keep_alive ran out."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.models.expire()
+            except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
+                log.exception("model expiry sweep failed")
+
     # -- status ----------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """'cpu', 'metal' or 'cuda'."""
+        from mlxd.engines.backend import backend_name
+
+        return backend_name()
+
     @property
     def healthy(self) -> bool:
         return self.worker.alive
@@ -54,20 +77,28 @@ class Runtime:
         return e.max_num_seqs + e.max_queued_requests
 
     def status(self) -> dict[str, Any]:
+        mem = self.memory()
         return {
             "status": "ok" if self.healthy else "unavailable",
             "model_loaded": bool(self.models.loaded()),
             "default_model": self.models.default_name,
             "uptime_s": round(time.time() - self.started_at, 3),
             "requests_in_flight": self._inflight,
+            "memory": {**mem, "budget_bytes": self.models.budget,
+                       "models_bytes": self.models.used_bytes},
+            "model_loads": dict(self.models.load_counts),
+            "model_evictions": self.models.evictions,
             "models": [
                 {
                     "name": lm.name,
-                    "kind": lm.engine.kind,
+                    "kind": lm.kind,
+                    "pinned": lm.pinned,
+                    "active_requests": lm.active,
+                    "expires_at": None if lm.expires_at == float("inf") else lm.expires_at,
                     "running": lm.engine.num_running,
                     "waiting": lm.engine.num_waiting,
                     "max_batch_size_seen": lm.engine.max_batch_seen,
-                    "memory_bytes": lm.engine.nbytes,
+                    "memory_bytes": lm.size,
                     "context_length": lm.engine.context_length,
                     "loaded_at": lm.loaded_at,
                 }
@@ -88,19 +119,81 @@ class Runtime:
                 "too many requests queued; retry shortly", headers={"Retry-After": "1"}
             )
         self._inflight += 1
+        lease = None
+        t0 = time.perf_counter()
         try:
-            engine = await self.models.get(req.model)
+            lease = await self.models.acquire(req.model, req.keep_alive)
+            t_acquired = time.perf_counter()
+            engine = lease.engine
             tokens = await asyncio.to_thread(self._tokenize, engine, req)
             params = self._fit_to_context(engine, req, len(tokens))
         except BaseException:
             self._inflight -= 1
+            if lease is not None:
+                lease.release()
             raise
-        return Generation(self, engine, tokens, params)
+        gen = Generation(self, lease, tokens, params)
+        gen.t_submitted, gen.t_acquired = t0, t_acquired
+        return gen
+
+    def memory(self) -> dict[str, int]:
+        """MLX's allocator view: what arrays hold, what its cache keeps, and the peak."""
+        try:
+            import mlx.core as mx
+
+            return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                    "peak_bytes": mx.get_peak_memory()}
+        except Exception:  # noqa: BLE001
+            return {}
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         gen = await self.submit(req)
         async for event in gen:
             yield event
+
+    # -- the model catalog ---------------------------------------------------------------
+    async def pull(self, name: str, *, kind: str | None = None,
+                   progress: Callable[[dict], None] | None = None) -> dict:
+        """Pull into the store off the event loop; ``progress`` is called on the loop."""
+        from mlxd.store.pull import pull as store_pull
+        from mlxd.store.pull import resolve
+
+        # A name from the network never reaches a local path or a pip spec; aliases the
+        # operator configured still may.
+        resolve(name, self.settings.models, allow_local=False)
+        loop = asyncio.get_running_loop()
+
+        def cb(event: dict) -> None:
+            if progress is not None:
+                loop.call_soon_threadsafe(progress, dict(event))
+
+        return await asyncio.to_thread(store_pull, self.models.store, name,
+                                       self.settings.models, kind=kind, progress=cb)
+
+    async def delete(self, name: str) -> None:
+        from mlxd.store.pull import remove
+
+        await asyncio.to_thread(remove, self.models.store, name)
+        self.models.forget_store_entry(name)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """What /api/show tells: manifest, config.json, chat template."""
+        name = self.models.resolve(name)
+        path = self.models.model_path(name)
+        if path is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        config = _read_json(path / "config.json")
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        template = tok_cfg.get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"),
+                            None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        manifest = self.models.store.manifest(name) or {"name": name, "kind": "chat",
+                                                        "source": str(path)}
+        return {"name": name, "path": str(path), "manifest": manifest, "config": config,
+                "chat_template": template or ""}
 
     @staticmethod
     def _tokenize(engine: Any, req: GenerateRequest) -> list[int]:
@@ -132,6 +225,8 @@ class Runtime:
         room = ctx - n_prompt
         if p.max_tokens is None:
             return replace(p, max_tokens=min(self.settings.engine.default_max_tokens, room))
+        if p.max_tokens < 0:  # "until the context is full"
+            return replace(p, max_tokens=room)
         if p.max_tokens > room:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -146,18 +241,32 @@ class Runtime:
 class Generation:
     """One admitted sequence: iterate it for events; leaving early cancels it on the device."""
 
-    def __init__(self, runtime: Runtime, engine: Any, tokens: list[int], params: Any) -> None:
+    def __init__(self, runtime: Runtime, lease: Any, tokens: list[int], params: Any) -> None:
         self._runtime = runtime
-        self.engine = engine
+        self._lease = lease
+        self.engine = engine = lease.engine
         self.model = engine.name
         self.prompt_tokens = tokens
         self.params = params
         self._released = False
+        now = time.perf_counter()
+        self.t_submitted = self.t_acquired = self.t_first = self.t_done = now
+
+    def durations_ns(self) -> dict[str, int]:
+        """Ollama-style timings: load, prompt evaluation (to the first token), generation."""
+        ns = 1_000_000_000
+        return {
+            "total_duration": int((self.t_done - self.t_submitted) * ns),
+            "load_duration": int((self.t_acquired - self.t_submitted) * ns),
+            "prompt_eval_duration": int(max(self.t_first - self.t_acquired, 0) * ns),
+            "eval_duration": int(max(self.t_done - self.t_first, 0) * ns),
+        }
 
     def _release(self) -> None:
         if not self._released:
             self._released = True
             self._runtime._inflight -= 1
+            self._lease.release()
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         worker = self._runtime.worker
@@ -167,9 +276,13 @@ class Generation:
         seq.handle = (loop, q)
         worker.submit(self.engine, seq)
         done = False
+        first = True
         try:
             while True:
                 event = await q.get()
+                if first:
+                    self.t_first = time.perf_counter()
+                    first = False
                 if event.error is not None:
                     done = True
                     err = event.error
@@ -178,6 +291,7 @@ class Generation:
                     raise EngineError(f"generation failed: {err}") from err
                 if event.finish_reason is not None:
                     done = True
+                    self.t_done = time.perf_counter()
                 yield event
                 if done:
                     return
@@ -189,3 +303,11 @@ class Generation:
     def close(self) -> None:
         """For a Generation that will never be iterated."""
         self._release()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,350 @@
+"""The Ollama dialect, in Ollama's own JSON shapes so its official clients work unchanged.
+
+Streaming is NDJSON (one JSON object per line) and on by default, as in Ollama. Errors are
+``{"error": "..."}`` (rendered by api/errors.py for every /api/* path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxd import __version__
+from mlxd.api.common import runtime
+from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
+from mlxd.core.errors import InvalidRequest, MlxdError
+from mlxd.core.types import GenerateRequest, SamplingParams, Usage
+from mlxd.runtime.service import Generation
+
+router = APIRouter(prefix="/api")
+
+OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API generation these shapes follow
+
+
+def _now_iso(ts: float | None = None) -> str:
+    dt = datetime.fromtimestamp(ts if ts is not None else time.time(), tz=timezone.utc)
+    return dt.isoformat().replace("+00:00", "Z")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Options(_Body):
+    num_predict: int | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+
+class _GenBase(_Body):
+    model: str = Field(min_length=1)
+    stream: bool = True
+    options: Options | None = None
+    format: Any = None
+    keep_alive: str | int | float | None = None
+
+    def sampling(self) -> SamplingParams:
+        o = self.options or Options()
+        if self.format not in (None, ""):
+            raise InvalidRequest(
+                "format (structured output) is not supported by this server yet", param="format"
+            )
+        n = o.num_predict
+        # Ollama: -1 generates until a stop or the context is full, -2 fills the context;
+        # unset means the server's default_max_tokens (a safety cap Ollama lacks).
+        max_tokens = None if n is None else (-1 if n < 0 else n)
+        if max_tokens == 0:
+            raise InvalidRequest("num_predict must not be 0", param="options.num_predict")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.8 if o.temperature is None else o.temperature,
+            top_p=0.9 if o.top_p is None else o.top_p,
+            top_k=40 if o.top_k is None else o.top_k,
+            min_p=o.min_p or 0.0,
+            repetition_penalty=o.repeat_penalty if o.repeat_penalty not in (None, 1.0) else None,
+            presence_penalty=o.presence_penalty or None,
+            frequency_penalty=o.frequency_penalty or None,
+            seed=o.seed,
+            stop=tuple(s for s in (o.stop or []) if s),
+        )
+
+
+class GenerateBody(_GenBase):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+
+
+class ChatBody(_GenBase):
+    messages: list[ChatMessage] = Field(default_factory=list)
+
+
+class ModelBody(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients
+
+    @property
+    def target(self) -> str:
+        name = self.model or self.name
+        if not name:
+            raise InvalidRequest("model is required", param="model")
+        return name
+
+
+class PullBody(ModelBody):
+    stream: bool = True
+    insecure: bool = False
+
+
+def _ndjson(events: AsyncIterator[dict], on_close=None) -> DisconnectAwareStream:
+    async def lines() -> AsyncIterator[str]:
+        async for e in events:
+            yield json.dumps(e, separators=(",", ":")) + "\n"
+
+    resp = DisconnectAwareStream(lines(), media_type="application/x-ndjson")
+    resp.on_close = on_close
+    return resp
+
+
+def _done_fields(gen: Generation, usage: Usage, reason: str | None) -> dict[str, Any]:
+    return {"done": True, "done_reason": reason or "stop", **gen.durations_ns(),
+            "prompt_eval_count": usage.prompt_tokens, "eval_count": usage.completion_tokens}
+
+
+async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: str) -> dict:
+    """Ollama: a request without a prompt (or messages) only loads, or with 0 unloads."""
+    rt = runtime(request)
+    from mlxd.runtime.keepalive import parse_keep_alive
+
+    if parse_keep_alive(keep_alive) == 0:
+        if rt.models.get_loaded(model) is not None:
+            await rt.models.unload(model)
+        reason = "unload"
+    else:
+        await rt.models.touch(model, keep_alive)
+        reason = "load"
+    out: dict[str, Any] = {"model": model, "created_at": _now_iso(), "done": True,
+                           "done_reason": reason}
+    out[key] = "" if key == "response" else {"role": "assistant", "content": ""}
+    return out
+
+
+def _reject_images(images: list[str] | None, where: str) -> None:
+    if images:
+        raise InvalidRequest("this model does not accept images", param=where)
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request):
+    if body.suffix:
+        raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
+    _reject_images(body.images, "images")
+    params = body.sampling()
+    if not body.prompt:
+        return await _load_or_unload(request, body.model, body.keep_alive, "response")
+    if body.raw:
+        req = GenerateRequest(model=body.model, sampling=params, prompt=body.prompt)
+    else:
+        msgs = ([{"role": "system", "content": body.system}] if body.system else [])
+        msgs.append({"role": "user", "content": body.prompt})
+        req = GenerateRequest(model=body.model, sampling=params, messages=msgs)
+    req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
+    gen = await until_disconnect(request, runtime(request).submit(req))
+
+    def part(text: str) -> dict:
+        return {"model": gen.model, "created_at": _now_iso(), "response": text, "done": False}
+
+    def last(usage: Usage, reason: str | None) -> dict:
+        return {**part(""), **_done_fields(gen, usage, reason), "context": []}
+
+    return await _respond(request, gen, body.stream, part, last, "response")
+
+
+@router.post("/chat")
+async def chat(body: ChatBody, request: Request):
+    for i, m in enumerate(body.messages):
+        _reject_images(m.images, f"messages[{i}].images")
+    params = body.sampling()
+    if not body.messages:
+        return await _load_or_unload(request, body.model, body.keep_alive, "message")
+    req = GenerateRequest(
+        model=body.model, sampling=params,
+        messages=[{"role": m.role, "content": m.content} for m in body.messages],
+        keep_alive=body.keep_alive, request_id=request.state.request_id,
+    )
+    gen = await until_disconnect(request, runtime(request).submit(req))
+
+    def part(text: str) -> dict:
+        return {"model": gen.model, "created_at": _now_iso(),
+                "message": {"role": "assistant", "content": text}, "done": False}
+
+    def last(usage: Usage, reason: str | None) -> dict:
+        return {**part(""), **_done_fields(gen, usage, reason)}
+
+    return await _respond(request, gen, body.stream, part, last, "message")
+
+
+async def _respond(request: Request, gen: Generation, stream: bool, part, last, key: str):
+    if stream:
+        async def events() -> AsyncIterator[dict]:
+            try:
+                async for ev in gen:
+                    if ev.text:
+                        yield part(ev.text)
+                    if ev.finish_reason is not None:
+                        yield last(ev.usage or Usage(), ev.finish_reason)
+            except MlxdError as exc:
+                yield {"error": exc.message}
+
+        return _ndjson(events(), gen.close)
+
+    async def collect() -> dict:
+        texts, usage, reason = [], Usage(), None
+        async for ev in gen:
+            texts.append(ev.text)
+            if ev.finish_reason is not None:
+                usage, reason = ev.usage or usage, ev.finish_reason
+        out = last(usage, reason)
+        if key == "response":
+            out["response"] = "".join(texts)
+        else:
+            out["message"]["content"] = "".join(texts)
+        return out
+
+    return JSONResponse(await until_disconnect(request, collect()))
+
+
+def _details(manifest: dict, config: dict | None = None) -> dict[str, Any]:
+    config = config or {}
+    q = manifest.get("quantization") or config.get("quantization")
+    quant = f"Q{q.get('bits')}" if isinstance(q, dict) and q.get("bits") else (
+        (manifest.get("dtype") or config.get("torch_dtype") or "").upper() or "unknown")
+    family = config.get("model_type") or manifest.get("model_type") or ""
+    return {"parent_model": "", "format": manifest.get("format") or "mlx", "family": family,
+            "families": [family] if family else None,
+            "parameter_size": _param_size(manifest, config), "quantization_level": quant}
+
+
+def _param_size(manifest: dict, config: dict) -> str:
+    n = manifest.get("num_parameters")
+    if not n:
+        return ""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+@router.get("/version")
+async def version():
+    return {"version": OLLAMA_COMPAT_VERSION, "mlxd_version": __version__}
+
+
+@router.get("/tags")
+async def tags(request: Request):
+    rt = runtime(request)
+    models = []
+    for m in rt.models.installed():
+        models.append({
+            "name": m["name"], "model": m["name"],
+            "modified_at": m.get("created") or _now_iso(0),
+            "size": m.get("size") or 0,
+            "digest": (m.get("digest") or "").removeprefix("sha256:"),
+            "details": _details(m),
+        })
+    return {"models": models}
+
+
+@router.post("/show")
+async def show(body: ModelBody, request: Request):
+    info = runtime(request).describe(body.target)
+    m, cfg = info["manifest"], info["config"]
+    model_info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
+                  if isinstance(v, (int, float, str, bool))}
+    model_info["general.architecture"] = cfg.get("model_type", "")
+    caps = ["completion"] if m.get("kind", "chat") in ("chat", "vision") else \
+        [m.get("kind", "chat")]
+    if m.get("kind") == "vision":
+        caps.append("vision")
+    return {
+        "modelfile": f"# mlxd model {info['name']}\nFROM {m.get('source', info['path'])}\n",
+        "parameters": "",
+        "template": info["chat_template"],
+        "details": _details(m, cfg),
+        "model_info": model_info,
+        "capabilities": caps,
+        "modified_at": m.get("created") or _now_iso(0),
+    }
+
+
+@router.post("/pull")
+async def pull(body: PullBody, request: Request):
+    rt = runtime(request)
+    name = body.target
+    if not body.stream:
+        await rt.pull(name)
+        return {"status": "success"}
+
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.ensure_future(rt.pull(name, progress=queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+
+    async def events() -> AsyncIterator[dict]:
+        while True:
+            item = await queue.get()
+            if item is None:
+                break
+            yield item
+        try:
+            task.result()
+        except MlxdError as exc:
+            yield {"error": exc.message}
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as Ollama does
+            yield {"error": f"pull failed: {exc}"}
+
+    return _ndjson(events())
+
+
+@router.delete("/delete")
+async def delete(body: ModelBody, request: Request):
+    await runtime(request).delete(body.target)
+    return JSONResponse({})
+
+
+@router.get("/ps")
+async def ps(request: Request):
+    rt = runtime(request)
+    out = []
+    for lm in rt.models.loaded():
+        manifest = rt.models.store.manifest(lm.name) or {"format": "mlx"}
+        expires = lm.expires_at
+        out.append({
+            "name": lm.name, "model": lm.name, "size": lm.size,
+            "digest": (manifest.get("digest") or "").removeprefix("sha256:"),
+            "details": _details(manifest, getattr(lm.engine, "config", None)),
+            # Ollama reports far-future times for "forever" and for busy models
+            "expires_at": _now_iso(expires if expires != float("inf") else 253402300799),
+            "size_vram": lm.size if rt.backend != "cpu" else 0,
+            "context_length": getattr(lm.engine, "context_length", None),
+        })
+    return {"models": out}

@@ -1,0 +1,60 @@
+"""Quantization through mlx-lm's own conversion code (what ``mlx_lm.convert`` does).
+
+``mlx_lm.convert`` insists on creating its output directory itself, while the store hands
+out a fresh temp directory; so this runs convert's steps (lazy load, dtype cast,
+``quantize_model``, ``save``) with the same functions, evaluating the quantized weights
+tensor by tensor in between so that progress can be reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ProgressFn = Callable[[dict], None]
+
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def quantize_dir(src: Path, out: Path, *, bits: int, group_size: int,
+                 progress: ProgressFn | None = None) -> dict:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_lm.utils import load, quantize_model, save
+
+    emit = progress or (lambda _e: None)
+    emit({"status": f"loading {src.name}"})
+    model, tokenizer, config = load(str(src), return_config=True, lazy=True)
+
+    dtype = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    if dtype in _DTYPES:  # as mlx_lm.convert: keep the checkpoint's own float type
+        target = getattr(mx, dtype)
+        cast_predicate = getattr(model, "cast_predicate", lambda _k: True)
+
+        def cast(k, v):
+            if cast_predicate(k) and mx.issubdtype(v.dtype, mx.floating):
+                return v.astype(target)
+            return v
+
+        model.update(tree_map_with_path(cast, model.parameters()))
+
+    model, config = quantize_model(model, config, group_size, bits)
+
+    params = tree_flatten(model.parameters())
+    total = sum(v.nbytes for _, v in params)
+    done, last = 0, 0.0
+    status = f"quantizing to {bits}-bit"
+    emit({"status": status, "total": total, "completed": 0})
+    for _, v in params:
+        mx.eval(v)
+        done += v.nbytes
+        now = time.monotonic()
+        if now - last > 0.1:
+            last = now
+            emit({"status": status, "total": total, "completed": done})
+    emit({"status": status, "total": total, "completed": total})
+
+    emit({"status": "writing weights"})
+    save(out, src, model, tokenizer, config)
+    return {"quantization": {"bits": bits, "group_size": group_size}}
