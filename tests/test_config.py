@@ -80,3 +80,10 @@ def test_bad_env_is_a_clear_error(monkeypatch):
 def test_missing_explicit_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(Path(tmp_path / "nope.yaml"))
+
+
+def test_flat_preload_env(monkeypatch):
+    monkeypatch.setenv("MLXD_PRELOAD", "a, b ,c")
+    assert load_settings().models.preload == ["a", "b", "c"]
+    s = load_settings(None, {"models": {"preload": ["x"]}})
+    assert s.models.preload == ["x"]  # flags still win

@@ -162,7 +162,26 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSource(settings_cls))
+        return (init_settings, _FlatEnvSource(settings_cls), env_settings,
+                _YamlSource(settings_cls))
+
+
+# Short environment names people expect from other servers, comma-separated lists.
+FLAT_ENV = {"MLXD_PRELOAD": ("models", "preload")}
+
+
+class _FlatEnvSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return self().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for var, (section, key) in FLAT_ENV.items():
+            raw = os.environ.get(var)
+            if raw is not None:
+                items = [x.strip() for x in raw.split(",") if x.strip()]
+                out.setdefault(section, {})[key] = items
+        return out
 
 
 class _YamlSource(PydanticBaseSettingsSource):

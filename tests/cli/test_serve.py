@@ -33,12 +33,12 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path):
     assert "Traceback" not in out
 
 
-def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama):
+def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
     port = free_port()
     env = _env(tmp_path)
     env["MLXD_ENGINE__MAX_NUM_SEQS"] = "4"  # env reaches the process
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port),
-              "--log-format", "json", env=env)
+              "--preload", str(tiny_qwen2), "--log-format", "json", env=env)
     try:
         deadline = time.time() + 90
         while True:
@@ -51,7 +51,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama):
             assert p.poll() is None, p.stdout.read()
             assert time.time() < deadline
             time.sleep(0.2)
-        assert r.json()["models"][0]["name"] == "tiny-llama"
+        assert {m["name"] for m in r.json()["models"]} == {"tiny-llama", "tiny-qwen2"}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

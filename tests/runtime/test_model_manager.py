@@ -181,3 +181,26 @@ def test_keep_alive_validation(start_server, tiny_llama, store_models):
     srv = start_server(tiny_llama)
     r = _chat(srv, "m1", keep_alive="soon")
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
+
+
+def test_preloaded_models_are_loaded_at_start_and_pinned(start_server, tiny_llama, store_models):
+    srv = start_server(tiny_llama, models={"preload": ["m1"], "keep_alive": "1s",
+                                           "max_chat_models": 2})
+    h = {m["name"]: m for m in srv.health()["models"]}
+    assert set(h) == {"tiny-llama", "m1"} and h["m1"]["pinned"]
+    time.sleep(2)
+    assert "m1" in _loaded(srv)  # pinned: no TTL
+    r = _chat(srv, "m2")  # both slots pinned: nothing can be evicted
+    assert r.status_code == 503 and "pinned" in r.json()["error"]["message"]
+
+
+def test_openai_model_endpoints(start_server, tiny_llama, store_models):
+    srv = start_server(tiny_llama)
+    data = httpx.get(srv.url + "/v1/models").json()["data"]
+    ids = {m["id"] for m in data}
+    assert {"tiny-llama", "m1", "m2", "m3", "slow"} <= ids
+    assert all(m["object"] == "model" and m["owned_by"] == "mlxd" for m in data)
+    r = httpx.get(srv.url + "/v1/models/m1")
+    assert r.status_code == 200 and r.json()["id"] == "m1"
+    r = httpx.get(srv.url + "/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
