@@ -206,9 +206,6 @@ class ModelManager:
 
     async def _load(self, name: str) -> LoadedModel:
         path, kind = await self._resolve_path(name)
-        if kind not in ("chat",):
-            raise ModelLoadError(f"model '{name}' is a {kind} model; this server build does "
-                                 f"not serve {kind} models yet")
         from mlxd.engines.backend import wants_float32
 
         dtype = self.settings.models.dtype
@@ -216,23 +213,12 @@ class ModelManager:
         need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
         self._make_room(name, kind, need)
         self._reserved += need
-        e = self.settings.engine
         t0 = time.perf_counter()
 
         def build() -> Any:
-            from mlxd.engines.llm import LLMEngine
+            from mlxd.engines.registry import create_engine
 
-            engine = LLMEngine(
-                name,
-                path,
-                max_num_seqs=e.max_num_seqs,
-                prefill_batch_size=e.prefill_batch_size,
-                prefill_step_size=e.prefill_step_size,
-                dtype=dtype,
-            )
-            if e.warmup:
-                engine.warmup()
-            return engine
+            return create_engine(kind, name, path, self.settings)
 
         try:
             engine = await asyncio.wrap_future(self.worker.call(build))
