@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,6 +22,13 @@ log = logging.getLogger(__name__)
 
 
 class Engine:  # structural protocol the worker relies on
+    """What the worker needs of an engine.
+
+    ``has_work()`` is True when a step would do something now. An engine that batches
+    across callers (wait a few ms for more requests) may also define ``next_deadline()``:
+    the ``time.monotonic()`` at which it wants a step even if no command arrives.
+    """
+
     name: str
 
     def add(self, seq: Any) -> None: ...
@@ -86,7 +94,7 @@ class DeviceWorker:
         try:
             while not self._stopping:
                 busy = [e for e in self._engines if e.has_work()]
-                self._drain(block=not busy)
+                self._drain(block=not busy, timeout=None if busy else self._until_deadline())
                 for engine in busy:
                     if engine in self._engines and engine.has_work():
                         self._step(engine)
@@ -95,9 +103,17 @@ class DeviceWorker:
             log.exception("device worker died")
             raise
 
-    def _drain(self, block: bool) -> None:
+    def _until_deadline(self) -> float | None:
+        """Seconds until the earliest engine deadline, or None to sleep until a command."""
+        deadlines = [d for e in self._engines
+                     if (d := getattr(e, "next_deadline", lambda: None)()) is not None]
+        if not deadlines:
+            return None
+        return max(min(deadlines) - time.monotonic(), 0.0)
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
         try:
-            cmd = self._cmds.get(block=block, timeout=None if block else 0)
+            cmd = self._cmds.get(block=block, timeout=timeout if block else 0)
         except queue.Empty:
             return
         while True:
