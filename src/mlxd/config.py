@@ -125,6 +125,17 @@ class EngineSettings(_Section):
     warmup: bool = Field(True, description="Run one throwaway forward pass at load.")
 
 
+class BackendSettings(_Section):
+    blas: str = Field(
+        "auto",
+        description=(
+            "Linux CPU: the BLAS loaded before MLX for float32 matmuls. 'auto' takes Debian's "
+            "OpenBLAS, then BLIS, then the pip 'mkl' wheel; 'off' keeps MLX's reference BLAS; "
+            "or 'openblas', 'blis', 'mkl', or a path to a library with CBLAS symbols."
+        ),
+    )
+
+
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -144,6 +155,7 @@ class Settings(BaseSettings):
     models: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
 
     @property
     def home(self) -> Path:
@@ -168,6 +180,7 @@ class Settings(BaseSettings):
 
 # Short environment names people expect from other servers, comma-separated lists.
 FLAT_ENV = {"MLXD_PRELOAD": ("models", "preload")}
+FLAT_SCALAR_ENV = {"MLXD_BLAS": ("backend", "blas")}
 
 
 class _FlatEnvSource(PydanticBaseSettingsSource):
@@ -181,6 +194,10 @@ class _FlatEnvSource(PydanticBaseSettingsSource):
             if raw is not None:
                 items = [x.strip() for x in raw.split(",") if x.strip()]
                 out.setdefault(section, {})[key] = items
+        for var, (section, key) in FLAT_SCALAR_ENV.items():
+            raw = os.environ.get(var)
+            if raw is not None:
+                out.setdefault(section, {})[key] = raw.strip()
         return out
 
 

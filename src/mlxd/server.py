@@ -13,8 +13,17 @@ log = logging.getLogger(__name__)
 
 
 def run(settings: Settings) -> int:
+    from mlxd import blas
+
+    info = blas.preload(settings.backend.blas)  # before anything imports MLX
     setup_logging(settings.log.level, settings.log.format)
     from mlxd.api.app import create_app
+    from mlxd.engines.backend import backend_name
+
+    backend = backend_name()
+    if backend == "cpu":
+        (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
+    log.info("MLX backend: %s", backend)
 
     app = create_app(settings)
     config = uvicorn.Config(

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlxd.cli.doctor import doctor
 from mlxd.cli.models import register as register_model_commands
 from mlxd.config import ConfigError, load_settings
 
@@ -74,6 +75,7 @@ def version() -> None:
 
 
 register_model_commands(app)  # pull, list, show, rm, quantize, ps
+app.command()(doctor)
 
 
 def main() -> None:

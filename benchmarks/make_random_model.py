@@ -1,0 +1,84 @@
+"""Write a random-weight model of a real shape (speed does not depend on weight values).
+
+    python benchmarks/make_random_model.py --shape qwen2.5-0.5b --dtype bfloat16 --out DIR
+
+The tokenizer is a word-level one whose vocabulary has exactly the model's size, so every
+id the random model emits decodes, with ChatML special tokens at Qwen2.5's ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864,
+                         tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960,
+                         tie_word_embeddings=True),
+}
+VOCAB = 151936
+SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tokenizer(out: Path) -> None:
+    import serve_bench
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = list(dict.fromkeys(["[UNK]", "Continue", "this", "text:", *serve_bench.WORDS]))
+    vocab: dict[str, int] = {}
+    special_ids = set(SPECIAL.values())
+    i = 0
+    for tid in range(VOCAB):
+        if tid in special_ids:
+            continue
+        vocab[words[i] if i < len(words) else f"w{tid}"] = tid
+        i += 1
+    for tok, tid in SPECIAL.items():
+        vocab[tok] = tid
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tk.add_special_tokens(list(SPECIAL))
+    tk.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "unk_token": "[UNK]", "chat_template": CHATML,
+        "model_max_length": 32768}, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB,
+              "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "max_position_embeddings": 32768, "torch_dtype": args.dtype,
+              "eos_token_id": SPECIAL["<|im_end|>"], **SHAPES[args.shape]}
+    mx.random.seed(0)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    dtype = getattr(mx, args.dtype)
+    model.apply(lambda x: x.astype(dtype))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(out)
+    n = sum(v.size for v in weights.values())
+    print(f"wrote {out}: {n / 1e6:.0f}M parameters, {args.dtype}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""mlxd vs mlx_lm.server vs the engine alone, on the same model directory, in one run.
+
+    python benchmarks/serve_compare.py --model-dir DIR [--concurrency 1,4,16,32] \
+        [--max-tokens 64] [--requests-per-client 3] [--out results.json]
+
+- engine: mlx-lm's BatchGenerator without HTTP (at most C sequences in flight, the same
+  prompts through the same chat template), loaded after the same BLAS preload mlxd does;
+  this is the ceiling.
+- mlxd: `python -m mlxd serve --model DIR`.
+- mlx_lm.server as shipped (`python -m mlx_lm.server --model DIR`); with --mlx-lm-blas also
+  a second run of it with the BLAS mlxd picked preloaded (LD_PRELOAD), to separate what
+  comes from the BLAS from what comes from the server.
+Ratios are computed against the engine and against mlx_lm.server from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import serve_bench  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> list[dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(Path(args.logdir) / f"{cmd[2].replace('.', '_')}-{port}.log", "w")
+    proc = subprocess.Popen(cmd + ["--port", str(port)], env=env, stdout=log, stderr=log)
+    try:
+        wait_healthy(url, proc, health)
+        asyncio.run(serve_bench.run_level(url, model, 1, 2, 8, 999, 4, 8))  # warm-up
+        levels = []
+        for c in args.levels:
+            r = asyncio.run(serve_bench.run_level(url, model, c, args.requests_per_client,
+                                                  args.max_tokens, args.seed, args.min_words,
+                                                  args.max_words))
+            print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
+                  f"errors {r['errors']}", flush=True)
+            levels.append(r)
+        return levels
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+ENGINE = r"""
+import json, sys, time
+from mlxd import blas
+blas.preload("auto")
+import mlx.core as mx
+from mlx_lm.utils import load
+from mlx_lm.generate import BatchGenerator
+sys.path.insert(0, sys.argv[2])
+import serve_bench
+a = json.loads(sys.argv[3])
+model, tok = load(sys.argv[1])
+if mx.default_device() == mx.cpu:
+    # the server's dtype policy on CPU: float32
+    model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
+eos = sorted(tok.eos_token_ids)
+out = []
+warm = BatchGenerator(model, max_tokens=4, stop_tokens=[[e] for e in eos])
+warm.insert([tok.encode("hello")], max_tokens=[4])
+while warm.next_generated() or len(warm._generation_batch) or warm._unprocessed_sequences:
+    pass
+warm.close()
+for c in a["levels"]:
+    prompts = serve_bench.make_prompts(c * a["per_client"], a["seed"], a["min_words"], a["max_words"])
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+           for p in prompts]
+    g = BatchGenerator(model, max_tokens=a["max_tokens"], stop_tokens=[[e] for e in eos],
+                       completion_batch_size=max(c, 1), prefill_batch_size=min(8, c))
+    pending = list(ids)
+    t_submit, first, done, tokens = {}, {}, 0, 0
+    t0 = time.perf_counter()
+    for _ in range(min(c, len(pending))):
+        (u,) = g.insert([pending.pop(0)], max_tokens=[a["max_tokens"]]); t_submit[u] = time.perf_counter()
+    while done < len(ids):
+        for r in g.next_generated():
+            tokens += 1
+            first.setdefault(r.uid, time.perf_counter())
+            if r.finish_reason is not None:
+                done += 1
+                if pending:
+                    (u,) = g.insert([pending.pop(0)], max_tokens=[a["max_tokens"]]); t_submit[u] = time.perf_counter()
+    wall = time.perf_counter() - t0
+    g.close()
+    ttft = sorted(first[u] - t_submit[u] for u in first)
+    out.append({"concurrency": c, "output_tokens": tokens, "wall_s": wall,
+                "output_tps": tokens / wall, "ttft_p50": ttft[len(ttft) // 2]})
+    print(json.dumps(out[-1]), flush=True)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def bench_engine(args) -> list[dict]:
+    params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": args.seed,
+              "min_words": args.min_words, "max_words": args.max_words,
+              "max_tokens": args.max_tokens}
+    proc = subprocess.run([sys.executable, "-c", ENGINE, args.model_dir,
+                           str(Path(__file__).parent), json.dumps(params)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[7:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-words", type=int, default=8)
+    ap.add_argument("--max-words", type=int, default=64)
+    ap.add_argument("--mlx-lm-blas", action="store_true",
+                    help="also run mlx_lm.server with the optimised BLAS preloaded")
+    ap.add_argument("--skip", default="", help="comma list of engine,mlxd,mlx_lm")
+    ap.add_argument("--logdir", default="/tmp")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.levels = [int(x) for x in args.concurrency.split(",")]
+    skip = set(args.skip.split(","))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    results: dict = {"model_dir": args.model_dir, "max_tokens": args.max_tokens,
+                     "requests_per_client": args.requests_per_client,
+                     "machine": f"{platform.node()} {platform.machine()} "
+                                f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    name = Path(args.model_dir).name
+    if "engine" not in skip:
+        print("engine alone", flush=True)
+        results["engine"] = bench_engine(args)
+    if "mlxd" not in skip:
+        print("mlxd", flush=True)
+        results["mlxd"] = bench_server(
+            [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
+             "--max-num-seqs", str(max(args.levels)), "--log-level", "warning"],
+            env, name, args, "/health")
+    if "mlx_lm" not in skip:
+        print("mlx_lm.server (as shipped)", flush=True)
+        results["mlx_lm"] = bench_server(
+            [sys.executable, "-m", "mlx_lm.server", "--model", args.model_dir,
+             "--decode-concurrency", str(max(args.levels))],
+            env, args.model_dir, args, "/v1/models")
+        if args.mlx_lm_blas:
+            from mlxd import blas
+
+            info = blas.preload("auto")
+            if info.loaded:
+                print(f"mlx_lm.server with {info.name} preloaded", flush=True)
+                results["mlx_lm_blas"] = bench_server(
+                    [sys.executable, "-m", "mlx_lm.server", "--model", args.model_dir,
+                     "--decode-concurrency", str(max(args.levels))],
+                    dict(env, LD_PRELOAD=info.path), args.model_dir, args, "/v1/models")
+    print("\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
+          "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm |")
+    print("|---|---|---|---|---|---|---|")
+    for i, c in enumerate(args.levels):
+        e = (results.get("engine") or [{}] * 99)[i]
+        m = (results.get("mlxd") or [{}] * 99)[i]
+        s = (results.get("mlx_lm") or [{}] * 99)[i]
+
+        def f(x, fmt="{:.1f}"):
+            return fmt.format(x) if isinstance(x, (int, float)) else "-"
+
+        print(f"| {c} | {f(e.get('output_tps'))} | {f(m.get('output_tps'))} | "
+              f"{f(s.get('output_tps'))} | "
+              f"{f(m.get('output_tps', 0) / e['output_tps'] if e.get('output_tps') else None, '{:.2f}')} | "
+              f"{f(m.get('output_tps', 0) / s['output_tps'] if s.get('output_tps') else None, '{:.2f}')} | "
+              f"{f(e.get('ttft_p50'), '{:.3f}')} / {f(m.get('ttft_p50'), '{:.3f}')} / "
+              f"{f(s.get('ttft_p50'), '{:.3f}')} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
