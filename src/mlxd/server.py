@@ -1,41 +1,160 @@
-"""Run the HTTP server for a Settings object (used by ``mlxd serve``)."""
+"""Run the HTTP server for a Settings object (``mlxd serve``, and what ``mlxd start`` spawns).
+
+Process duties besides serving:
+
+* a pid file per port (``$MLXD_HOME/run/mlxd-<port>.pid``, see process.py), written at
+  start and removed at exit; a second server on the same port is refused;
+* a graceful drain on SIGTERM/SIGINT: stop admitting (every new request gets 503 while the
+  listening socket stays open, ``/health`` says "draining"), wait up to
+  ``server.shutdown_grace_s`` for the requests in flight, then cancel what is left and
+  exit. A second signal skips the rest of the wait;
+* the metrics port (``metrics.port``), when set.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
-from mlxd.config import Settings
+from mlxd.config import ConfigError, Settings
 from mlxd.observability.logs import setup_logging
 
 log = logging.getLogger(__name__)
+
+LOG_FILE_ENV = "MLXD_LOG_FILE"  # set by `mlxd start` for the child: recorded in the pid file
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server with a drain phase before its own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, app: Any, grace: float,
+                 on_exit: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.app = app
+        self.grace = grace
+        self.on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_started = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        with self.capture_signals():
+            try:
+                await self._serve(sockets)
+            finally:
+                # before capture_signals re-raises the signal (which ends the process)
+                if self.on_exit is not None:
+                    self.on_exit()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if (not self._drain_started and self.started and not self.should_exit
+                and self._loop is not None and self.grace > 0):
+            self._drain_started = True
+            self._loop.call_soon_threadsafe(self._begin_drain, sig)
+            return
+        super().handle_exit(sig, frame)  # a second signal, or not serving yet: uvicorn's way
+
+    def _begin_drain(self, sig: int) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self.drain(sig))
+
+    async def drain(self, sig: int | None = None) -> None:
+        state = self.app.state
+        lifecycle, runtime = state.lifecycle, state.runtime
+        lifecycle.draining = True
+        runtime.draining = True
+        log.info("shutting down: new requests get 503; waiting up to %.0fs for %d in flight",
+                 self.grace, lifecycle.inflight)
+        deadline = time.monotonic() + self.grace
+        while lifecycle.inflight > 0 and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(0.05)
+        if lifecycle.inflight > 0:
+            log.warning("grace period (server.shutdown_grace_s=%.0f) over: cancelling %d "
+                        "request(s)", self.grace, lifecycle.inflight)
+        else:
+            log.info("all requests finished")
+        if self.should_exit:  # a second signal already ended the wait
+            return
+        if sig is not None:
+            super().handle_exit(sig, None)  # uvicorn re-raises it at exit: status says so
+        else:
+            self.should_exit = True
 
 
 def run(settings: Settings) -> int:
     from mlxd import blas
 
     info = blas.preload(settings.backend.blas)  # before anything imports MLX
+    # The device worker and the event loop share the GIL. The worker needs it back the
+    # moment a step's results are ready; with the default 5 ms switch interval a busy
+    # event loop could stall the batch that long per step.
+    sys.setswitchinterval(0.001)
     setup_logging(settings.log.level, settings.log.format)
-    from mlxd.api.app import create_app
-    from mlxd.engines.backend import backend_name
+    from mlxd import process
 
-    backend = backend_name()
-    if backend == "cpu":
-        (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
-    log.info("MLX backend: %s", backend)
+    host, port = settings.server.host, settings.server.port
+    use_pidfile = port != 0
+    if use_pidfile:
+        found = process.find(port)
+        if found.info is not None:
+            log.error("mlxd is already running on port %d (pid %d); `mlxd stop --port %d` "
+                      "stops it", port, found.info.pid, port)
+            return 1
+        if found.stale is not None:
+            log.info("removed a stale pid file %s (pid %s is gone)", found.path,
+                     found.stale.pid)
+    if port and process.port_in_use(host, port):
+        log.error("cannot listen on %s:%d: the address is in use by another program "
+                  "(--port chooses another)", host, port)
+        return 1
+    if use_pidfile:
+        process.write_pidfile(port, host, shutdown_grace_s=settings.server.shutdown_grace_s,
+                              log=os.environ.get(LOG_FILE_ENV))
 
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_config=None,
-        log_level=settings.log.level,
-        access_log=False,  # our RequestIdMiddleware logs each request with more detail
-        timeout_graceful_shutdown=10,
-    )
-    server = uvicorn.Server(config)
-    log.info("mlxd starting on http://%s:%d", settings.server.host, settings.server.port)
-    server.run()
-    return 0 if server.started else 1
+    def cleanup() -> None:
+        if use_pidfile:
+            process.remove_pidfile(port, os.getpid())
+
+    try:
+        from mlxd.api.app import create_app
+        from mlxd.api.metrics import start_metrics_port
+        from mlxd.engines.backend import backend_name
+
+        backend = backend_name()
+        if backend == "cpu":
+            (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
+        log.info("MLX backend: %s", backend)
+
+        try:
+            app = create_app(settings)
+        except ConfigError as exc:
+            log.error("configuration error: %s", exc)
+            return 2
+        try:
+            start_metrics_port(settings)
+        except OSError as exc:
+            log.error("cannot serve metrics on port %s: %s", settings.metrics.port, exc)
+            return 1
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            log_level=settings.log.level,
+            access_log=False,  # our AccessMiddleware logs each request with more detail
+            timeout_graceful_shutdown=2,  # after our own drain (DrainingServer)
+        )
+        server = DrainingServer(config, app, settings.server.shutdown_grace_s, on_exit=cleanup)
+        log.info("mlxd starting on http://%s:%d (pid %d)", host, port, os.getpid())
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        cleanup()

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import ollama, openai, simple
+from mlxd.api import encoders, metrics, ollama, ollama_embed, openai, simple
 from mlxd.api.errors import install_error_handlers
-from mlxd.api.middleware import RequestIdMiddleware
+from mlxd.api.middleware import install_middleware
 from mlxd.api.streaming import ClientGone
 from mlxd.config import Settings
 from mlxd.runtime.service import Runtime
@@ -36,8 +36,11 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     async def _gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
-    app.add_middleware(RequestIdMiddleware)
+    install_middleware(app, settings)  # request id/log/metrics, CORS, keys/limits
     app.include_router(openai.router)
     app.include_router(simple.router)
     app.include_router(ollama.router)
+    app.include_router(encoders.router)  # /v1/embeddings, /v1/rerank, /v1/tokenize
+    app.include_router(ollama_embed.router)  # /api/embed, /api/embeddings
+    app.include_router(metrics.router)
     return app

@@ -1,22 +1,86 @@
-"""Pure-ASGI middleware (no BaseHTTPMiddleware: it buffers streams and hides disconnects)."""
+"""Pure-ASGI middleware (no BaseHTTPMiddleware: it buffers streams and hides disconnects).
+
+Order, outermost first (:func:`install_middleware`):
+
+1. :class:`AccessMiddleware`: request id (``X-Request-ID`` honoured or generated, echoed
+   back), the drain gate (503 while shutting down), HTTP metrics by route template, and one
+   access-log line per request with the facts the layers below recorded in
+   ``scope["state"]`` (model, tokens, key name; see observability/context.py).
+2. CORS (Starlette's), only when ``security.cors_origins`` is set; outside the key check so
+   that preflights pass and refusals carry CORS headers.
+3. :class:`mlxd.api.security.SecurityMiddleware`: API keys, rate limits, body limit.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.datastructures import MutableHeaders
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxd.observability import context, metrics
 
 log = logging.getLogger("mlxd.access")
 
+# Answered even while draining: load balancers and scrapers must see the truth.
+_DRAIN_EXEMPT = frozenset({"/health", "/metrics"})
 
-class RequestIdMiddleware:
-    """Honours or generates X-Request-ID, echoes it back, and logs one line per request."""
 
-    def __init__(self, app: ASGIApp) -> None:
+@dataclass
+class Lifecycle:
+    """Shared by the middleware and the server's signal handling (server.py)."""
+
+    draining: bool = False
+    inflight: int = 0
+
+
+def iter_routes(routes: Any) -> list[Any]:
+    """Every route of an app, flattened (newer FastAPI wraps included routers in an
+    ``_IncludedRouter``; ``fastapi.routing.iter_route_contexts`` unwraps them). Each item has
+    ``path``, ``methods`` (None for mounts) and ``matches(scope)``."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # FastAPI before included-router contexts: app.routes is flat
+        return list(routes)
+    return list(iter_route_contexts(list(routes)))
+
+
+def route_template(router: Any, scope: Scope) -> str:
+    """The matched route's path template ('/v1/models/{model_id:path}'), never the raw path
+    (raw paths would explode the metric's label set)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if path:
+        return path
+    if router is not None:
+        partial = None
+        for r in iter_routes(getattr(router, "routes", ())):
+            try:
+                match, _ = r.matches(scope)
+            except Exception:  # noqa: BLE001 - a route that cannot judge this scope
+                continue
+            if match == Match.FULL:
+                return getattr(r, "path", "unmatched")
+            if match == Match.PARTIAL and partial is None:
+                partial = getattr(r, "path", None)
+        if partial:
+            return partial
+    return "unmatched"
+
+
+class AccessMiddleware:
+    """Request id, drain gate, HTTP metrics and the access log."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle | None = None,
+                 router: Any = None) -> None:
         self.app = app
+        self.lifecycle = lifecycle or Lifecycle()
+        self.router = router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -25,10 +89,11 @@ class RequestIdMiddleware:
         rid = ""
         for k, v in scope.get("headers", []):
             if k == b"x-request-id":
-                rid = v.decode("latin-1")[:128]
+                rid = v.decode("latin-1").strip()[:128]
                 break
         rid = rid or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
         t0 = time.perf_counter()
         status = 0
 
@@ -39,8 +104,66 @@ class RequestIdMiddleware:
                 MutableHeaders(scope=message)["X-Request-ID"] = rid
             await send(message)
 
+        lc = self.lifecycle
+        lc.inflight += 1
+        token = context.bind(state)
         try:
-            await self.app(scope, receive, send_wrapper)
+            if lc.draining and scope["path"] not in _DRAIN_EXEMPT:
+                from mlxd.api.security import reject
+
+                await reject(scope, receive, send_wrapper, 503,
+                             "the server is shutting down; retry on another instance",
+                             code="shutting_down", type_="server_error",
+                             headers={"Retry-After": "5", "Connection": "close"})
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
-            log.info("%s %s %s %.1fms rid=%s", scope["method"], scope["path"], status,
-                     (time.perf_counter() - t0) * 1000, rid)
+            context.unbind(token)
+            lc.inflight -= 1
+            self._record(scope, state, status or 500, time.perf_counter() - t0, rid)
+
+    def _record(self, scope: Scope, state: dict, status: int, seconds: float, rid: str
+                ) -> None:
+        method = scope["method"]
+        route = route_template(self.router, scope)
+        metrics.http_requests_total.labels(method, route, str(status)).inc()
+        metrics.http_request_duration.labels(method, route).observe(seconds)
+        fields: dict[str, Any] = {
+            "request_id": rid, "method": method, "path": scope["path"], "route": route,
+            "status": status, "duration_ms": round(seconds * 1000, 1),
+        }
+        client = scope.get("client")
+        if client:
+            fields["client"] = client[0]
+        for key in ("model", "prompt_tokens", "completion_tokens", "key_name"):
+            if state.get(key) is not None:
+                fields["key" if key == "key_name" else key] = state[key]
+        extra = " ".join(f"{k}={fields[k]}" for k in ("model", "key") if k in fields)
+        if "prompt_tokens" in fields:
+            extra += f" tokens={fields['prompt_tokens']}+{fields.get('completion_tokens', 0)}"
+        log.info("%s %s %s %.1fms rid=%s%s", method, scope["path"], status,
+                 seconds * 1000, rid, " " + extra if extra else "",
+                 extra={"fields": fields})
+
+
+RequestIdMiddleware = AccessMiddleware  # the name this class had before it did more
+
+
+def install_middleware(app: Any, settings: Any) -> Lifecycle:
+    """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
+    from mlxd.api.security import KeyRing, SecurityMiddleware
+
+    lifecycle = Lifecycle()
+    app.state.lifecycle = lifecycle
+    keys = KeyRing(settings)  # now, so that a missing key file fails the start
+    SecurityMiddleware.warn_if_open(settings, keys)
+    app.add_middleware(SecurityMiddleware, settings=settings, keys=keys)
+    origins = settings.security.cors_origins
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
+                           max_age=600)
+    app.add_middleware(AccessMiddleware, lifecycle=lifecycle, router=app.router)
+    return lifecycle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -87,12 +88,18 @@ async def _chat_stream(gen: Generation, cid: str, created: int, include_usage: b
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**base, "choices": [choice], **extra})
 
+    # The per-token chunk differs only in its text: frame it around one json.dumps of the
+    # delta instead of building and serialising the whole object for every token.
+    head, _, tail = chunk({"content": "\x00"}).partition('"\\u0000"')
+    want_logprobs = gen.params.logprobs
+
     yield chunk({"role": "assistant", "content": ""})
     try:
         async for ev in gen:
-            if ev.text or ev.logprobs:
-                lp = _chat_logprobs(ev.logprobs) if gen.params.logprobs else None
-                yield chunk({"content": ev.text}, None, lp)
+            if want_logprobs and (ev.text or ev.logprobs):
+                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))
+            elif ev.text:
+                yield head + json.dumps(ev.text) + tail
             if ev.finish_reason is not None:
                 yield chunk({}, ev.finish_reason)
                 if include_usage and ev.usage is not None:

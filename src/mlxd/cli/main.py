@@ -7,8 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlxd.cli.config_cmd import register as register_config_command
+from mlxd.cli.daemon import register as register_daemon_commands
 from mlxd.cli.doctor import doctor
 from mlxd.cli.models import register as register_model_commands
+from mlxd.cli.service import app as service_app
 from mlxd.config import ConfigError, load_settings
 
 app = typer.Typer(
@@ -75,6 +78,9 @@ def version() -> None:
 
 
 register_model_commands(app)  # pull, list, show, rm, quantize, ps
+register_daemon_commands(app)  # start, status, stop
+register_config_command(app)  # config
+app.add_typer(service_app, name="service")  # service install|uninstall|start|stop|...
 app.command()(doctor)
 
 

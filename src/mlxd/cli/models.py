@@ -397,7 +397,10 @@ def ps(
     h = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(h, h)
     base = f"http://{'[' + h + ']' if ':' in h else h}:{settings.server.port}"
     try:
-        with urllib.request.urlopen(base + "/api/ps", timeout=5) as resp:
+        from mlxd.cli.daemon import client_headers
+
+        req = urllib.request.Request(base + "/api/ps", headers=client_headers(settings))
+        with urllib.request.urlopen(req, timeout=5) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raise _Fail(f"the server at {base} answered {exc.code} to /api/ps: "

@@ -69,3 +69,27 @@ class Conflict(MlxdError):
     status = 409
     code = "conflict"
     type = "invalid_request_error"
+
+
+class OutOfMemory(Unavailable):
+    """The device ran out of memory for this request; the server itself keeps serving."""
+
+    code = "out_of_memory"
+
+
+class Unauthorized(MlxdError):
+    status = 401
+    code = "invalid_api_key"
+    type = "invalid_request_error"
+
+
+class RateLimited(MlxdError):
+    status = 429
+    code = "rate_limit_exceeded"
+    type = "rate_limit_error"
+
+
+class PayloadTooLarge(MlxdError):
+    status = 413
+    code = "request_too_large"
+    type = "invalid_request_error"

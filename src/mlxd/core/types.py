@@ -81,3 +81,46 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: Exception | None = None
+
+
+# -- encoders: embeddings, reranking, token counting ------------------------------------------
+
+
+@dataclass
+class EmbedRequest:
+    """Texts (or token-id lists, used verbatim) to embed; results keep the input order."""
+
+    model: str | None
+    inputs: list[str | list[int]]
+    truncate: bool = True  # False: an input over the model's limit is a 400
+    dimensions: int | None = None  # keep the first N dimensions, then L2-normalise
+    keep_alive: str | int | float | None = None
+    request_id: str = ""
+
+
+@dataclass
+class RerankRequest:
+    """Score each document's relevance to ``query``; scores keep the document order."""
+
+    model: str | None
+    query: str
+    documents: list[str]
+    truncate: bool = True
+    instruction: str | None = None  # LLM rerankers: the task description in the prompt
+    keep_alive: str | int | float | None = None
+    request_id: str = ""
+
+
+@dataclass
+class EncodeEvent:
+    """What one encoder batch produced for one request: results for some of its inputs.
+
+    ``indices`` are positions in the request; ``values`` the matching results (a float32
+    vector per input for embeddings, a float score for rerankers). ``error`` fails the
+    whole request.
+    """
+
+    indices: list[int] = field(default_factory=list)
+    values: list = field(default_factory=list)
+    error: Exception | None = None
+    finish_reason: FinishReason | None = None

@@ -65,11 +65,16 @@ class LLMEngine:
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
         dtype: str = "auto",
+        trust_remote_code: bool = False,
     ) -> None:
         self.name = name
         self.path = Path(path)
         try:
-            model, tokenizer, config = mlx_lm_load(str(self.path), return_config=True)
+            # trust_remote_code: models.trust_remote_code, off unless the operator says so
+            model, tokenizer, config = mlx_lm_load(
+                str(self.path), return_config=True, trust_remote_code=trust_remote_code,
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+            )
         except Exception as exc:  # mlx-lm raises ValueError, FileNotFoundError, KeyError...
             raise ModelLoadError(f"could not load model '{name}' from {path}: {exc}") from exc
         self.model = model
@@ -110,9 +115,16 @@ class LLMEngine:
         return str(target).split(".")[-1]
 
     def _new_generator(self) -> BatchGenerator:
+        """Built on the worker thread, on *that thread's* default stream.
+
+        mlx-lm's module-level ``generation_stream`` is created by whichever thread imports
+        mlx_lm first; running the batch on a stream of another thread makes MLX synchronise
+        across threads on every step (mlx_lm.server avoids it the same way).
+        """
         s = self._settings
         return BatchGenerator(
             self.model,
+            stream=mx.default_stream(mx.default_device()),
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_token_ids],
             completion_batch_size=s["max_num_seqs"],

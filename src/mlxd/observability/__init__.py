@@ -1,1 +1,1 @@
-"""Logs (and, later, metrics)."""
+"""Prometheus metrics (metrics.py), structured logs (logs.py), per-request facts (context.py)."""

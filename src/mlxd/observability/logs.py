@@ -1,4 +1,9 @@
-"""Structured logging: plain text for people, one JSON object per line for machines."""
+"""Structured logging: plain text for people, one JSON object per line for machines.
+
+A record may carry ``extra={"fields": {...}}``: the JSON format puts those keys at the top
+level of its object (the access log does: request_id, route, model, status, tokens...);
+the text format shows only the message, which already says the same in key=value form.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):  # structured extras, e.g. the access log's
+            out.update({k: v for k, v in fields.items() if k not in out})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

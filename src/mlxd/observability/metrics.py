@@ -6,7 +6,12 @@ carries a ``model`` label.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mlxd.observability.context import add_usage
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -66,3 +71,93 @@ http_requests_total = Counter("mlxd:http_requests", "HTTP requests by route and 
 http_request_duration = Histogram("mlxd:http_request_duration_seconds",
                                   "HTTP request latency by route.", ["method", "route"],
                                   buckets=_LATENCY, registry=REGISTRY)
+
+# -- operations ------------------------------------------------------------------------------
+worker_restarts_total = Counter("mlxd:worker_restarts",
+                                "Times the device worker died and was restarted.",
+                                registry=REGISTRY)
+
+try:  # process_* metrics (RSS, CPU, open fds) on Linux
+    from prometheus_client import ProcessCollector
+
+    ProcessCollector(registry=REGISTRY)
+except Exception:  # noqa: BLE001 - optional
+    pass
+
+
+# -- hooks the runtime calls ------------------------------------------------------------------
+
+
+def model_loaded(name: str, kind: str, size: int, seconds: float) -> None:
+    models_loaded.labels(kind).inc()
+    model_memory_bytes.labels(name).set(size)
+    model_load_seconds.labels(name).observe(seconds)
+
+
+def model_unloaded(name: str, kind: str, eviction_reason: str | None = None) -> None:
+    """``eviction_reason``: capacity | memory | idle | worker_restart; None for an unload."""
+    models_loaded.labels(kind).dec()
+    try:
+        model_memory_bytes.remove(name)
+    except KeyError:
+        pass
+    if eviction_reason is not None:
+        model_evictions_total.labels(name, eviction_reason).inc()
+
+
+class GenerationObserver:
+    """Follows one generation: waiting -> running -> finished, feeding the vLLM-named metrics
+    and the request's usage (for the access log and the token rate limit).
+
+    ``gen`` needs ``model``, ``prompt_tokens``, ``t_submitted`` and ``t_acquired``
+    (perf_counter times), read when the first event arrives.
+    """
+
+    __slots__ = ("_gen", "_state", "_last", "_completion", "_ttft", "_itl", "_gen_tokens")
+
+    def __init__(self, gen: Any) -> None:
+        self._gen = gen
+        self._state = "waiting"
+        self._last = 0.0
+        self._completion = 0
+        model = gen.model
+        num_requests_waiting.labels(model).inc()
+        self._ttft = time_to_first_token.labels(model)
+        self._itl = inter_token_latency.labels(model)
+        self._gen_tokens = generation_tokens_total.labels(model)
+
+    def event(self, n_tokens: int, finish_reason: str | None, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        g = self._gen
+        if self._state == "waiting":
+            self._state = "running"
+            num_requests_waiting.labels(g.model).dec()
+            num_requests_running.labels(g.model).inc()
+            request_queue_time.labels(g.model).observe(max(g.t_acquired - g.t_submitted, 0.0))
+            self._ttft.observe(max(now - g.t_submitted, 0.0))
+            prompt_tokens_total.labels(g.model).inc(len(g.prompt_tokens))
+        elif n_tokens:
+            self._itl.observe(max(now - self._last, 0.0) / n_tokens)
+        if n_tokens:
+            self._last = now
+            self._completion += n_tokens
+            self._gen_tokens.inc(n_tokens)
+        if finish_reason is not None:
+            e2e_request_latency.labels(g.model).observe(max(now - g.t_submitted, 0.0))
+            self._finish(finish_reason)
+
+    def close(self) -> None:
+        """The generation ended without a finish event (client gone, never iterated)."""
+        if self._state != "done":
+            self._finish("cancelled")
+
+    def _finish(self, reason: str) -> None:
+        g = self._gen
+        ran = self._state == "running"
+        if self._state == "waiting":
+            num_requests_waiting.labels(g.model).dec()
+        elif ran:
+            num_requests_running.labels(g.model).dec()
+        self._state = "done"
+        request_success_total.labels(g.model, reason).inc()
+        add_usage(g.model, len(g.prompt_tokens) if ran else 0, self._completion)

@@ -24,11 +24,13 @@ from mlxd.core.errors import (
     MlxdError,
     ModelLoadError,
     ModelNotFound,
+    OutOfMemory,
     Unavailable,
 )
+from mlxd.observability import metrics
 from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
-from mlxd.runtime.worker import DeviceWorker
+from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
 from mlxd.store.local import ModelStore
 from mlxd.store.names import validate_name
 
@@ -196,7 +198,9 @@ class ModelManager:
 
     async def _resolve_path(self, name: str) -> tuple[Path, str]:
         if name in self._paths:
-            return self._paths[name], "chat"
+            from mlxd.store.inspect import infer_kind
+
+            return self._paths[name], infer_kind(self._paths[name]) or "chat"
         validate_name(name)
         from mlxd.store.pull import ensure_model
 
@@ -224,9 +228,15 @@ class ModelManager:
             engine = await asyncio.wrap_future(self.worker.call(build))
         except MlxdError:
             raise
-        except MemoryError as exc:
-            raise Unavailable(f"out of memory while loading '{name}': {exc}") from exc
+        except WorkerDied as exc:
+            raise Unavailable(f"could not load '{name}': {exc}; retry shortly",
+                              headers={"Retry-After": "2"}) from exc
         except Exception as exc:
+            if is_out_of_memory(exc):
+                raise OutOfMemory(
+                    f"out of memory while loading '{name}' ({exc}); retry later, unload "
+                    "other models, or lower models.memory_budget_bytes",
+                    headers={"Retry-After": "5"}) from exc
             raise ModelLoadError(f"could not load model '{name}': {exc}") from exc
         finally:
             self._reserved -= need
@@ -241,6 +251,7 @@ class ModelManager:
         )
         self._loaded[name] = entry
         self.load_counts[name] = self.load_counts.get(name, 0) + 1
+        metrics.model_loaded(name, kind, entry.size, took)
         log.info("loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size),
                  path, took)
         return entry
@@ -268,7 +279,7 @@ class ModelManager:
                     f"{cap}) and all are busy or pinned; retry later",
                     headers={"Retry-After": "5"},
                 )
-            self._unload_entry(victims[0], evicted=True)
+            self._unload_entry(victims[0], evicted=True, reason="capacity")
             same = [e for e in self._loaded.values() if e.kind == kind]
         while self.used_bytes + self._reserved + need > self.budget:
             victims = self._evictable()
@@ -280,14 +291,19 @@ class ModelManager:
                     "retry later",
                     headers={"Retry-After": "5"},
                 )
-            self._unload_entry(victims[0], evicted=True)
+            self._unload_entry(victims[0], evicted=True, reason="memory")
 
     # -- unloading -----------------------------------------------------------------------
-    def _unload_entry(self, entry: LoadedModel, evicted: bool = False) -> None:
-        """Forget the model now; the worker frees its memory before any later load runs."""
+    def _unload_entry(self, entry: LoadedModel, evicted: bool = False,
+                      reason: str = "idle") -> None:
+        """Forget the model now; the worker frees its memory before any later load runs.
+
+        ``reason`` (capacity | memory | idle) labels the eviction metric when ``evicted``.
+        """
         if self._loaded.get(entry.name) is not entry:
             return
         del self._loaded[entry.name]
+        metrics.model_unloaded(entry.name, entry.kind, reason if evicted else None)
         if evicted:
             self.evictions += 1
         engine = entry.engine
@@ -329,7 +345,7 @@ class ModelManager:
         now = time.time() if now is None else now
         gone = [e for e in self._loaded.values() if not e.pinned and e.expires_at <= now]
         for e in gone:
-            self._unload_entry(e, evicted=True)
+            self._unload_entry(e, evicted=True, reason="idle")
         return [e.name for e in gone]
 
     async def unload_all(self) -> None:
@@ -340,6 +356,17 @@ class ModelManager:
                 await asyncio.wait_for(asyncio.wrap_future(self.worker.call(lambda: None)), 30)
             except Exception:  # noqa: BLE001 - shutting down
                 pass
+
+    def reset_after_worker_restart(self) -> list[str]:
+        """The device worker died: its engines died with it. Forget them all (requests that
+        still hold a lease release into nothing); the caller loads what it needs again."""
+        gone = list(self._loaded.values())
+        self._loaded.clear()
+        for entry in gone:
+            metrics.model_unloaded(entry.name, entry.kind, "worker_restart")
+            entry.engine = None
+        gc.collect()
+        return [e.name for e in gone]
 
     def forget_store_entry(self, name: str) -> None:
         """After a delete: an idle loaded copy goes too; a busy one at its last request."""

@@ -18,12 +18,16 @@ from mlxd.core.errors import (
     InvalidRequest,
     MlxdError,
     ModelNotFound,
+    OutOfMemory,
     QueueFull,
     Unavailable,
 )
 from mlxd.core.types import GenerateRequest, TokenEvent
+from mlxd.observability.context import note
+from mlxd.observability.metrics import GenerationObserver
+from mlxd.runtime.encoders import EncoderService
 from mlxd.runtime.models import ModelManager
-from mlxd.runtime.worker import DeviceWorker
+from mlxd.runtime.worker import DeviceWorker, WorkerDied, WorkerSupervisor, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,9 @@ class Runtime:
         self.models = ModelManager(settings, self.worker)
         self.started_at = time.time()
         self._inflight = 0
+        self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
+        self.supervisor = WorkerSupervisor(self.worker, self._reload_after_restart)
+        self.encoders = EncoderService(self)  # embeddings, reranking, token counts
 
     async def start(self) -> None:
         self.models.store.clean_temp()
@@ -42,8 +49,19 @@ class Runtime:
         for name in dict.fromkeys([self.models.default_name, *self.models.preload_names]):
             await self.models.touch(name, None)
         self._sweeper = asyncio.create_task(self._sweep())
+        self.supervisor.start()
+
+    async def _reload_after_restart(self) -> None:
+        """A fresh device worker: forget the dead one's engines, load the pinned models."""
+        self.models.reset_after_worker_restart()
+        for name in dict.fromkeys([self.models.default_name, *self.models.preload_names]):
+            try:
+                await self.models.touch(name, None)
+            except Exception:  # noqa: BLE001 - it loads again on first use
+                log.exception("could not reload %s after the worker restart", name)
 
     async def stop(self) -> None:
+        self.supervisor.stop()
         sweeper = getattr(self, "_sweeper", None)
         if sweeper is not None:
             sweeper.cancel()
@@ -69,7 +87,7 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
-        return self.worker.alive
+        return self.worker.alive and not self.draining
 
     @property
     def admission_limit(self) -> int:
@@ -79,7 +97,9 @@ class Runtime:
     def status(self) -> dict[str, Any]:
         mem = self.memory()
         return {
-            "status": "ok" if self.healthy else "unavailable",
+            "status": "ok" if self.healthy else "draining" if self.draining else (
+                "restarting" if self.supervisor.restarting else "unavailable"),
+            "worker_restarts": self.worker.restarts,
             "model_loaded": bool(self.models.loaded()),
             "default_model": self.models.default_name,
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -112,8 +132,13 @@ class Runtime:
 
         The returned Generation must be iterated or closed: that is what releases its slot.
         """
+        if self.draining:
+            raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
         if not self.healthy:
-            raise Unavailable("the device worker is not running")
+            raise Unavailable("the device worker is not running (restarting); retry shortly",
+                              headers={"Retry-After": "2"})
+        self.check_limits(req)
+        note(model=self.models.resolve(req.model))
         if self._inflight >= self.admission_limit:
             raise QueueFull(
                 "too many requests queued; retry shortly", headers={"Retry-After": "1"}
@@ -136,6 +161,21 @@ class Runtime:
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         return gen
 
+    def check_limits(self, req: GenerateRequest) -> None:
+        """Operator limits (security.max_tokens_limit, max_inputs): 400 before any work."""
+        sec = self.settings.security
+        n = req.sampling.max_tokens
+        if sec.max_tokens_limit is not None and n is not None and n > sec.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens is {n}, more than this server allows ({sec.max_tokens_limit})",
+                param="max_tokens",
+            )
+        if req.messages is not None and len(req.messages) > sec.max_inputs:
+            raise InvalidRequest(
+                f"{len(req.messages)} messages, more than this server allows "
+                f"({sec.max_inputs})", param="messages",
+            )
+
     def memory(self) -> dict[str, int]:
         """MLX's allocator view: what arrays hold, what its cache keeps, and the peak."""
         try:
@@ -145,6 +185,16 @@ class Runtime:
                     "peak_bytes": mx.get_peak_memory()}
         except Exception:  # noqa: BLE001
             return {}
+
+    # -- encoders (runtime/encoders.py) ----------------------------------------------------
+    async def embed(self, req: Any) -> Any:
+        return await self.encoders.embed(req)
+
+    async def rerank(self, req: Any) -> Any:
+        return await self.encoders.rerank(req)
+
+    async def tokenize(self, model: str | None, inputs: list[str] | None, **kw: Any) -> Any:
+        return await self.encoders.tokenize(model, inputs, **kw)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         gen = await self.submit(req)
@@ -223,10 +273,11 @@ class Runtime:
             raise InvalidRequest("logit_bias names a token id outside the vocabulary",
                                  param="logit_bias")
         room = ctx - n_prompt
+        cap = self.settings.security.max_tokens_limit or room
         if p.max_tokens is None:
-            return replace(p, max_tokens=min(self.settings.engine.default_max_tokens, room))
+            return replace(p, max_tokens=min(self.settings.engine.default_max_tokens, room, cap))
         if p.max_tokens < 0:  # "until the context is full"
-            return replace(p, max_tokens=room)
+            return replace(p, max_tokens=min(room, cap))
         if p.max_tokens > room:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -251,6 +302,7 @@ class Generation:
         self._released = False
         now = time.perf_counter()
         self.t_submitted = self.t_acquired = self.t_first = self.t_done = now
+        self._obs = GenerationObserver(self)  # metrics and the request's usage
 
     def durations_ns(self) -> dict[str, int]:
         """Ollama-style timings: load, prompt evaluation (to the first token), generation."""
@@ -265,6 +317,7 @@ class Generation:
     def _release(self) -> None:
         if not self._released:
             self._released = True
+            self._obs.close()
             self._runtime._inflight -= 1
             self._lease.release()
 
@@ -283,11 +336,20 @@ class Generation:
                 if first:
                     self.t_first = time.perf_counter()
                     first = False
+                self._obs.event(len(event.token_ids), event.finish_reason)
                 if event.error is not None:
                     done = True
                     err = event.error
                     if isinstance(err, MlxdError):
                         raise err
+                    if isinstance(err, WorkerDied):
+                        raise Unavailable(f"{err}; it is being restarted, retry shortly",
+                                          headers={"Retry-After": "2"}) from err
+                    if is_out_of_memory(err):
+                        raise OutOfMemory(
+                            f"out of memory while generating ({err}); the batch was "
+                            "cancelled to free memory. Retry, or lower max_tokens or "
+                            "engine.max_num_seqs", headers={"Retry-After": "1"}) from err
                     raise EngineError(f"generation failed: {err}") from err
                 if event.finish_reason is not None:
                     done = True

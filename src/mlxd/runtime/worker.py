@@ -4,6 +4,19 @@ MLX streams are not meant to be shared across threads, and a forward pass must n
 on the event loop, so every load, prefill and decode step happens here. The loop drains
 commands (add, cancel, call) between steps, which is what lets new requests join the
 running batch and lets a cancelled request leave it at the next step.
+
+Failure, in two sizes:
+
+* An engine step that raises (an allocation failure mid-batch, say) fails that engine's
+  batch and nothing else: the worker lives on. :func:`is_out_of_memory` tells the runtime
+  which errors to report as 503 "out of memory" instead of 500.
+* The thread itself dying (an exception outside any step) fails everything it held: the
+  sequences of every attached engine, queued commands and calls, all with
+  :class:`WorkerDied`; from then on ``alive`` is False (``/health`` says 503) and every new
+  command fails at once instead of waiting forever. :class:`WorkerSupervisor` notices,
+  starts a fresh thread with :meth:`DeviceWorker.restart` and lets the runtime load its
+  models again on it (engines are not carried over: their MLX state belonged to the dead
+  thread and may be what broke).
 """
 
 from __future__ import annotations
@@ -40,6 +53,24 @@ class Engine:  # structural protocol the worker relies on
 
 Delivery = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
+_OOM_MARKERS = (
+    "[metal::malloc]", "[malloc]", "attempting to allocate", "out of memory",
+    "outofmemory", "cudaerrormemoryallocation", "cuda_error_out_of_memory",
+    "failed to allocate", "insufficient memory", "kiogpucommandbuffercallbackerroroutofmemory",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A MemoryError, or an MLX/Metal/CUDA allocation failure (they arrive as RuntimeError)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower().replace(" ", "")
+    return any(m.replace(" ", "") in text for m in _OOM_MARKERS)
+
+
+class WorkerDied(RuntimeError):
+    """The device worker thread died; what it was doing is lost (a restart follows)."""
+
 
 class DeviceWorker:
     def __init__(self, name: str = "mlxd-device") -> None:
@@ -48,14 +79,32 @@ class DeviceWorker:
         self._engines: list[Any] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Guards _dead against commands racing the thread's death: a command put after the
+        # death handler drained the queue would wait forever.
+        self._lock = threading.Lock()
+        self._dead = False
         self.error: BaseException | None = None
+        self.restarts = 0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
-        self._stopping = False
-        self.error = None
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
+        with self._lock:
+            self._stopping = False
+            self._dead = False
+            self.error = None
+            self._cmds = queue.SimpleQueue()
+            self._engines = []
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def restart(self) -> None:
+        """After the thread died: a fresh thread, no engines (the runtime reloads models)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(5)
+            if self._thread.is_alive():
+                raise RuntimeError("the old device worker thread is still running")
+        self.restarts += 1
+        self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -65,29 +114,47 @@ class DeviceWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and not self._dead)
+
+    @property
+    def dead(self) -> bool:
+        """The thread died on its own (not stopped): a restart is due."""
+        return self._thread is not None and not self._stopping and (
+            self._dead or not self._thread.is_alive())
+
+    def inject_fault(self, exc: BaseException) -> None:
+        """Make the worker thread die with ``exc`` (tests and failure drills)."""
+        self._put(("raise", exc))
 
     # -- commands (any thread) -------------------------------------------------------------
+    def _put(self, cmd: tuple) -> bool:
+        """Queue ``cmd`` unless the worker is dead; False when it was not queued."""
+        with self._lock:
+            if self._dead or self._thread is None:
+                return False
+            self._cmds.put(cmd)
+            return True
+
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the worker between steps; the Future carries its result."""
         fut: Future = Future()
-        if not self.alive:
-            fut.set_exception(RuntimeError("device worker is not running"))
-            return fut
-        self._cmds.put(("call", fn, fut))
+        if not self.alive or not self._put(("call", fn, fut)):
+            fut.set_exception(WorkerDied("device worker is not running"))
         return fut
 
     def attach(self, engine: Any) -> None:
-        self._cmds.put(("attach", engine))
+        self._put(("attach", engine))
 
     def detach(self, engine: Any) -> None:
-        self._cmds.put(("detach", engine))
+        self._put(("detach", engine))
 
     def submit(self, engine: Any, seq: Any) -> None:
-        self._cmds.put(("add", engine, seq))
+        if not self._put(("add", engine, seq)):
+            _deliver([(seq, _error_event(WorkerDied("device worker is not running")))])
 
     def cancel(self, engine: Any, seq: Any) -> None:
-        self._cmds.put(("cancel", engine, seq))
+        self._put(("cancel", engine, seq))
 
     # -- the loop --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -100,8 +167,32 @@ class DeviceWorker:
                         self._step(engine)
         except BaseException as exc:  # noqa: BLE001 - recorded so /health can tell the truth
             self.error = exc
-            log.exception("device worker died")
-            raise
+            log.critical("device worker died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._fail_everything(exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """On the dying thread: nobody may wait forever for an answer from it."""
+        with self._lock:
+            self._dead = True
+        died = WorkerDied(f"the device worker failed ({type(exc).__name__}: {exc})")
+        for engine in list(self._engines):
+            try:
+                events = engine.fail_all(died)
+            except BaseException:  # noqa: BLE001 - best effort, the thread is going anyway
+                log.exception("engine %s could not fail its batch", engine.name)
+                continue
+            if events:
+                _deliver(events)
+        self._engines = []
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _deliver([(cmd[2], _error_event(died))])
+            elif cmd[0] == "call" and cmd[2].set_running_or_notify_cancel():
+                cmd[2].set_exception(died)
 
     def _until_deadline(self) -> float | None:
         """Seconds until the earliest engine deadline, or None to sleep until a command."""
@@ -130,9 +221,7 @@ class DeviceWorker:
             try:
                 engine.add(seq)
             except Exception as exc:  # noqa: BLE001 - the request fails, the worker lives
-                from mlxd.core.types import TokenEvent
-
-                _deliver([(seq, TokenEvent(text="", finish_reason="error", error=exc))])
+                _deliver([(seq, _error_event(exc))])
         elif kind == "cancel":
             _, engine, seq = cmd
             engine.cancel(seq)
@@ -149,6 +238,8 @@ class DeviceWorker:
         elif kind == "detach":
             if cmd[1] in self._engines:
                 self._engines.remove(cmd[1])
+        elif kind == "raise":
+            raise cmd[1]
 
     def _step(self, engine: Any) -> None:
         try:
@@ -158,6 +249,12 @@ class DeviceWorker:
             events = engine.fail_all(exc)
         if events:
             _deliver(events)
+
+
+def _error_event(exc: BaseException) -> Any:
+    from mlxd.core.types import TokenEvent
+
+    return TokenEvent(text="", finish_reason="error", error=exc)  # type: ignore[arg-type]
 
 
 def _deliver(events: list) -> None:
@@ -176,3 +273,69 @@ def _deliver(events: list) -> None:
 def _put_all(items: list) -> None:
     for q, event in items:
         q.put_nowait(event)
+
+
+class WorkerSupervisor:
+    """Restarts a dead device worker and lets the runtime reload its models.
+
+    Polls ``worker.dead`` (cheap); a restart waits ``first_delay`` after the death is seen,
+    so ``/health`` reports 503 for a moment that load balancers can notice, and backs off
+    (doubling up to ``max_delay``) when the worker keeps dying within ``stable_after``.
+    ``on_restart`` (a coroutine function) runs after each restart, on the event loop.
+    """
+
+    def __init__(self, worker: DeviceWorker,
+                 on_restart: Callable[[], Any] | None = None, *,
+                 first_delay: float = 1.0, max_delay: float = 60.0,
+                 stable_after: float = 300.0, every: float = 0.1) -> None:
+        self.worker = worker
+        self.on_restart = on_restart
+        self.first_delay = first_delay
+        self.max_delay = max_delay
+        self.stable_after = stable_after
+        self.every = every
+        self._delay = first_delay
+        self._last_restart = 0.0
+        self._task: asyncio.Task | None = None
+        self.restarting = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            if not self.worker.dead:
+                continue
+            try:
+                await self._restart()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - try again at the next tick
+                log.exception("device worker restart failed")
+
+    async def _restart(self) -> None:
+        now = time.monotonic()
+        if now - self._last_restart > self.stable_after:
+            self._delay = self.first_delay
+        self.restarting = True
+        try:
+            log.error("device worker is dead (%s); restarting it in %.1fs",
+                      self.worker.error, self._delay)
+            await asyncio.sleep(self._delay)
+            self._delay = min(self._delay * 2, self.max_delay)
+            self.worker.restart()
+            self._last_restart = time.monotonic()
+            from mlxd.observability.metrics import worker_restarts_total
+
+            worker_restarts_total.inc()
+            log.warning("device worker restarted (restart #%d)", self.worker.restarts)
+            if self.on_restart is not None:
+                await self.on_restart()
+        finally:
+            self.restarting = False

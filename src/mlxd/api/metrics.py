@@ -1,0 +1,38 @@
+"""``GET /metrics``: Prometheus text format from observability/metrics.py's registry.
+
+Public unless ``metrics.require_key`` (the security middleware decides); also servable on a
+port of its own (``metrics.port``, see :func:`start_metrics_port`), where no key applies:
+bind that port where only your scraper reaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mlxd.observability.metrics import REGISTRY
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    if not request.app.state.settings.metrics.enabled:
+        raise HTTPException(404, "metrics are disabled (metrics.enabled: false)")
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def start_metrics_port(settings) -> object | None:
+    """Serve the registry on ``metrics.port`` from a daemon thread (prometheus-client's)."""
+    m = settings.metrics
+    if not m.enabled or not m.port:
+        return None
+    from prometheus_client import start_http_server
+
+    server = start_http_server(m.port, addr=settings.server.host, registry=REGISTRY)
+    log.info("metrics on http://%s:%d/metrics", settings.server.host, m.port)
+    return server

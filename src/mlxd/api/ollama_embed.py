@@ -1,0 +1,72 @@
+"""Ollama's embedding endpoints, in Ollama's shapes (errors are Ollama's, by path).
+
+* ``POST /api/embed`` ``{model, input: str | [str], truncate, keep_alive, options,
+  dimensions}`` -> ``{model, embeddings: [[...]], total_duration, load_duration,
+  prompt_eval_count}``; no input (or an empty list) only loads the model, as in Ollama.
+* ``POST /api/embeddings`` (legacy) ``{model, prompt}`` -> ``{embedding: [...]}``; an empty
+  prompt loads the model and returns an empty embedding, as in Ollama.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxd.api.common import runtime
+from mlxd.api.streaming import until_disconnect
+from mlxd.core.types import EmbedRequest
+
+router = APIRouter(prefix="/api")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class EmbedBody(_Body):
+    model: str | None = None
+    input: str | list[str] | None = None
+    truncate: bool = True
+    keep_alive: str | int | float | None = None
+    options: dict[str, Any] | None = None  # accepted; nothing in it applies to encoders
+    dimensions: int | None = Field(None, ge=1)
+
+
+class EmbeddingsBody(_Body):
+    model: str | None = None
+    prompt: str = ""
+    keep_alive: str | int | float | None = None
+    options: dict[str, Any] | None = None
+
+
+def _name(request: Request, model: str | None) -> str:
+    return model or runtime(request).settings.models.default_embedding
+
+
+@router.post("/embed")
+async def embed(body: EmbedBody, request: Request):
+    rt = runtime(request)
+    inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
+    if not inputs:
+        entry = await rt.models.touch(_name(request, body.model), body.keep_alive)
+        return {"model": entry.name, "embeddings": []}
+    req = EmbedRequest(model=_name(request, body.model), inputs=inputs,  # type: ignore[arg-type]
+                       truncate=body.truncate, dimensions=body.dimensions,
+                       keep_alive=body.keep_alive, request_id=request.state.request_id)
+    res = await until_disconnect(request, rt.embed(req))
+    return {"model": res.model, "embeddings": res.vectors.tolist(),
+            **res.timings.durations_ns(), "prompt_eval_count": res.prompt_tokens}
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingsBody, request: Request):
+    rt = runtime(request)
+    if not body.prompt:
+        await rt.models.touch(_name(request, body.model), body.keep_alive)
+        return {"embedding": []}
+    req = EmbedRequest(model=_name(request, body.model), inputs=[body.prompt],
+                       keep_alive=body.keep_alive, request_id=request.state.request_id)
+    res = await until_disconnect(request, rt.embed(req))
+    return {"embedding": res.vectors[0].tolist()}

@@ -1,0 +1,375 @@
+"""API keys, per-key rate limits and the request body limit, as one pure-ASGI middleware.
+
+Pure ASGI on purpose: ``BaseHTTPMiddleware`` buffers streaming responses and hides client
+disconnects (see api/middleware.py).
+
+Keys
+    The union of ``security.api_keys`` (config file or ``MLXD_SECURITY__API_KEYS``), the
+    ``MLXD_API_KEYS`` environment variable (comma-separated ``key`` or ``name:key``) and
+    ``security.api_key_file`` (one ``key`` or ``name:key`` per line, ``#`` comments; re-read
+    when it changes). No key anywhere: the API is open. A client sends
+    ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; the candidate is compared with every
+    key's SHA-256 digest with :func:`hmac.compare_digest` (fixed length, no early exit), so
+    timing tells neither which prefix matched nor how long the keys are. ``/health`` is
+    always public, ``/metrics`` unless ``metrics.require_key``. The key's *name* (never the
+    key) goes to the access log.
+
+Rate limits (token buckets, refilled continuously)
+    ``requests_per_minute``: a request takes one token from its key's bucket before it runs.
+    ``tokens_per_minute``: post-paid. A request is admitted while the key's token bucket is
+    positive; when it ends, its real prompt + completion tokens (from the runtime's usage, see
+    observability/context.py) are taken, and the bucket may go negative, which holds the
+    next requests back until it refills. No up-front estimate (prompt length + max_tokens)
+    is needed, so nothing is over-reserved, and a streaming request is charged for what it
+    really generated, also when the client leaves early. The price: one request may
+    overshoot the limit once. Beyond a limit: 429 with ``Retry-After`` (whole seconds until
+    the bucket allows the next request).
+
+    Keys without their own limits use ``security.default_*_per_minute``. With no keys at all,
+    ``security.anonymous_*_per_minute`` is one bucket shared by every caller.
+
+Body limit
+    ``security.max_body_bytes``: a larger ``Content-Length`` is refused at once, and a body
+    without one (chunked) is counted as it arrives; either way 413 before any handler runs.
+
+Every refusal is in the caller's dialect: Ollama's ``{"error": "..."}`` under ``/api/``,
+OpenAI's error object elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxd.api.errors import ollama_error, openai_error
+from mlxd.config import ConfigError, Settings, parse_key_item
+
+log = logging.getLogger(__name__)
+
+ENV_KEYS = "MLXD_API_KEYS"
+ALWAYS_PUBLIC = frozenset({"/health"})
+
+
+# --------------------------------------------------------------------------------------- #
+# Keys
+# --------------------------------------------------------------------------------------- #
+
+
+@dataclass(eq=False)
+class KeyEntry:
+    name: str
+    secret: bytes = field(repr=False)
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    digest: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # compared as fixed-length digests: not even the key's length leaks through timing
+        self.digest = hashlib.sha256(self.secret).digest()
+
+
+def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        item = parse_key_item(line)
+        out.append(KeyEntry(item.get("name") or f"{prefix}-{len(out) + 1}",
+                            item["key"].encode()))
+    return out
+
+
+class KeyRing:
+    """Every accepted key; the file part is re-read when the file changes (checked every 2s)."""
+
+    def __init__(self, settings: Settings, environ: dict[str, str] | None = None) -> None:
+        sec = settings.security
+        env = os.environ if environ is None else environ
+        self._static: list[KeyEntry] = []
+        for i, k in enumerate(sec.api_keys, 1):
+            self._static.append(KeyEntry(k.name or f"config-{i}", k.key.encode(),
+                                         k.requests_per_minute, k.tokens_per_minute))
+        self._static += _parse_lines(env.get(ENV_KEYS, "").replace(",", "\n"), "env")
+        self._file = Path(sec.api_key_file).expanduser() if sec.api_key_file else None
+        self._file_keys: list[KeyEntry] = []
+        self._file_sig: tuple | None = None
+        self._checked = 0.0
+        self._lock = threading.Lock()
+        if self._file is not None:
+            if not self._file.is_file():
+                # Fail closed: a configured key file that is missing must not open the API.
+                raise ConfigError(f"security.api_key_file: file not found: {self._file}")
+            self._reload_file(force=True)
+
+    def _reload_file(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._file is None or (not force and now - self._checked < 2.0):
+            return
+        with self._lock:
+            self._checked = now
+            try:
+                st = self._file.stat()
+                sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+                if sig == self._file_sig and not force:
+                    return
+                keys = _parse_lines(self._file.read_text(), "file")
+            except OSError as exc:
+                log.error("cannot read security.api_key_file %s: %s (keeping the keys read "
+                          "before)", self._file, exc)
+                return
+            self._file_sig = sig
+            if self._file_keys and [k.secret for k in keys] != \
+                    [k.secret for k in self._file_keys]:
+                log.info("API key file %s changed: %d key(s)", self._file, len(keys))
+            self._file_keys = keys
+
+    @property
+    def keys(self) -> list[KeyEntry]:
+        self._reload_file()
+        return self._static + self._file_keys
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None or bool(self._static)
+
+    def match(self, candidate: str) -> KeyEntry | None:
+        """Constant time per key, and every key is compared (no early exit)."""
+        cand = hashlib.sha256(candidate.encode()).digest()
+        found = None
+        for entry in self.keys:
+            if hmac.compare_digest(cand, entry.digest) and found is None:
+                found = entry
+        return found
+
+
+# --------------------------------------------------------------------------------------- #
+# Rate limits
+# --------------------------------------------------------------------------------------- #
+
+
+class TokenBucket:
+    """``per_minute`` capacity, refilled continuously at per_minute/60 per second."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = float(per_minute)
+        self._t = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self._t) * self.rate)
+        self._t = now
+
+    def wait_for(self, need: float) -> float:
+        """Seconds until the bucket holds at least ``need`` (0: now)."""
+        self._refill()
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
+
+    def take(self, n: float) -> None:
+        self._refill()
+        self.level -= n
+
+
+class Limiter:
+    """A key's request bucket and post-paid token bucket (either may be absent)."""
+
+    def __init__(self, rpm: int | None, tpm: int | None) -> None:
+        self.requests = TokenBucket(rpm) if rpm else None
+        self.tokens = TokenBucket(tpm) if tpm else None
+
+    def admit(self) -> tuple[float, str]:
+        """(0, '') when admitted (one request taken), else (seconds to wait, which limit)."""
+        if self.tokens is not None:
+            # post-paid: any positive balance admits; 1e-6 so "exactly 0" waits a little
+            wait = self.tokens.wait_for(1e-6)
+            if wait > 0:
+                return wait, "tokens per minute"
+        if self.requests is not None:
+            wait = self.requests.wait_for(1.0)
+            if wait > 0:
+                return wait, "requests per minute"
+            self.requests.take(1.0)
+        return 0.0, ""
+
+    def charge(self, tokens: int) -> None:
+        if self.tokens is not None and tokens > 0:
+            self.tokens.take(tokens)
+
+
+# --------------------------------------------------------------------------------------- #
+# The middleware
+# --------------------------------------------------------------------------------------- #
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
+                 code: str, type_: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+    """An error response in the caller's dialect, straight from middleware."""
+    if scope["path"].startswith("/api/"):
+        resp = ollama_error(status, message, headers)
+    else:
+        resp = openai_error(status, message, type_, None, code, headers)
+    await resp(scope, receive, send)
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from ``receive`` while a handler reads a body without Content-Length.
+
+    An HTTPException because FastAPI turns any other error raised while it reads a body
+    into a 400; this one it re-raises, and the app's handler renders it in the dialect."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, _too_large_message(limit))
+
+
+def _too_large_message(limit: int) -> str:
+    return f"request body larger than {limit} bytes (security.max_body_bytes)"
+
+
+class SecurityMiddleware:
+    def __init__(self, app: ASGIApp, settings: Settings, keys: KeyRing | None = None) -> None:
+        self.app = app
+        self.settings = settings
+        sec = settings.security
+        self.keys = keys if keys is not None else KeyRing(settings)
+        self.public = set(ALWAYS_PUBLIC)
+        if not settings.metrics.require_key:
+            self.public.add("/metrics")
+        self.max_body = sec.max_body_bytes
+        self._limiters: dict[bytes, Limiter] = {}  # by key, after it matched
+        self._anonymous: Limiter | None = None
+        if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
+            self._anonymous = Limiter(sec.anonymous_requests_per_minute,
+                                      sec.anonymous_tokens_per_minute)
+
+    @staticmethod
+    def warn_if_open(settings: Settings, keys: KeyRing) -> bool:
+        if keys.enabled or is_loopback(settings.server.host):
+            return False
+        log.warning(
+            "!!! mlxd listens on %s without API keys: ANYONE who can reach this port can use "
+            "it. Set security.api_keys, MLXD_API_KEYS or security.api_key_file, or bind "
+            "127.0.0.1. !!!", settings.server.host)
+        return True
+
+    def _limiter(self, entry: KeyEntry) -> Limiter | None:
+        lim = self._limiters.get(entry.digest)
+        if lim is None:
+            sec = self.settings.security
+            rpm = entry.requests_per_minute or sec.default_requests_per_minute
+            tpm = entry.tokens_per_minute or sec.default_tokens_per_minute
+            if not rpm and not tpm:
+                return None
+            lim = self._limiters[entry.digest] = Limiter(rpm, tpm)
+        return lim
+
+    @staticmethod
+    def _credential(scope: Scope) -> str | None:
+        bearer = api_key = None
+        for k, v in scope.get("headers", ()):
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").strip().partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    bearer = token.strip()
+            elif k == b"x-api-key":
+                api_key = v.decode("latin-1").strip() or None
+        return bearer or api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        state = scope.setdefault("state", {})
+        limiter: Limiter | None = None
+        if path not in self.public:
+            if self.keys.enabled:
+                cred = self._credential(scope)
+                entry = self.keys.match(cred) if cred else None
+                if entry is None:
+                    msg = ("invalid API key" if cred else
+                           "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
+                    await reject(scope, receive, send, 401, msg, code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                    return
+                state["key_name"] = entry.name
+                limiter = self._limiter(entry)
+            else:
+                limiter = self._anonymous
+            if limiter is not None:
+                wait, which = limiter.admit()
+                if wait > 0:
+                    secs = max(1, math.ceil(wait))
+                    who = f"key '{state['key_name']}'" if "key_name" in state else "this server"
+                    await reject(scope, receive, send, 429,
+                                 f"rate limit of {who} reached ({which}); retry in {secs}s",
+                                 code="rate_limit_exceeded", type_="rate_limit_error",
+                                 headers={"Retry-After": str(secs)})
+                    return
+
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    too_big = int(v) > self.max_body
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._too_large(scope, receive, send)
+                    return
+                break
+
+        seen = 0
+        max_body = self.max_body
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > max_body:
+                    raise _BodyTooLarge(max_body)
+            return message
+
+        started = False
+
+        async def watch_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watch_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._too_large(scope, receive, send)
+        finally:
+            if limiter is not None:
+                limiter.charge(state.get("prompt_tokens", 0) + state.get("completion_tokens", 0))
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await reject(scope, receive, send, 413, _too_large_message(self.max_body),
+                     code="request_too_large")
