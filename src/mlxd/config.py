@@ -47,6 +47,24 @@ class ServerSettings(_Section):
             "wait up to this long for the ones in flight before cancelling them."
         ),
     )
+    responses_store_size: int = Field(
+        1000,
+        ge=0,
+        description=(
+            "/v1/responses: how many responses are kept in memory for previous_response_id "
+            "and GET/DELETE /v1/responses/{id} (oldest out first); 0 stores none."
+        ),
+    )
+
+
+class ModelOptions(_Section):
+    """Per-model overrides of the engine's KV-cache options (models.options.<name>)."""
+
+    adapter_path: Path | None = Field(None, description="LoRA adapter directory.")
+    kv_bits: int | None = Field(None, ge=2, le=8, description="Quantize the KV cache.")
+    kv_group_size: Literal[32, 64, 128] | None = Field(None, description="KV quantization group.")
+    max_kv_size: int | None = Field(None, ge=16, description="Bound the KV cache (tokens).")
+    prefill_step_size: int | None = Field(None, ge=16, description="Prefill chunk size.")
 
 
 class ModelSettings(_Section):
@@ -134,6 +152,21 @@ class ModelSettings(_Section):
             "for models you trust."
         ),
     )
+    adapter_path: Path | None = Field(
+        None,
+        description=(
+            "A LoRA adapter directory (mlx-vlm's format) applied to the default model when it "
+            "loads; vision models only so far. Other models: models.options.<name>."
+        ),
+    )
+    options: dict[str, ModelOptions] = Field(
+        default_factory=dict,
+        description=(
+            "Per-model overrides by model name: adapter_path, kv_bits, kv_group_size, "
+            "max_kv_size, prefill_step_size."
+        ),
+        examples=[{"qwen2-vl-2b": {"kv_bits": 8, "max_kv_size": 8192}}],
+    )
 
 
 class EngineSettings(_Section):
@@ -153,6 +186,34 @@ class EngineSettings(_Section):
         512, ge=1, description="max_tokens when a request gives none."
     )
     warmup: bool = Field(True, description="Run one throwaway forward pass at load.")
+    prefix_cache_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description=(
+            "Per chat model: KV caches of finished requests kept for reuse by later requests "
+            "that share their token prefix (multi-turn chats, agents' system prompts), up to "
+            "this many bytes, least recently used out first; 0 turns the prefix cache off."
+        ),
+    )
+    kv_bits: int | None = Field(
+        None,
+        ge=2,
+        le=8,
+        description=(
+            "Quantize the KV cache to this many bits (mlx-vlm generation: vision models); "
+            "null: full precision."
+        ),
+    )
+    kv_group_size: Literal[32, 64, 128] = Field(
+        64, description="Group size of KV-cache quantization.")
+    max_kv_size: int | None = Field(
+        None,
+        ge=16,
+        description=(
+            "Bound the KV cache to this many tokens (a rotating cache; vision models then "
+            "run one request at a time, as mlx-vlm's batch cannot rotate); null: unbounded."
+        ),
+    )
 
 
 class BatchSettings(_Section):
@@ -184,6 +245,62 @@ class BackendSettings(_Section):
             "Linux CPU: the BLAS loaded before MLX for float32 matmuls. 'auto' takes Debian's "
             "OpenBLAS, then BLIS, then the pip 'mkl' wheel; 'off' keeps MLX's reference BLAS; "
             "or 'openblas', 'blis', 'mkl', or a path to a library with CBLAS symbols."
+        ),
+    )
+
+
+class VisionSettings(_Section):
+    """Vision-language models (mlx-vlm): images in chat messages, the image-feature cache."""
+
+    allow_remote_images: bool = Field(
+        False,
+        description=(
+            "Fetch http(s) image URLs named in messages. Off: only data: URLs and base64."
+        ),
+    )
+    allow_private_addresses: bool = Field(
+        False,
+        description=(
+            "Let remote image fetches (and their redirects) reach loopback, private, "
+            "link-local and other non-public addresses."
+        ),
+    )
+    fetch_timeout_s: float = Field(
+        10.0, gt=0, description="Connect and read timeout of one remote image fetch."
+    )
+    max_redirects: int = Field(3, ge=0, description="Redirects followed per image fetch.")
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="Largest encoded image (fetched or inline)."
+    )
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=64, description="Largest decoded image (width x height)."
+    )
+    oversize_images: Literal["resize", "reject"] = Field(
+        "resize",
+        description=(
+            "An image over max_image_pixels: 'resize' (downscale to fit, keeping the "
+            "aspect ratio) or 'reject' (400)."
+        ),
+    )
+    max_images_per_request: int = Field(
+        16, ge=1, description="Images one request may carry; more: 400."
+    )
+    feature_cache_entries: int = Field(
+        64,
+        ge=0,
+        description=(
+            "Image features kept per vision model (LRU, keyed by the image bytes' sha256), "
+            "so a resent image skips the vision encoder; 0: no cache."
+        ),
+    )
+    feature_cache_bytes: int = Field(
+        512 * 1024 * 1024, ge=0, description="Memory the cached image features may use."
+    )
+    batching: bool = Field(
+        True,
+        description=(
+            "Batch concurrent requests to one vision model (mlx-vlm's BatchGenerator) when "
+            "the model supports it; false: one request at a time."
         ),
     )
 
@@ -325,6 +442,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     backend: BackendSettings = Field(default_factory=BackendSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    vision: VisionSettings = Field(default_factory=VisionSettings)
 
     @property
     def home(self) -> Path:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,10 +92,6 @@ def run(settings: Settings) -> int:
     from mlxd import blas
 
     info = blas.preload(settings.backend.blas)  # before anything imports MLX
-    # The device worker and the event loop share the GIL. The worker needs it back the
-    # moment a step's results are ready; with the default 5 ms switch interval a busy
-    # event loop could stall the batch that long per step.
-    sys.setswitchinterval(0.001)
     setup_logging(settings.log.level, settings.log.format)
     from mlxd import process
 

@@ -63,7 +63,11 @@ def srv(tmp_path_factory, long_llama):
     settings = make_settings(home, SMOL, models={"preload": [str(long_llama)]})
     store = ModelStore(settings.models_dir)
     src = tmp_path_factory.mktemp("encsrc")
+    def cls_embedder(out: Path) -> Path:
+        return make_tiny_bert_embedder(out, pooling="cls", seed=5)
+
     for name, make in (("tiny-embed", make_tiny_bert_embedder),
+                       ("tiny-embed-cls", cls_embedder),
                        ("tiny-ce", make_tiny_cross_encoder),
                        ("tiny-xlmr-reranker", make_tiny_xlmr_cross_encoder),
                        ("tiny-qwen3-embedding", _qwen3_embedder)):
@@ -151,7 +155,7 @@ def test_sixty_four_concurrent_requests_share_batches_and_keep_their_own_vectors
     texts = [f"Sentence number {i} is about {w}." for i, w in enumerate(
         ("apples rivers planets music trains cats mountains code " * 8).split())]
     assert len(set(texts)) == 64
-    alone = np.stack([_embed(http, t, model=MINILM)[0] for t in texts[:8]])
+    alone = np.stack([_embed(http, t, model=MINILM)[0] for t in texts])  # one at a time
     assert _model_status(srv, MINILM)["max_batch_size_seen"] == 1
 
     async def main():
@@ -163,10 +167,9 @@ def test_sixty_four_concurrent_requests_share_batches_and_keep_their_own_vectors
 
     rs = asyncio.run(main())
     got = np.array([r.data[0].embedding for r in rs], dtype=np.float32)
-    np.testing.assert_allclose(got[:8], alone, atol=2e-5)  # each response is its own input's
-    # ... and every input's vector is distinct (no response got another's result)
-    sims = got @ got.T
-    assert (np.diag(sims) > 0.9999).all() and (sims - np.eye(64) * 2 < 0.9999).all()
+    np.testing.assert_allclose(got, alone, atol=2e-5)  # each response is its own input's
+    sims = got @ got.T  # ... and the inputs' vectors are all distinct
+    assert (sims - np.eye(64) * 2 < 0.9999).all()
     assert _model_status(srv, MINILM)["max_batch_size_seen"] > 1
     metrics = http.get("/metrics").text
     count = _hist(metrics, "mlxd:embed_batch_size_count", MINILM)
@@ -232,16 +235,16 @@ def test_a_decoder_embedder_pools_the_last_token_and_batches_exactly(http):
     np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, rtol=1e-5)
 
 
-def test_tiny_embedder_matches_a_numpy_bert(http, srv):
-    path = srv.runtime.models.store.get("tiny-embed")
+def test_tiny_embedders_match_a_numpy_bert_with_their_pooling(http, srv):
     texts = ["the cat sat on the mat.", "hello", "water boils at 100 degrees celsius."]
-    got = _embed(http, texts, model="tiny-embed")
-    w, cfg, tok = _load_np(path)
-    for text, vec in zip(texts, got, strict=True):
-        e = tok.encode(text)
-        h = _np_bert(w, cfg, e.ids, e.type_ids, "")
-        v = h.mean(0)
-        np.testing.assert_allclose(vec, v / np.linalg.norm(v), atol=2e-5)
+    for name, pool in (("tiny-embed", "mean"), ("tiny-embed-cls", "cls")):
+        got = _embed(http, texts, model=name)  # one request: padded into one batch
+        w, cfg, tok = _load_np(srv.runtime.models.store.get(name))
+        for text, vec in zip(texts, got, strict=True):
+            e = tok.encode(text)
+            h = _np_bert(w, cfg, e.ids, e.type_ids, "")
+            v = h.mean(0) if pool == "mean" else h[0]
+            np.testing.assert_allclose(vec, v / np.linalg.norm(v), atol=2e-5)
 
 
 # -- reranking ---------------------------------------------------------------------------------
@@ -266,6 +269,16 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
     assert abs(alone["results"][0]["relevance_score"] - scores[2]) < 1e-4
     # The chat model's weights are shared, not loaded again.
     assert [m["name"] for m in srv.health()["models"]].count(SMOL) == 1
+    # Architectures without a plain LM head take the full forward: the same scores.
+    (scorer,) = srv.runtime.encoders.scorers()
+    scorer._plain_head = False
+    try:
+        full = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital "
+                                             "of France?", "documents": PARIS}).json()
+    finally:
+        scorer._plain_head = True
+    for x in full["results"]:
+        assert abs(x["relevance_score"] - scores[x["index"]]) < 1e-4
 
 
 def test_rerank_jina_shape(http):
@@ -422,6 +435,14 @@ def test_ollama_embed_shapes(srv, http):
         "model": MINILM, "embeddings": []}  # no input: load only, as Ollama does
     r = http.post("/api/embed", json={"model": "no-such-model", "input": "x"})
     assert r.status_code == 404 and set(r.json()) == {"error"}
+    # `curl -d` (Ollama's and TEI's documented calls) sends no JSON content type
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    for path in ("/api/embed", "/v1/embeddings"):
+        r = http.post(path, content=json.dumps({"model": MINILM, "input": "Hello"}),
+                      headers=form)
+        assert r.status_code == 200, r.text
+    r = http.post("/api/embed", content=b"{not json", headers=form)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
 
 
 # -- interleaving with decode -----------------------------------------------------------------

@@ -106,7 +106,7 @@ def test_errors_are_ollama_shaped(client, srv):
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 404
-    r = httpx.post(srv.url + "/api/chat", json={"model": "m1", "format": "json",
+    r = httpx.post(srv.url + "/api/chat", json={"model": "m1", "format": "yaml",
                                                  "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and set(r.json()) == {"error"}
     assert "format" in r.json()["error"]

@@ -184,3 +184,47 @@ def test_completions_token_prompt_and_logprobs(client, tokenizer):
 def test_models_list(client):
     ids = {m.id for m in client.models.list().data}
     assert {"tiny-llama", "tiny-qwen2"} <= ids
+
+
+def test_n_choices(client):
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Tell a story"}],
+              max_tokens=6, temperature=1.0, seed=42)
+    r = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # choice i samples with seed + i
+    assert texts[0] == client.chat.completions.create(**kw).choices[0].message.content
+    one = client.chat.completions.create(**kw).usage
+    assert r.usage.prompt_tokens == one.prompt_tokens  # the prompt counts once
+    assert r.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(n=2, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    assert streamed == texts[:2]
+    finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 12
+    r = client.completions.create(model="tiny-llama", prompt="Once", n=2, max_tokens=4,
+                                  temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == r.choices[1].text
+
+
+def test_logprobs_when_streaming(client):
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+              temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.content]
+    assert [(x.token, round(x.logprob, 4)) for x in streamed] == \
+        [(x.token, round(x.logprob, 4)) for x in full]
+    assert all(len(x.top_logprobs) == 2 for x in streamed)
+    ckw = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=4, temperature=0,
+               logprobs=2)
+    ref = client.completions.create(**ckw).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **ckw))
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    assert tokens == ref.tokens and offsets == ref.text_offset

@@ -82,6 +82,9 @@ def test_every_route_is_protected_except_health_and_metrics(secured):
             err = anon.json()["error"]
             if path.startswith("/api/"):
                 assert isinstance(err, str) and "API key" in err  # Ollama's shape
+            elif path.startswith("/v1/messages"):  # Anthropic's shape
+                assert anon.json()["type"] == "error"
+                assert err["type"] == "authentication_error" and "API key" in err["message"]
             else:
                 assert err["code"] == "invalid_api_key" and err["type"] == \
                     "invalid_request_error"

@@ -126,3 +126,25 @@ def test_batch_settings_from_yaml_and_both_env_spellings(tmp_path, monkeypatch):
     e = s.engine
     assert llm_batch_policy(s).max_batch_tokens == min(
         4096, e.prefill_batch_size * e.prefill_step_size)
+
+
+def test_a_failing_pass_fails_only_its_own_requests():
+    from mlxd.engines.encoder import BatchingEncoder
+
+    class Flaky(BatchingEncoder):
+        def _forward(self, items):
+            if any(it.ids[0] == 13 for it in items):
+                raise RuntimeError("boom")
+            return [it.n for it in items]
+
+    eng = Flaky("flaky", BatchPolicy(max_batch_size=1, max_wait_s=0))
+    bad = EncodeJob([EncodeItem(0, [13]), EncodeItem(1, [1])])
+    good = EncodeJob([EncodeItem(0, [1, 1])])
+    for j in (bad, good):
+        j.handle = object()
+        eng.add(j)
+    (job1, ev1), = eng.step()
+    assert job1 is bad and "boom" in str(ev1.error)
+    (job2, ev2), = eng.step()  # bad's second input is dropped, good's runs
+    assert job2 is good and ev2.values == [2] and ev2.error is None
+    assert not eng.has_work() and eng.max_batch_seen == 1

@@ -9,8 +9,10 @@ from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
 from mlxd.api import encoders, metrics, ollama, ollama_embed, openai, simple
+from mlxd.api.anthropic import router as anthropic_router
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
+from mlxd.api.responses import router as responses_router
 from mlxd.api.streaming import ClientGone
 from mlxd.config import Settings
 from mlxd.runtime.service import Runtime
@@ -38,6 +40,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
 
     install_middleware(app, settings)  # request id/log/metrics, CORS, keys/limits
     app.include_router(openai.router)
+    app.include_router(anthropic_router)  # /v1/messages, /v1/messages/count_tokens
+    app.include_router(responses_router)  # /v1/responses
     app.include_router(simple.router)
     app.include_router(ollama.router)
     app.include_router(encoders.router)  # /v1/embeddings, /v1/rerank, /v1/tokenize

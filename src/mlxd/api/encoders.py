@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlxd.api.common import new_id, runtime
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
@@ -33,6 +36,29 @@ KeepAlive = str | int | float | None
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
+    """The body as JSON whatever the Content-Type: ``curl -d`` sends a form type, and
+    Ollama's and TEI's documented curl calls set none."""
+
+    async def parse(request: Request) -> B:
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"null")
+        except ValueError:
+            raise RequestValidationError(
+                [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                  "input": None}]) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+
+    return parse
 
 
 def f32_base64(v: np.ndarray) -> str:
@@ -64,7 +90,7 @@ class EmbeddingsBody(_Req):
 
 
 @router.post("/v1/embeddings")
-async def embeddings(body: EmbeddingsBody, request: Request):
+async def embeddings(request: Request, body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
     req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
                        dimensions=body.dimensions, keep_alive=body.keep_alive,
                        request_id=request.state.request_id)
@@ -153,17 +179,17 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
 
 
 @router.post("/v1/rerank")
-async def rerank_v1(body: RerankBody, request: Request):
+async def rerank_v1(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/rerank")
-async def rerank_plain(body: RerankBody, request: Request):
+async def rerank_plain(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/v2/rerank")
-async def rerank_v2(body: RerankBody, request: Request):
+async def rerank_v2(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
     return await _rerank(body, request, cohere_v2=True)
 
 
@@ -182,7 +208,7 @@ class TokenizeBody(_Req):
 
 
 @router.post("/v1/tokenize")
-async def tokenize(body: TokenizeBody, request: Request):
+async def tokenize(request: Request, body: TokenizeBody = Depends(json_body(TokenizeBody))):
     raw = body.input if body.input is not None else body.prompt
     messages = None
     if body.messages is not None:

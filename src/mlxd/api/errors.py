@@ -45,6 +45,30 @@ def is_ollama(request: Request) -> bool:
     return request.url.path.startswith("/api/")
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def is_anthropic(request: Request) -> bool:
+    return is_anthropic_path(request.url.path)
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    type_ = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else
+                                 "api_error")
+    return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+def anthropic_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(status, message), status_code=status,
+                        headers=headers)
+
+
 def ollama_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -58,6 +82,8 @@ def install_error_handlers(app: FastAPI) -> None:
             log.error("%s: %s", exc.code, exc.message)
         if is_ollama(request):
             return ollama_error(exc.status, exc.message, exc.headers)
+        if is_anthropic(request):
+            return anthropic_error(exc.status, exc.message, exc.headers)
         return openai_error(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -67,6 +93,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             if is_ollama(request):
                 return ollama_error(400, "the request body is not valid JSON")
+            if is_anthropic(request):
+                return anthropic_error(400, "the request body is not valid JSON")
             return openai_error(400, "the request body is not valid JSON",
                                 "invalid_request_error", None, "invalid_json")
         msgs: list[str] = []
@@ -77,6 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
                 msgs.append(msg)
         if is_ollama(request):
             return ollama_error(400, "; ".join(msgs))
+        if is_anthropic(request):
+            return anthropic_error(400, "; ".join(msgs))
         return openai_error(400, "; ".join(msgs), "invalid_request_error",
                             _loc_to_param(tuple(first.get("loc", ()))), "invalid_value")
 
@@ -86,6 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if is_ollama(request):
             return ollama_error(exc.status_code, detail, getattr(exc, "headers", None))
+        if is_anthropic(request):
+            return anthropic_error(exc.status_code, detail, getattr(exc, "headers", None))
         return openai_error(exc.status_code, detail, type_, None, None,
                             getattr(exc, "headers", None))
 
@@ -94,5 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error")
         if is_ollama(request):
             return ollama_error(500, f"internal error: {type(exc).__name__}")
+        if is_anthropic(request):
+            return anthropic_error(500, f"internal error: {type(exc).__name__}")
         return openai_error(500, f"internal error: {type(exc).__name__}", "server_error",
                             None, "internal_error")

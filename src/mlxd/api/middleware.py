@@ -135,10 +135,10 @@ class AccessMiddleware:
         client = scope.get("client")
         if client:
             fields["client"] = client[0]
-        for key in ("model", "prompt_tokens", "completion_tokens", "key_name"):
+        for key in ("model", "prompt_tokens", "completion_tokens", "key_name", "user"):
             if state.get(key) is not None:
                 fields["key" if key == "key_name" else key] = state[key]
-        extra = " ".join(f"{k}={fields[k]}" for k in ("model", "key") if k in fields)
+        extra = " ".join(f"{k}={fields[k]}" for k in ("model", "key", "user") if k in fields)
         if "prompt_tokens" in fields:
             extra += f" tokens={fields['prompt_tokens']}+{fields.get('completion_tokens', 0)}"
         log.info("%s %s %s %.1fms rid=%s%s", method, scope["path"], status,

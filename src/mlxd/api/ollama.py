@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxd import __version__
 from mlxd.api.common import runtime
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
+from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
 from mlxd.core.errors import InvalidRequest, MlxdError
-from mlxd.core.types import GenerateRequest, SamplingParams, Usage
+from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
 router = APIRouter(prefix="/api")
@@ -58,12 +59,18 @@ class _GenBase(_Body):
     format: Any = None
     keep_alive: str | int | float | None = None
 
+    def constraint(self) -> OutputConstraint | None:
+        """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""
+        if self.format in (None, ""):
+            return None
+        if self.format == "json":
+            return OutputConstraint("json_object")
+        if isinstance(self.format, dict):
+            return json_schema_constraint(self.format, param="format")
+        raise InvalidRequest("format must be \"json\" or a JSON schema", param="format")
+
     def sampling(self) -> SamplingParams:
         o = self.options or Options()
-        if self.format not in (None, ""):
-            raise InvalidRequest(
-                "format (structured output) is not supported by this server yet", param="format"
-            )
         n = o.num_predict
         # Ollama: -1 generates until a stop or the context is full, -2 fills the context;
         # unset means the server's default_max_tokens (a safety cap Ollama lacks).
@@ -96,10 +103,27 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+    def tool_fields(self) -> dict[str, Any]:
+        """An earlier turn's calls (arguments as a mapping) and a tool result's name."""
+        m: dict[str, Any] = {}
+        if self.tool_calls:
+            m["tool_calls"] = [{"type": "function", "function": {
+                "name": (tc.get("function") or {}).get("name"),
+                "arguments": (tc.get("function") or {}).get("arguments") or {}}}
+                for tc in self.tool_calls]
+        if self.tool_name:
+            m["name"] = self.tool_name
+        return m
 
 
 class ChatBody(_GenBase):
     messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    think: bool | None = None
 
 
 class ModelBody(_Body):
@@ -130,6 +154,8 @@ def _ndjson(events: AsyncIterator[dict], on_close=None) -> DisconnectAwareStream
 
 
 def _done_fields(gen: Generation, usage: Usage, reason: str | None) -> dict[str, Any]:
+    if reason == "tool_calls":
+        reason = "stop"  # Ollama reports a tool-calling turn as a normal stop
     return {"done": True, "done_reason": reason or "stop", **gen.durations_ns(),
             "prompt_eval_count": usage.prompt_tokens, "eval_count": usage.completion_tokens}
 
@@ -152,30 +178,43 @@ async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: st
     return out
 
 
-def _reject_images(images: list[str] | None, where: str) -> None:
-    if images:
-        raise InvalidRequest("this model does not accept images", param=where)
+def _with_images(content: str, images: list[str] | None, where: str,
+                 out: list[ImageInput]) -> str | list[dict]:
+    """Ollama's per-message ``images`` (base64): the message's content parts, images first
+    (only vision models accept them; the runtime answers 400 for the others)."""
+    if not images:
+        return content
+    out.extend(ImageInput(src, f"{where}[{j}]") for j, src in enumerate(images))
+    return [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
 
 
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request):
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
-    _reject_images(body.images, "images")
     params = body.sampling()
     if not body.prompt:
         return await _load_or_unload(request, body.model, body.keep_alive, "response")
+    images: list[ImageInput] = []
     if body.raw:
+        if body.images:
+            raise InvalidRequest("a raw prompt cannot carry images", param="images")
         req = GenerateRequest(model=body.model, sampling=params, prompt=body.prompt)
     else:
         msgs = ([{"role": "system", "content": body.system}] if body.system else [])
-        msgs.append({"role": "user", "content": body.prompt})
-        req = GenerateRequest(model=body.model, sampling=params, messages=msgs)
+        msgs.append({"role": "user",
+                     "content": _with_images(body.prompt, body.images, "images", images)})
+        req = GenerateRequest(model=body.model, sampling=params, messages=msgs,
+                              images=images or None)
     req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
+    req.constraint = body.constraint()
     gen = await until_disconnect(request, runtime(request).submit(req))
 
-    def part(text: str) -> dict:
-        return {"model": gen.model, "created_at": _now_iso(), "response": text, "done": False}
+    def part(text: str, thinking: str = "", calls: list | None = None) -> dict:
+        out = {"model": gen.model, "created_at": _now_iso(), "response": text, "done": False}
+        if thinking:
+            out["thinking"] = thinking
+        return out
 
     def last(usage: Usage, reason: str | None) -> dict:
         return {**part(""), **_done_fields(gen, usage, reason), "context": []}
@@ -185,21 +224,34 @@ async def generate(body: GenerateBody, request: Request):
 
 @router.post("/chat")
 async def chat(body: ChatBody, request: Request):
-    for i, m in enumerate(body.messages):
-        _reject_images(m.images, f"messages[{i}].images")
     params = body.sampling()
     if not body.messages:
         return await _load_or_unload(request, body.model, body.keep_alive, "message")
+    images: list[ImageInput] = []
     req = GenerateRequest(
         model=body.model, sampling=params,
-        messages=[{"role": m.role, "content": m.content} for m in body.messages],
+        messages=[{"role": m.role,
+                   "content": _with_images(m.content, m.images, f"messages[{i}].images", images),
+                   **m.tool_fields()}
+                  for i, m in enumerate(body.messages)],
         keep_alive=body.keep_alive, request_id=request.state.request_id,
+        images=images or None,
     )
+    req.constraint = body.constraint()
+    tools = openai_tools(body.tools)
+    apply_tools(req, tools, ("auto", None), None)
+    if body.think is not None:
+        req.template_kwargs = {"enable_thinking": body.think}
     gen = await until_disconnect(request, runtime(request).submit(req))
 
-    def part(text: str) -> dict:
-        return {"model": gen.model, "created_at": _now_iso(),
-                "message": {"role": "assistant", "content": text}, "done": False}
+    def part(text: str, thinking: str = "", calls: list | None = None) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            msg["thinking"] = thinking
+        if calls:
+            msg["tool_calls"] = [{"function": {"name": c.name,
+                                               "arguments": arguments_dict(c)}} for c in calls]
+        return {"model": gen.model, "created_at": _now_iso(), "message": msg, "done": False}
 
     def last(usage: Usage, reason: str | None) -> dict:
         return {**part(""), **_done_fields(gen, usage, reason)}
@@ -212,7 +264,9 @@ async def _respond(request: Request, gen: Generation, stream: bool, part, last, 
         async def events() -> AsyncIterator[dict]:
             try:
                 async for ev in gen:
-                    if ev.text:
+                    if ev.reasoning or ev.tool_calls:
+                        yield part(ev.text, ev.reasoning, ev.tool_calls)
+                    elif ev.text:
                         yield part(ev.text)
                     if ev.finish_reason is not None:
                         yield last(ev.usage or Usage(), ev.finish_reason)
@@ -222,16 +276,21 @@ async def _respond(request: Request, gen: Generation, stream: bool, part, last, 
         return _ndjson(events(), gen.close)
 
     async def collect() -> dict:
-        texts, usage, reason = [], Usage(), None
+        texts, thinking, calls, usage, reason = [], [], [], Usage(), None
         async for ev in gen:
             texts.append(ev.text)
+            thinking.append(ev.reasoning)
+            calls.extend(ev.tool_calls)
             if ev.finish_reason is not None:
                 usage, reason = ev.usage or usage, ev.finish_reason
         out = last(usage, reason)
         if key == "response":
             out["response"] = "".join(texts)
+            if any(thinking):
+                out["thinking"] = "".join(thinking)
         else:
-            out["message"]["content"] = "".join(texts)
+            out["message"] = {**out["message"], **part("".join(texts), "".join(thinking),
+                                                       calls)["message"]}
         return out
 
     return JSONResponse(await until_disconnect(request, collect()))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxd.api.common import runtime
+from mlxd.api.encoders import json_body
 from mlxd.api.streaming import until_disconnect
 from mlxd.core.types import EmbedRequest
 
@@ -46,7 +47,7 @@ def _name(request: Request, model: str | None) -> str:
 
 
 @router.post("/embed")
-async def embed(body: EmbedBody, request: Request):
+async def embed(request: Request, body: EmbedBody = Depends(json_body(EmbedBody))):
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if not inputs:
@@ -61,7 +62,8 @@ async def embed(body: EmbedBody, request: Request):
 
 
 @router.post("/embeddings")
-async def embeddings(body: EmbeddingsBody, request: Request):
+async def embeddings(request: Request,
+                     body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
     rt = runtime(request)
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)

@@ -9,10 +9,28 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from mlxd.api.common import collect, new_id, now, runtime, usage_dict
+from mlxd.api.common import (
+    Collected,
+    close_all,
+    collect_all,
+    merged,
+    new_id,
+    now,
+    runtime,
+    submit_n,
+    total_usage,
+    usage_dict,
+)
 from mlxd.api.errors import error_payload
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
+from mlxd.api.tooling import (
+    apply_tools,
+    openai_response_format,
+    openai_tool_calls,
+    openai_tool_choice,
+    openai_tools,
+)
 from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
 from mlxd.runtime.service import Generation
@@ -58,52 +76,93 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages=body.template_messages(),
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
+        images=body.images(),
     )
-    gen = await until_disconnect(request, runtime(request).submit(req))
+    _chat_extras(req, body)
+    gens = await submit_n(request, req, body.n)
+    gen = gens[0]
     cid, created = new_id("chatcmpl"), now()
     if body.stream:
-        return sse_response(_chat_stream(gen, cid, created, body.include_usage), gen.close)
-    res = await until_disconnect(request, collect(gen))
+        return sse_response(_chat_stream(gens, cid, created, body.include_usage),
+                            close_all(gens))
+    try:
+        results = await until_disconnect(request, collect_all(gens))
+    finally:
+        close_all(gens)()
     return JSONResponse({
         "id": cid,
         "object": "chat.completion",
         "created": created,
         "model": gen.model,
         "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": res.text},
+            "index": i,
+            "message": _chat_message(res),
             "logprobs": _chat_logprobs(res.logprobs) if gen.params.logprobs else None,
             "finish_reason": res.finish_reason,
-        }],
-        "usage": usage_dict(res.usage),
+        } for i, res in enumerate(results)],
+        "usage": usage_dict(total_usage(results)),
     })
 
 
-async def _chat_stream(gen: Generation, cid: str, created: int, include_usage: bool
+def _chat_extras(req: GenerateRequest, body: ChatCompletionRequest) -> None:
+    """Tools, tool choice, structured output, template variables and the end user."""
+    tools = openai_tools(body.tools)
+    apply_tools(req, tools, openai_tool_choice(body.tool_choice, tools),
+                body.parallel_tool_calls)
+    req.constraint = openai_response_format(body.response_format)
+    req.template_kwargs = body.chat_template_kwargs
+    req.user = body.user
+
+
+def _chat_message(res) -> dict:
+    msg: dict = {"role": "assistant",
+                 "content": res.text if (res.text or not res.tool_calls) else None}
+    if res.reasoning:
+        msg["reasoning_content"] = res.reasoning
+    if res.tool_calls:
+        msg["tool_calls"] = openai_tool_calls(res.tool_calls)
+    return msg
+
+
+async def _chat_stream(gens: list[Generation], cid: str, created: int, include_usage: bool
                        ) -> AsyncIterator[str]:
+    gen = gens[0]
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None,
+              index: int = 0) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**base, "choices": [choice], **extra})
 
     # The per-token chunk differs only in its text: frame it around one json.dumps of the
     # delta instead of building and serialising the whole object for every token.
     head, _, tail = chunk({"content": "\x00"}).partition('"\\u0000"')
     want_logprobs = gen.params.logprobs
+    n_calls = [0] * len(gens)
+    finished: list = [None] * len(gens)
 
-    yield chunk({"role": "assistant", "content": ""})
+    for i in range(len(gens)):
+        yield chunk({"role": "assistant", "content": ""}, index=i)
     try:
-        async for ev in gen:
+        async for i, ev in merged(gens):
+            if ev.reasoning:
+                yield chunk({"reasoning_content": ev.reasoning}, index=i)
             if want_logprobs and (ev.text or ev.logprobs):
-                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))
+                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs), index=i)
             elif ev.text:
-                yield head + json.dumps(ev.text) + tail
+                yield head + json.dumps(ev.text) + tail if i == 0 else \
+                    chunk({"content": ev.text}, index=i)
+            if ev.tool_calls:
+                yield chunk({"tool_calls": openai_tool_calls(ev.tool_calls, n_calls[i])},
+                            index=i)
+                n_calls[i] += len(ev.tool_calls)
             if ev.finish_reason is not None:
-                yield chunk({}, ev.finish_reason)
-                if include_usage and ev.usage is not None:
-                    yield sse({**base, "choices": [], "usage": usage_dict(ev.usage)})
+                finished[i] = ev.usage
+                yield chunk({}, ev.finish_reason, index=i)
+        if include_usage and all(u is not None for u in finished):
+            results = [Collected(usage=u) for u in finished]
+            yield sse({**base, "choices": [], "usage": usage_dict(total_usage(results))})
     except MlxdError as exc:
         yield sse(error_payload(exc))
     yield sse("[DONE]")
@@ -120,45 +179,55 @@ async def completions(body: CompletionRequest, request: Request):
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
     )
-    gen = await until_disconnect(request, runtime(request).submit(req))
+    req.user = body.user
+    gens = await submit_n(request, req, body.n)
+    gen = gens[0]
     cid, created = new_id("cmpl"), now()
     if body.stream:
         return sse_response(
-            _completion_stream(gen, cid, created, body.include_usage), gen.close
+            _completion_stream(gens, cid, created, body.include_usage), close_all(gens)
         )
-    res = await until_disconnect(request, collect(gen))
+    try:
+        results = await until_disconnect(request, collect_all(gens))
+    finally:
+        close_all(gens)()
     return JSONResponse({
         "id": cid,
         "object": "text_completion",
         "created": created,
         "model": gen.model,
         "choices": [{
-            "index": 0,
+            "index": i,
             "text": res.text,
             "logprobs": _completion_logprobs(res.logprobs) if gen.params.logprobs else None,
             "finish_reason": res.finish_reason,
-        }],
-        "usage": usage_dict(res.usage),
+        } for i, res in enumerate(results)],
+        "usage": usage_dict(total_usage(results)),
     })
 
 
-async def _completion_stream(gen: Generation, cid: str, created: int, include_usage: bool
-                             ) -> AsyncIterator[str]:
+async def _completion_stream(gens: list[Generation], cid: str, created: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    gen = gens[0]
     base = {"id": cid, "object": "text_completion", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
-    offset = 0
+    offsets = [0] * len(gens)
+    finished: list = [None] * len(gens)
     try:
-        async for ev in gen:
+        async for i, ev in merged(gens):
             if ev.text or ev.logprobs or ev.finish_reason is not None:
                 lp = None
                 if gen.params.logprobs:
-                    lp = _completion_logprobs(ev.logprobs, offset)
-                offset += len(ev.text)
-                choice = {"index": 0, "text": ev.text, "logprobs": lp,
+                    lp = _completion_logprobs(ev.logprobs, offsets[i])
+                offsets[i] += len(ev.text)
+                choice = {"index": i, "text": ev.text, "logprobs": lp,
                           "finish_reason": ev.finish_reason}
                 yield sse({**base, "choices": [choice], **extra})
-            if ev.finish_reason is not None and include_usage and ev.usage is not None:
-                yield sse({**base, "choices": [], "usage": usage_dict(ev.usage)})
+            if ev.finish_reason is not None:
+                finished[i] = ev.usage
+        if include_usage and all(u is not None for u in finished):
+            results = [Collected(usage=u) for u in finished]
+            yield sse({**base, "choices": [], "usage": usage_dict(total_usage(results))})
     except MlxdError as exc:
         yield sse(error_payload(exc))
     yield sse("[DONE]")

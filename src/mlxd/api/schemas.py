@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxd.core.errors import InvalidRequest
-from mlxd.core.types import SamplingParams
+from mlxd.core.types import ImageInput, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 
@@ -34,7 +34,7 @@ class SamplingFields(_Req):
     seed: int | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop: Stop = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=64, description="Choices to generate, one sequence each.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -51,8 +51,6 @@ class SamplingFields(_Req):
 
     def sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
                  ) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", param="n")
         bias: dict[int, float] | None = None
         if self.logit_bias:
             try:
@@ -89,6 +87,23 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+def _image_source(part: ContentPart, param: str) -> str:
+    """The URL or base64 of an image part: OpenAI's ``image_url`` (a string or
+    ``{"url": ...}``), the Responses API's ``input_image``, or ``{"type": "image", "image"}``."""
+    extra = part.model_extra or {}
+    for key in ("image_url", "image", "url"):
+        v = extra.get(key)
+        if isinstance(v, dict):
+            v = v.get("url")
+        if isinstance(v, str) and v:
+            return v
+    raise InvalidRequest("an image part needs an image_url (a data: URL, base64 or an "
+                         "http(s) URL)", param=param)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -101,6 +116,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: extra chat-template variables (enable_thinking...)."
+    )
 
     def to_sampling(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -111,27 +133,41 @@ class ChatCompletionRequest(SamplingFields):
             top_logprobs=self.top_logprobs or 0,
         )
 
+    def images(self) -> list[ImageInput] | None:
+        """The images of every message, in order, each named by its message part."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type in IMAGE_PART_TYPES:
+                        param = f"messages[{i}].content[{j}]"
+                        out.append(ImageInput(_image_source(part, param), param))
+        return out or None
+
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat templates expect them: text content as a plain string."""
+        """Messages as chat templates expect them: text content as a plain string.
+
+        A message with images keeps a list of ``{"type": "text", "text"}`` and
+        ``{"type": "image"}`` parts in order (the images themselves: :meth:`images`); only
+        vision models accept those (the runtime answers 400 for the others).
+        """
         out = []
         for i, m in enumerate(self.messages):
             d = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
-                texts = []
+                texts, parts = [], []
                 for part in m.content:
                     if part.type in ("text", "input_text") and part.text is not None:
                         texts.append(part.text)
-                    elif part.type in ("image_url", "input_image", "image"):
-                        raise InvalidRequest(
-                            "this model does not accept images",
-                            param=f"messages[{i}].content",
-                        )
+                        parts.append({"type": "text", "text": part.text})
+                    elif part.type in IMAGE_PART_TYPES:
+                        parts.append({"type": "image"})
                     else:
                         raise InvalidRequest(
                             f"unsupported content part type '{part.type}'",
                             param=f"messages[{i}].content",
                         )
-                d["content"] = "".join(texts)
+                d["content"] = "".join(texts) if len(parts) == len(texts) else parts
             elif m.content is None:
                 d["content"] = ""
             if d["role"] == "developer":

@@ -52,7 +52,7 @@ from pathlib import Path
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mlxd.api.errors import ollama_error, openai_error
+from mlxd.api.errors import anthropic_error, is_anthropic_path, ollama_error, openai_error
 from mlxd.config import ConfigError, Settings, parse_key_item
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ async def reject(scope: Scope, receive: Receive, send: Send, status: int, messag
     """An error response in the caller's dialect, straight from middleware."""
     if scope["path"].startswith("/api/"):
         resp = ollama_error(status, message, headers)
+    elif is_anthropic_path(scope["path"]):
+        resp = anthropic_error(status, message, headers)
     else:
         resp = openai_error(status, message, type_, None, code, headers)
     await resp(scope, receive, send)

@@ -46,15 +46,29 @@ def serve(
     ] = None,
     log_level: Annotated[Optional[str], typer.Option()] = None,
     log_format: Annotated[Optional[str], typer.Option(help="text|json")] = None,
+    adapter: Annotated[Optional[Path], typer.Option(
+        "--adapter", "--adapter-path", help="LoRA adapter directory for the default model.",
+    )] = None,
+    trust_remote_code: Annotated[Optional[bool], typer.Option(
+        "--trust-remote-code", help="Let models run Python code they ship (only if asked).",
+    )] = None,
+    kv_bits: Annotated[Optional[int], typer.Option(help="Quantize the KV cache (bits).")] = None,
+    kv_group_size: Annotated[Optional[int], typer.Option(help="KV quantization group.")] = None,
+    max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
+                           ] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
         "server": {"host": host, "port": port},
-        "models": {"default": model, "preload": preload or None, "dtype": dtype},
+        "models": {"default": model, "preload": preload or None, "dtype": dtype,
+                   "adapter_path": adapter, "trust_remote_code": trust_remote_code},
         "engine": {
             "max_num_seqs": max_num_seqs,
             "prefill_step_size": prefill_step_size,
             "max_queued_requests": max_queued_requests,
+            "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size,
+            "max_kv_size": max_kv_size,
         },
         "log": {"level": log_level, "format": log_format},
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,43 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class OutputConstraint:
+    """Decoding is constrained (a grammar masks the logits every step) so the output matches.
+
+    ``kind``: "json_object" (any JSON object), "json_schema" (``spec`` is the schema as JSON
+    text), "regex" or "lark" (``spec`` is the pattern / grammar).
+    """
+
+    kind: Literal["json_object", "json_schema", "regex", "lark"]
+    spec: str = ""
+
+
+ToolChoice = Literal["auto", "none", "required", "function"]
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image a request carries, not yet fetched or decoded.
+
+    ``source`` is a ``data:`` URL, raw base64 or an http(s) URL; ``param`` names where it came
+    from (``messages[0].content[1]``), for errors. In ``GenerateRequest.messages`` each image
+    sits at its place as a ``{"type": "image"}`` content part, in the order of ``images``.
+    """
+
+    source: str
+    param: str
+
+
 @dataclass
 class GenerateRequest:
-    """One sequence to generate. ``prompt`` is text; ``prompt_tokens`` wins when given."""
+    """One sequence to generate. ``prompt`` is text; ``prompt_tokens`` wins when given.
+
+    ``tools`` are function tools in OpenAI's shape (``{"type": "function", "function":
+    {"name", "description", "parameters"}}``); every dialect translates to it. With
+    ``tool_choice`` "required" or "function" (``tool_name``) the engine constrains decoding
+    to a tool call; "none" renders no tools and parses none.
+    """
 
     model: str
     sampling: SamplingParams
@@ -40,6 +74,14 @@ class GenerateRequest:
     prompt_tokens: list[int] | None = None
     request_id: str = ""
     keep_alive: str | int | float | None = None  # Ollama semantics; None: the model's own
+    tools: list[dict] | None = None
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None  # tool_choice == "function"
+    parallel_tool_calls: bool = True
+    constraint: OutputConstraint | None = None
+    template_kwargs: dict | None = None  # extra chat-template variables (enable_thinking...)
+    user: str | None = None  # the caller's end-user id, logged
+    images: list[ImageInput] | None = None  # only vision models accept them
 
 
 @dataclass
@@ -61,6 +103,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (no prefill)
 
     @property
     def total_tokens(self) -> int:
@@ -68,11 +111,24 @@ class Usage:
 
 
 @dataclass
+class ToolCall:
+    """One parsed function call; ``arguments`` is JSON text (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class TokenEvent:
     """What one decode step produced for one sequence.
 
-    ``text`` is the newly printable text (possibly empty while a multi-byte character or
-    a possible stop string is held back). ``finish_reason`` is set on the last event.
+    ``text`` is the newly printable answer text (possibly empty while a multi-byte character,
+    a possible stop string or a possible tool-call/thinking marker is held back).
+    ``reasoning`` is text of the model's thinking part (between its think markers);
+    ``tool_calls`` are calls completed at this step. ``finish_reason`` is set on the last
+    event ("tool_calls" when the model stopped after calling tools); ``stop_sequence`` names
+    the stop string that ended it, if one did.
     """
 
     text: str
@@ -81,6 +137,9 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: Exception | None = None
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    stop_sequence: str | None = None
 
 
 # -- encoders: embeddings, reranking, token counting ------------------------------------------

@@ -179,14 +179,15 @@ class BatchQueue:
 
     def drain(self) -> list[EncodeJob]:
         """Forget everything (after a failure); the jobs that were waiting or running."""
-        jobs = _jobs(list(self._queue) + [it for p in self._passes for it in p])
+        jobs = jobs_of(list(self._queue) + [it for p in self._passes for it in p])
         self._queue.clear()
         self._queued_tokens = 0
         self._passes = []
         return jobs
 
 
-def _jobs(items: Iterable[EncodeItem]) -> list[EncodeJob]:
+def jobs_of(items: Iterable[EncodeItem]) -> list[EncodeJob]:
+    """The distinct requests of ``items``, in first-seen order."""
     seen: dict[int, EncodeJob] = {}
     for it in items:
         if it.job is not None:

@@ -14,6 +14,7 @@ tokens never see the padding, so no mask is needed and results equal unbatched o
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,16 +53,11 @@ class SentenceTransformerConfig:
 
 def read_sentence_transformers(path: Path, *, decoder: bool) -> SentenceTransformerConfig:
     path = Path(path)
-    modules = []
-    raw = None
     try:
-        import json
-
         raw = json.loads((path / "modules.json").read_text())
     except (OSError, ValueError):
         raw = None
-    if isinstance(raw, list):
-        modules = [m for m in raw if isinstance(m, dict)]
+    modules = [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
     pooling: tuple[str, ...] = ()
     dense: list[tuple[Path, dict]] = []
     normalize = False

@@ -23,6 +23,7 @@ from mlxd.engines.batching import (
     EncodeJob,
     error_events,
     events_for,
+    jobs_of,
 )
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,15 @@ class BatchingEncoder:
             return []
         t0 = time.perf_counter()
         mono = time.monotonic()
-        values = self._forward(items)
+        try:
+            values = self._forward(items)
+        except Exception as exc:  # noqa: BLE001 - fail this pass's requests, keep the rest
+            log.exception("model %s: an encoder pass of %d inputs failed", self.name,
+                          len(items))
+            jobs = jobs_of(items)
+            for j in jobs:
+                self._q.cancel(j)  # their other inputs need not run
+            return error_events(jobs, exc)
         took = time.perf_counter() - t0
         self.passes += 1
         self.inputs_done += len(items)

@@ -14,6 +14,10 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
+        if _model_options(name, settings)["adapter_path"] is not None:
+            raise ModelLoadError(f"model '{name}': LoRA adapters are served for vision models "
+                                 "only so far; fuse it into the text model (mlx_lm.fuse)")
+
         e = settings.engine
         engine = LLMEngine(
             name,
@@ -23,12 +27,15 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
             prefill_step_size=e.prefill_step_size,
             dtype=settings.models.dtype,
             trust_remote_code=settings.models.trust_remote_code,
+            prefix_cache_bytes=e.prefix_cache_bytes,
         )
         if e.warmup:
             engine.warmup()
         return engine
     if kind in ("embedding", "reranker"):
         return _create_encoder(kind, name, path, settings)
+    if kind == "vision":
+        return _create_vision(name, path, settings)
     raise ModelLoadError(f"model '{name}' is a {kind} model; this server does not serve "
                          f"{kind} models yet")
 
@@ -53,5 +60,38 @@ def _create_encoder(kind: str, name: str, path: Path, settings: Settings) -> Any
         else:
             engine = CrossEncoderEngine(name, path, policy, dtype=dtype)
     if settings.engine.warmup:
+        engine.warmup()
+    return engine
+
+
+def _model_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The engine's KV options and adapter for ``name``: models.options.<name> over engine.*;
+    models.adapter_path belongs to the default model."""
+    e, m = settings.engine, settings.models
+    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_group_size": e.kv_group_size,
+                           "max_kv_size": e.max_kv_size,
+                           "prefill_step_size": e.prefill_step_size, "adapter_path": None}
+    default = Path(m.default).expanduser()
+    default_name = default.resolve().name if (
+        ("/" in m.default or m.default.startswith(".")) and default.is_dir()) else m.default
+    if name == default_name and m.adapter_path is not None:
+        out["adapter_path"] = m.adapter_path
+    opts = m.options.get(name)
+    if opts is not None:
+        out.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    return out
+
+
+def _create_vision(name: str, path: Path, settings: Settings) -> Any:
+    from mlxd.engines.vlm import VisionEngine
+
+    e, v = settings.engine, settings.vision
+    engine = VisionEngine(
+        name, path, max_num_seqs=e.max_num_seqs, prefill_batch_size=e.prefill_batch_size,
+        dtype=settings.models.dtype, trust_remote_code=settings.models.trust_remote_code,
+        batching=v.batching, feature_cache_entries=v.feature_cache_entries,
+        feature_cache_bytes=v.feature_cache_bytes, **_model_options(name, settings),
+    )
+    if e.warmup:
         engine.warmup()
     return engine

@@ -11,7 +11,8 @@
   tokens. A chat model gets Qwen3-Reranker's system prompt in its own chat template, the
   query and document in plain words ("Query: ...\nDocument: ...\nIs the document relevant
   to the query? Answer with yes or no."; the <Instruct>/<Query>/<Document> tags confuse
-  models not trained on them: SmolLM2-135M ranked at chance with them, correctly without),
+  models not trained on them: SmolLM2-135M put the relevant document first in 0-1 of 6
+  easy cases with them, 6 of 6 without; docs/benchmarks.md),
   and its "yes"/"no" spellings (yes, Yes, " yes"...) pooled. A chat model's scorer borrows
   the loaded chat engine's weights (see :meth:`LLMRerankEngine.sharing`): nothing is
   loaded twice.
@@ -111,6 +112,7 @@ CHAT_QUESTION = "Is the document relevant to the query? Answer with yes or no."
 _SENTINEL = "\ue000"  # stands for the document while the template renders
 # mlx-lm architectures whose Model is ``model`` (body) + ``lm_head`` or tied embeddings and
 # nothing else: the scorer runs the body and projects only each row's last position.
+_FULL_LOGITS_TOKENS = 512  # other architectures: positions per full forward
 _PLAIN_HEAD_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "olmo2", "smollm3"})
 
 
@@ -267,8 +269,14 @@ class LLMRerankEngine(BatchingEncoder):
                 logits = model.lm_head(h)
             else:
                 logits = model.model.embed_tokens.as_linear(h)
-        else:
-            logits = mx.take_along_axis(model(x), last, axis=1)
+        else:  # the full model (its own head, softcapping...): logits at every position,
+            # so a few rows at a time to bound the (rows, length, vocab) array
+            rows = max(1, _FULL_LOGITS_TOKENS // L)
+            parts = []
+            for i in range(0, B, rows):
+                parts.append(mx.take_along_axis(model(x[i:i + rows]), last[i:i + rows], axis=1))
+                mx.eval(parts[-1])
+            logits = mx.concatenate(parts)
         logits = logits[:, 0, :].astype(mx.float32)
         yes = mx.logsumexp(logits[:, self.yes_ids], axis=-1)
         no = mx.logsumexp(logits[:, self.no_ids], axis=-1)

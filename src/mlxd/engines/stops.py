@@ -13,6 +13,7 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...] | list[str]) -> None:
         self.stops = [s for s in stops if s]
         self._buf = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
@@ -24,6 +25,7 @@ class StopMatcher:
             i = self._buf.find(s)
             if i != -1 and (hit == -1 or i < hit):
                 hit = i
+                self.matched = s
         if hit != -1:
             out, self._buf = self._buf[:hit], ""
             return out, True

@@ -55,6 +55,21 @@ embed_inference_duration = Histogram("mlxd:embed_inference_duration_seconds",
                                      "Forward-pass time of one encoder batch.", ["model"],
                                      buckets=_LATENCY, registry=REGISTRY)
 
+# -- vision models ----------------------------------------------------------------------------
+vision_feature_cache_hits = Counter(
+    "mlxd:vision_feature_cache_hits",
+    "Images whose features came from the vision-feature cache (encoder not run).", ["model"],
+    registry=REGISTRY)
+vision_feature_cache_misses = Counter(
+    "mlxd:vision_feature_cache_misses",
+    "Images the vision encoder ran for (not in the feature cache).", ["model"],
+    registry=REGISTRY)
+vision_feature_cache_bytes = Gauge("mlxd:vision_feature_cache_bytes",
+                                   "Memory held by cached image features.", ["model"],
+                                   registry=REGISTRY)
+vision_images_total = Counter("mlxd:vision_images", "Images accepted in requests.",
+                              ["model"], registry=REGISTRY)
+
 # -- the model cache ------------------------------------------------------------------------
 models_loaded = Gauge("mlxd:models_loaded", "Models loaded now.", ["kind"], registry=REGISTRY)
 model_memory_bytes = Gauge("mlxd:model_memory_bytes", "Weight memory of a loaded model.",

@@ -287,7 +287,7 @@ class EncoderService:
             note(model=entry.name)
             kind = entry.kind
             if messages is not None:
-                if kind != "chat":
+                if not hasattr(engine, "encode_messages"):
                     raise InvalidRequest(f"messages need a chat model; '{entry.name}' is a "
                                          f"{kind} model", param="messages")
                 ids = [await asyncio.to_thread(engine.encode_messages, messages)]
@@ -307,9 +307,12 @@ def _tokenize_texts(engine: Any, kind: str, texts: list[str], special: bool) -> 
     tok = getattr(engine, "tokenizer", None)
     if isinstance(tok, TextTokenizer):
         return tok.tokenize(texts, add_special_tokens=special)
-    if kind == "chat" and special:
-        return [engine.encode_prompt(t) for t in texts]
+    if special and hasattr(engine, "encode_prompt"):  # chat and vision models
+        return [list(engine.encode_prompt(t)) for t in texts]
     hf = getattr(tok, "_tokenizer", tok)
+    if hf is None or not hasattr(hf, "encode"):
+        raise InvalidRequest(f"model '{getattr(engine, 'name', '?')}' ({kind}) has no "
+                             "tokenizer to count with", param="model")
     return [list(hf.encode(t, add_special_tokens=special)) for t in texts]
 
 

@@ -120,6 +120,10 @@ class Runtime:
                     "max_batch_size_seen": lm.engine.max_batch_seen,
                     "memory_bytes": lm.size,
                     "context_length": lm.engine.context_length,
+                    **({"prefix_cache": lm.engine.prefix_cache_stats()}
+                       if hasattr(lm.engine, "prefix_cache_stats") else {}),
+                    **({"vision_feature_cache": lm.engine.feature_cache_stats()}
+                       if hasattr(lm.engine, "feature_cache_stats") else {}),
                     "loaded_at": lm.loaded_at,
                 }
                 for lm in self.models.loaded()
@@ -139,6 +143,12 @@ class Runtime:
                               headers={"Retry-After": "2"})
         self.check_limits(req)
         note(model=self.models.resolve(req.model))
+        if req.images:
+            from mlxd.runtime.images import check_images
+
+            check_images(self, req)  # 400 before any load: too many, or a text-only model
+        if req.user:
+            note(user=req.user)
         if self._inflight >= self.admission_limit:
             raise QueueFull(
                 "too many requests queued; retry shortly", headers={"Retry-After": "1"}
@@ -150,14 +160,21 @@ class Runtime:
             lease = await self.models.acquire(req.model, req.keep_alive)
             t_acquired = time.perf_counter()
             engine = lease.engine
-            tokens = await asyncio.to_thread(self._tokenize, engine, req)
+            self._check_engine_features(engine, req)
+            if req.images or getattr(engine, "kind", None) == "vision":
+                from mlxd.runtime.images import vision_prompt  # fetch, decode, process
+
+                tokens, plan = await asyncio.to_thread(vision_prompt, self.settings, engine,
+                                                       req), None
+            else:
+                tokens, plan = await asyncio.to_thread(self._tokenize_and_prepare, engine, req)
             params = self._fit_to_context(engine, req, len(tokens))
         except BaseException:
             self._inflight -= 1
             if lease is not None:
                 lease.release()
             raise
-        gen = Generation(self, lease, tokens, params)
+        gen = Generation(self, lease, tokens, params, plan)
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         return gen
 
@@ -245,6 +262,37 @@ class Runtime:
         return {"name": name, "path": str(path), "manifest": manifest, "config": config,
                 "chat_template": template or ""}
 
+    async def count_tokens(self, req: GenerateRequest) -> tuple[str, int]:
+        """(model name, prompt tokens) of ``req`` as it would be generated: templated with
+        its tools; loads the model if it has to."""
+        lease = await self.models.acquire(req.model, req.keep_alive)
+        try:
+            note(model=lease.engine.name)
+            tokens = await asyncio.to_thread(self._tokenize, lease.engine, req)
+            return lease.engine.name, len(tokens)
+        finally:
+            lease.release()
+
+    @staticmethod
+    def _check_engine_features(engine: Any, req: GenerateRequest) -> None:
+        """Tools and structured output need an engine that prepares them: never ignored."""
+        if hasattr(engine, "prepare") and getattr(engine, "kind", "chat") != "vision":
+            return
+        if req.constraint is not None:
+            raise InvalidRequest(f"model '{engine.name}' does not support structured output "
+                                 "yet", param="response_format")
+        if req.tools and req.tool_choice != "none":
+            raise InvalidRequest(f"model '{engine.name}' does not support tools yet",
+                                 param="tools")
+
+    @classmethod
+    def _tokenize_and_prepare(cls, engine: Any, req: GenerateRequest) -> tuple[list[int], Any]:
+        """Off the event loop: the prompt's tokens, and the engine's per-request plan (its
+        grammar, compiled here so that an unsupported schema is a 400 before any output)."""
+        tokens = cls._tokenize(engine, req)
+        prepare = getattr(engine, "prepare", None)
+        return tokens, (prepare(req, tokens) if prepare is not None else None)
+
     @staticmethod
     def _tokenize(engine: Any, req: GenerateRequest) -> list[int]:
         if req.prompt_tokens is not None:
@@ -253,7 +301,8 @@ class Runtime:
             if bad:
                 raise InvalidRequest(f"token ids out of range: {bad[:5]}", param="prompt")
         elif req.messages is not None:
-            tokens = engine.encode_messages(req.messages)
+            encode = getattr(engine, "encode_request", None)
+            tokens = encode(req) if encode is not None else engine.encode_messages(req.messages)
         else:
             tokens = engine.encode_prompt(req.prompt or "")
         if not tokens:
@@ -292,13 +341,15 @@ class Runtime:
 class Generation:
     """One admitted sequence: iterate it for events; leaving early cancels it on the device."""
 
-    def __init__(self, runtime: Runtime, lease: Any, tokens: list[int], params: Any) -> None:
+    def __init__(self, runtime: Runtime, lease: Any, tokens: list[int], params: Any,
+                 plan: Any = None) -> None:
         self._runtime = runtime
         self._lease = lease
         self.engine = engine = lease.engine
         self.model = engine.name
         self.prompt_tokens = tokens
         self.params = params
+        self.plan = plan  # the engine's per-request extras (grammar, output parsing)
         self._released = False
         now = time.perf_counter()
         self.t_submitted = self.t_acquired = self.t_first = self.t_done = now
@@ -325,7 +376,10 @@ class Generation:
         worker = self._runtime.worker
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        seq = self.engine.new_sequence(self.prompt_tokens, self.params)
+        if self.plan is not None:
+            seq = self.engine.new_sequence(self.prompt_tokens, self.params, self.plan)
+        else:
+            seq = self.engine.new_sequence(self.prompt_tokens, self.params)
         seq.handle = (loop, q)
         worker.submit(self.engine, seq)
         done = False

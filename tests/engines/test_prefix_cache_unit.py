@@ -1,0 +1,56 @@
+"""PrefixCache: longest-prefix lookup, trimming, redundancy, byte bound."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from mlxd.engines.prefix_cache import PrefixCache
+
+
+def kv(n: int, layers: int = 2) -> list[KVCache]:
+    out = []
+    for _ in range(layers):
+        c = KVCache()
+        c.keys = mx.arange(n * 4, dtype=mx.float32).reshape(1, 1, n, 4)
+        c.values = c.keys + 1
+        c.offset = n
+        out.append(c)
+    return out
+
+
+def test_longest_prefix_is_served_and_cut_back():
+    pc = PrefixCache(1 << 20)
+    pc.insert(list(range(10)), kv(10))
+    pc.insert([1, 2, 3, 4], kv(4))
+    cache, n = pc.lookup([0, 1, 2, 3, 4, 5, 99, 98])
+    assert n == 6
+    assert cache[0].offset == 6 and cache[0].keys.shape[2] == 6
+    assert mx.array_equal(cache[0].keys, kv(10)[0].keys[..., :6, :])
+    # the whole prompt cached: the last token still runs
+    cache, n = pc.lookup(list(range(10)))
+    assert n == 9
+    assert pc.lookup([7, 7, 7]) == (None, 0)
+    assert pc.hits == 2 and pc.misses == 1 and pc.tokens_saved == 15
+
+
+def test_a_view_never_changes_the_entry():
+    pc = PrefixCache(1 << 20)
+    pc.insert(list(range(8)), kv(8))
+    cache, n = pc.lookup(list(range(5)) + [50])
+    cache[0].update_and_fetch(mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+    again, _ = pc.lookup(list(range(8)) + [1])
+    assert mx.array_equal(again[0].keys, kv(8)[0].keys)
+
+
+def test_prefixes_are_redundant_and_bytes_are_bounded():
+    one = sum(c.nbytes for c in kv(10))
+    pc = PrefixCache(3 * one)
+    pc.insert(list(range(5)), kv(5))
+    pc.insert(list(range(10)), kv(10))  # extends the first: it goes
+    assert len(pc) == 1
+    for start in (100, 200, 300):
+        pc.insert(list(range(start, start + 10)), kv(10))
+    assert pc.nbytes <= 3 * one and len(pc) == 3
+    assert pc.lookup(list(range(10)))[1] == 0  # least recently used went first
+    assert PrefixCache(0).enabled is False
