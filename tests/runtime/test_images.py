@@ -83,15 +83,14 @@ def test_decode_converts_to_rgb_and_reports_broken_images():
 def test_oversized_images_resize_or_reject():
     big = _png((300, 200))
     small = images.decode_image(big, "p", VisionSettings(max_image_pixels=60 * 40))
-    assert small.size[0] * small.size[1] <= 60 * 40 and abs(small.size[0] / small.size[1] - 1.5) < 0.1
+    assert small.size[0] * small.size[1] <= 60 * 40
+    assert abs(small.size[0] / small.size[1] - 1.5) < 0.1  # the aspect ratio is kept
     jpeg = images.decode_image(_png((800, 600), "JPEG"), "p",
                                VisionSettings(max_image_pixels=100 * 75))
     assert jpeg.size[0] * jpeg.size[1] <= 100 * 75
     with pytest.raises(InvalidRequest, match="300x200"):
         images.decode_image(big, "p", VisionSettings(max_image_pixels=60 * 40,
                                                      oversize_images="reject"))
-    with pytest.raises(InvalidRequest, match="far more"):  # a PNG can't decode small
-        images.decode_image(_png((2000, 2000)), "p", VisionSettings(max_image_pixels=100))
 
 
 @pytest.mark.parametrize("addr, public", [

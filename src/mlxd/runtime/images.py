@@ -40,6 +40,9 @@ from mlxd.core.types import GenerateRequest, ImageInput
 
 _BASE64_CHARS = re.compile(r"^[A-Za-z0-9+/=_\-\s]+$")
 _REDIRECTS = (301, 302, 303, 307, 308)
+# An oversized image is decoded whole before it is shrunk (JPEG excepted: it decodes at a
+# reduced scale); beyond this many pixels that costs too much memory, so it is refused.
+_MAX_DECODE_PIXELS = 64_000_000
 
 
 def _field(param: str) -> str:
@@ -279,7 +282,7 @@ def fetch_image(url: str, param: str, vs: VisionSettings) -> bytes:
                 if time.monotonic() > deadline:
                     raise InvalidRequest(f"{param}: fetching the image took too long",
                                          param=param)
-                chunk = resp.read(65536)
+                chunk = resp.read1(65536)  # one recv at most: the deadline holds
                 if not chunk:
                     break
                 total += len(chunk)
@@ -321,7 +324,7 @@ def decode_image(data: bytes, param: str, vs: VisionSettings) -> Any:
             scale = math.sqrt(limit / (w * h))
             target = (max(1, int(w * scale)), max(1, int(h * scale)))
             img.draft("RGB", target)  # JPEG: decode at a reduced size directly
-            if img.size[0] * img.size[1] > 16 * limit:  # would take too much memory to shrink
+            if img.size[0] * img.size[1] > max(16 * limit, _MAX_DECODE_PIXELS):
                 raise InvalidRequest(
                     f"{param}: the image is {w}x{h} pixels, far more than this server "
                     f"accepts ({limit} pixels); downscale it before sending", param=param)
