@@ -62,16 +62,19 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
         levels = []
         for c in args.levels:
             # warm-up, as the engine gets: the same workload with other prompts
-            for seed in (args.seed + 1, args.seed):
+            runs = [(args.seed + 1, args.requests_per_client, args.max_tokens)]
+            if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
+                runs = [(args.seed + 1, 1, 8)]
+            for seed, per_client, max_tokens in [*runs, (args.seed, args.requests_per_client,
+                                                         args.max_tokens)]:
                 if args.client_procs > 1:
-                    r = serve_bench.run_level_procs(url, model, c, args.requests_per_client,
-                                                    args.max_tokens, seed, args.min_words,
-                                                    args.max_words, args.client_procs)
+                    r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
+                                                    args.min_words, args.max_words,
+                                                    args.client_procs)
                 else:
-                    r = asyncio.run(serve_bench.run_level(url, model, c,
-                                                          args.requests_per_client,
-                                                          args.max_tokens, seed,
-                                                          args.min_words, args.max_words))
+                    r = asyncio.run(serve_bench.run_level(url, model, c, per_client,
+                                                          max_tokens, seed, args.min_words,
+                                                          args.max_words))
             print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
                   f"errors {r['errors']}", flush=True)
             levels.append(r)
@@ -139,7 +142,10 @@ def level(c, per_client, max_tokens, seed):
 
 for c in a["levels"]:
     # warm-up: the same workload with other prompts (kernels compile per shape)
-    level(c, a["per_client"], a["max_tokens"], a["seed"] + 1)
+    if a["short_warmup"]:
+        level(c, 1, 8, a["seed"] + 1)
+    else:
+        level(c, a["per_client"], a["max_tokens"], a["seed"] + 1)
     out.append(level(c, a["per_client"], a["max_tokens"], a["seed"]))
     print(json.dumps(out[-1]), flush=True)
 print("RESULT " + json.dumps(out))
@@ -149,7 +155,7 @@ print("RESULT " + json.dumps(out))
 def bench_engine(args) -> list[dict]:
     params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": args.seed,
               "min_words": args.min_words, "max_words": args.max_words,
-              "max_tokens": args.max_tokens}
+              "max_tokens": args.max_tokens, "short_warmup": args.short_warmup}
     proc = subprocess.run([sys.executable, "-c", ENGINE, args.model_dir,
                            str(Path(__file__).parent), json.dumps(params)],
                           capture_output=True, text=True)
@@ -172,6 +178,8 @@ def main() -> None:
                     help="also run mlx_lm.server with the optimised BLAS preloaded")
     ap.add_argument("--skip", default="", help="comma list of engine,mlxd,mlx_lm")
     ap.add_argument("--logdir", default="/tmp")
+    ap.add_argument("--short-warmup", action="store_true",
+                    help="warm up with one 8-token request per client (CPU: nothing compiles)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="spread the clients over this many processes")
     ap.add_argument("--out", default=None)

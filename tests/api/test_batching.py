@@ -111,3 +111,19 @@ def test_admission_queue_full_is_429_with_retry_after(start_server, long_llama):
     r = httpx.post(srv.url + "/v1/completions",
                    json={"model": "long-llama", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
+
+
+def test_streaming_disconnect_frees_every_choice(start_server, long_llama):
+    srv = start_server(long_llama)
+    body = {"model": "long-llama", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 4000, "stream": True, "n": 2,
+            "response_format": {"type": "json_object"}}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(8)]
+            assert any(line.startswith("data: ") for line in got)
+            assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 2, 5)
+    assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=5)
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)

@@ -87,7 +87,8 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
-        return self.worker.alive and not self.draining
+        """Able to serve: the worker runs, is not mid-restart (models reloading), no drain."""
+        return self.worker.alive and not self.supervisor.restarting and not self.draining
 
     @property
     def admission_limit(self) -> int:
