@@ -125,22 +125,8 @@ def run_level_procs(url: str, model: str, concurrency: int, per_client: int, max
 
 async def run_level(url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
                     seed: int, min_words: int, max_words: int) -> dict:
-    prompts = make_prompts(concurrency * per_client, seed, min_words, max_words)
-    results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-
-        async def worker(i: int) -> None:
-            for j in range(per_client):
-                try:
-                    results.append(await one_request(client, url, model,
-                                                     prompts[i * per_client + j], max_tokens))
-                except Exception as exc:  # noqa: BLE001 - counted, not fatal
-                    results.append({"error": repr(exc)})
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        wall = time.perf_counter() - t0
+    results, wall = await _run_clients(url, model, concurrency, 0, per_client, max_tokens,
+                                       seed, min_words, max_words)
     return _summarise(concurrency, results, wall)
 
 

@@ -19,3 +19,25 @@ def backend_name() -> str:
 def wants_float32() -> bool:
     """On the CPU backend float32 matmuls go to BLAS; half and quantized ones crawl."""
     return backend_name() == "cpu"
+
+
+def apply_dtype(model, config: dict, dtype: str) -> str:
+    """Cast float weights per the ``models.dtype`` policy; quantized models stay as they are.
+
+    'auto' means float32 on the CPU backend (half and quantized matmuls are 10-50x slower
+    there) and the checkpoint's own dtype elsewhere. Returns the dtype now in use.
+    """
+    import mlx.core as mx
+
+    if "quantization" in config:
+        return "quantized"
+    target = None
+    if dtype == "float32" or (dtype == "auto" and wants_float32()):
+        target = mx.float32
+    elif dtype in ("float16", "bfloat16"):
+        target = getattr(mx, dtype)
+    if target is None:
+        return "native"
+    floats = (mx.float16, mx.bfloat16, mx.float32)
+    model.apply(lambda x: x.astype(target) if x.dtype in floats else x)
+    return str(target).split(".")[-1]

@@ -36,7 +36,7 @@ from mlxd.core.types import (
     TopLogprob,
     Usage,
 )
-from mlxd.engines.backend import wants_float32
+from mlxd.engines.backend import apply_dtype
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.sampling import build_logits_processors, build_sampler
 from mlxd.engines.stops import StopMatcher
@@ -56,7 +56,6 @@ from mlxd.engines.tool_calls import (
 
 log = logging.getLogger(__name__)
 
-_FLOAT_HALF = (mx.float16, mx.bfloat16)
 
 
 @dataclass
@@ -143,20 +142,7 @@ class LLMEngine:
     # -- construction helpers ------------------------------------------------------------
     def _apply_dtype(self, dtype: str) -> str:
         """Cast half-precision float weights up where the backend is much faster in float32."""
-        quantized = "quantization" in self.config
-        target = None
-        if dtype == "float32" or (dtype == "auto" and wants_float32()):
-            target = mx.float32
-        elif dtype in ("float16", "bfloat16"):
-            target = getattr(mx, dtype)
-        if target is None or quantized:
-            return "quantized" if quantized else "native"
-
-        def cast(x: mx.array) -> mx.array:
-            return x.astype(target) if x.dtype in _FLOAT_HALF + (mx.float32,) else x
-
-        self.model.apply(cast)
-        return str(target).split(".")[-1]
+        return apply_dtype(self.model, self.config, dtype)
 
     def _new_generator(self) -> BatchGenerator:
         """Built on the worker thread, on *that thread's* default stream.

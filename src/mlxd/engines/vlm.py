@@ -35,14 +35,13 @@ from mlx.utils import tree_flatten
 
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
 from mlxd.core.types import SamplingParams, TokenEvent, TokenLogprob, TopLogprob, Usage
-from mlxd.engines.backend import wants_float32
+from mlxd.engines.backend import apply_dtype
 from mlxd.engines.sampling import build_logits_processors, build_sampler
 from mlxd.engines.stops import StopMatcher
 from mlxd.engines.vlm_features import FeatureCache, FeatureEncoder
 
 log = logging.getLogger(__name__)
 
-_FLOAT_HALF = (mx.float16, mx.bfloat16)
 _NEG_INF = float("-inf")
 
 
@@ -195,20 +194,7 @@ class VisionEngine:
     # -- construction helpers ------------------------------------------------------------
     def _apply_dtype(self, dtype: str) -> str:
         """As for text models: half-precision weights go float32 where that is much faster."""
-        quantized = "quantization" in self.config
-        target = None
-        if dtype == "float32" or (dtype == "auto" and wants_float32()):
-            target = mx.float32
-        elif dtype in ("float16", "bfloat16"):
-            target = getattr(mx, dtype)
-        if target is None or quantized:
-            return "quantized" if quantized else "native"
-
-        def cast(x: mx.array) -> mx.array:
-            return x.astype(target) if x.dtype in _FLOAT_HALF + (mx.float32,) else x
-
-        self.model.apply(cast)
-        return str(target).split(".")[-1]
+        return apply_dtype(self.model, self.config, dtype)
 
     def _vocab_size(self) -> int:
         text = getattr(self.model.config, "text_config", None)
