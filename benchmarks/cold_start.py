@@ -2,7 +2,8 @@
 
     python benchmarks/cold_start.py [--model smollm2-135m-instruct] [--runs 3]
 
-The model must already be in the store (run `mlxd pull` once); the time to fetch it is a
+Three different questions of similar length, with the prefix cache off. The model must
+already be in the store (run `mlxd pull` once); the time to fetch it is a
 network matter and reported separately by `mlxd pull`.
 """
 
@@ -23,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_compare import free_port, wait_healthy  # noqa: E402
 
 
-def request(url: str, model: str) -> float:
-    body = {"model": model, "messages": [{"role": "user", "content": "What is MLX?"}],
+def request(url: str, model: str, i: int) -> float:
+    question = ("What is MLX?", "Name a river.", "Why is the sky blue?")[i % 3]
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": 16, "temperature": 0.7}
     t0 = time.perf_counter()
     httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
@@ -41,7 +43,9 @@ def main() -> None:
     for _ in range(args.runs):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        # The prefix cache would serve the later requests' shared template prefix from the
+        # first one's KV cache and flatter them: this measures warm-up alone.
+        env = dict(os.environ, HF_HUB_OFFLINE="1", MLXD_ENGINE__PREFIX_CACHE_BYTES="0")
         if args.no_warmup:
             env["MLXD_ENGINE__WARMUP"] = "false"
         t0 = time.perf_counter()
@@ -50,7 +54,7 @@ def main() -> None:
         try:
             wait_healthy(url, proc, "/health")
             ready = time.perf_counter() - t0
-            first, second, third = (request(url, args.model) for _ in range(3))
+            first, second, third = (request(url, args.model, i) for i in range(3))
         finally:
             proc.terminate()
             proc.wait(30)

@@ -58,7 +58,8 @@ def memory_bandwidth_gbs() -> float:
 
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, time
+QUICK = os.environ.get("MLXD_BENCH_QUICK") == "1"
 from mlxd import blas
 info = blas.preload(sys.argv[2])
 import mlx.core as mx
@@ -72,14 +73,15 @@ def prefill():
     from mlx_lm.models.cache import make_prompt_cache
     c = make_prompt_cache(model)
     t = time.perf_counter(); mx.eval(model(mx.array([prompt]), cache=c)); return time.perf_counter() - t
-prefill(); pre = min(prefill() for _ in range(3))
+REPS = 1 if QUICK else 3
+prefill(); pre = min(prefill() for _ in range(REPS))
 # decode batch 1
 def decode1(n=48):
     last = None
     for r in stream_generate(model, tok, prompt[:16], max_tokens=n):
         last = r
     return last.generation_tps
-decode1(8); d1 = sorted(decode1() for _ in range(3))[1]
+decode1(8); d1 = sorted(decode1(16 if QUICK else 48) for _ in range(REPS))[REPS // 2]
 # decode batch 16 through the BatchGenerator
 def decode16(n=32, b=16):
     g = BatchGenerator(model, max_tokens=n, completion_batch_size=b, prefill_batch_size=b)
@@ -92,7 +94,7 @@ def decode16(n=32, b=16):
         toks += len(resp); done += sum(r.finish_reason is not None for r in resp)
     g.close()
     return toks / (time.perf_counter() - t0)
-decode16(4); d16 = sorted(decode16() for _ in range(3))[1]
+decode16(2); d16 = sorted(decode16(8 if QUICK else 32) for _ in range(REPS))[REPS // 2]
 print(json.dumps({"blas": info.describe(), "blas_name": info.name, "weights_bytes": nbytes,
                   "prefill_tps": 256 / pre, "decode_tps_b1": d1, "decode_tps_b16": d16}))
 """
@@ -112,7 +114,11 @@ def main() -> None:
     ap.add_argument("--blas", default="off,openblas,blis,mkl")
     ap.add_argument("--dtypes", default="float32,bfloat16,native")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="one repetition, fewer tokens (for the slow half/4-bit dtypes)")
     args = ap.parse_args()
+    if args.quick:
+        os.environ["MLXD_BENCH_QUICK"] = "1"
     bw = memory_bandwidth_gbs()
     print(f"memory bandwidth (numpy copy, read+write): {bw:.1f} GB/s")
     rows = []

@@ -35,7 +35,9 @@ def rss_bytes(pid: int) -> int:
 def snapshot(url: str, pid: int) -> dict:
     h = httpx.get(url + "/health", timeout=30).json()
     return {"rss_bytes": rss_bytes(pid), "mlx": h.get("memory", {}),
-            "weights_bytes": sum(m.get("memory_bytes", 0) for m in h.get("models", []))}
+            "weights_bytes": sum(m.get("memory_bytes", 0) for m in h.get("models", [])),
+            "prefix_cache_bytes": sum((m.get("prefix_cache") or {}).get("bytes", 0)
+                                      for m in h.get("models", []))}
 
 
 async def soak(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -78,10 +80,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefix-cache-bytes", type=int, default=None,
+                    help="engine.prefix_cache_bytes for the server (0: off)")
     args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if args.prefix_cache_bytes is not None:
+        env["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = str(args.prefix_cache_bytes)
     proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", args.model,
                              "--port", str(port), "--log-level", "warning"], env=env)
     try:
@@ -102,7 +108,10 @@ def main() -> None:
         proc.wait(30)
     res = {"idle": idle, "warm": warm, "after": after, "counts": counts, "seconds": took,
            "overhead_idle_bytes": idle["rss_bytes"] - idle["weights_bytes"],
-           "growth_vs_warm": (after["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"]}
+           "growth_vs_warm": (after["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"],
+           "growth_vs_warm_excluding_prefix_cache":
+               (after["rss_bytes"] - after["prefix_cache_bytes"] - warm["rss_bytes"]
+                + warm["prefix_cache_bytes"]) / warm["rss_bytes"]}
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -433,7 +433,16 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """One throwaway generation through the batch path, so request one costs what two does."""
-        ids = self.encode_prompt("Hello") or [self.eos_token_ids[0] if self.eos_token_ids else 0]
+        # Through the chat template when there is one: its first rendering compiles the
+        # jinja template, which would otherwise land on the first request.
+        ids: list[int] = []
+        if getattr(self.tokenizer, "has_chat_template", False):
+            try:
+                ids = self.encode_messages([{"role": "user", "content": "Hello"}])
+            except Exception:  # noqa: BLE001 - an odd template must not stop the load
+                ids = []
+        ids = ids or self.encode_prompt("Hello") or [self.eos_token_ids[0] if self.eos_token_ids
+                                                     else 0]
         # A greedy and a sampled row: both sampling paths and a batch of two get exercised.
         seqs = [
             self.new_sequence(ids, SamplingParams(max_tokens=3, temperature=0.0)),
