@@ -9,6 +9,7 @@ the worker to turn text into token ids.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import time
@@ -52,7 +53,7 @@ def llm_batch_policy(settings: Any) -> BatchPolicy:
     return p
 
 
-class BatchingEncoder:
+class BatchingEncoder(abc.ABC):
     """Base of the embedding and reranking engines (see module docstring)."""
 
     kind = "embedding"
@@ -118,13 +119,14 @@ class BatchingEncoder:
         self._q.drain()
 
     # -- subclass API --------------------------------------------------------------------
-    def _forward(self, items: list[EncodeItem]) -> list[Any]:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _forward(self, items: list[EncodeItem]) -> list[Any]:
+        """One forward pass over ``items``: a result per item, in order."""
 
     def new_job(self, encoded: list[tuple[list[int], list[int] | None]]) -> EncodeJob:
         return EncodeJob([EncodeItem(i, ids, types) for i, (ids, types) in enumerate(encoded)])
 
-    def warmup(self) -> None:
+    def warmup(self) -> None:  # noqa: B027 - optional hook; engines with kernels override it
         """Run a few tiny batches through the full path (compiles kernels, fills caches)."""
 
 
