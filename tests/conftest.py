@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+os.environ["MLXD_TEST_FAULTS"] = "1"  # engine cores started by tests take failure drills
 
 # The optimised BLAS the server loads (mlxd.blas), loaded here too before anything imports
 # MLX: real-weight tests (SmolLM2 as an LLM reranker) run ~20x faster. MLXD_BLAS=off keeps
@@ -69,6 +70,25 @@ class LiveServer:
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
+
+    def core(self, method: str, **args):
+        """A call to this server's engine core (status, loaded, fault drills...)."""
+        import asyncio
+
+        rt = self.runtime
+        return asyncio.run_coroutine_threadsafe(rt.client.call(method, **args),
+                                                rt.loop).result(60)
+
+    def fault(self, kind: str, **args) -> None:
+        """A failure drill in the engine core (enginecore/calls.py ``fault``)."""
+        import contextlib
+
+        with contextlib.suppress(Exception):  # "kill" and "abort" never answer
+            self.core("fault", kind=kind, **args)
+
+    @property
+    def core_pid(self) -> int:
+        return self.runtime.client.core_pid
 
 
 def make_settings(home: Path, model: str | Path, **sections):
@@ -134,8 +154,10 @@ def agent_server(tmp_path_factory, tool_qwen2, plain_llama) -> Iterator[LiveServ
     """Tools, structured output, Anthropic and Responses: a template with tools (default
     model) and one without (tools through the fallback prompt)."""
     home = tmp_path_factory.mktemp("agent-home")
+    # prefix_cache_min_tokens 0: the tiny prompts here must still hit the prefix cache
     srv = LiveServer(make_settings(home, tool_qwen2, models={"preload": [str(plain_llama)]},
-                                   engine={"max_num_seqs": 32})).start()
+                                   engine={"max_num_seqs": 32,
+                                           "prefix_cache_min_tokens": 0})).start()
     yield srv
     srv.stop()
 

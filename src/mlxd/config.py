@@ -47,6 +47,16 @@ class ServerSettings(_Section):
             "wait up to this long for the ones in flight before cancelling them."
         ),
     )
+    api_workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Front-end processes (HTTP, tokenizers, streaming) sharing one engine core per "
+            "device; more serve more clients' HTTP and tokenizing work without loading any "
+            "model twice."
+        ),
+    )
     responses_store_size: int = Field(
         1000,
         ge=0,
@@ -193,6 +203,15 @@ class EngineSettings(_Section):
             "Per chat model: KV caches of finished requests kept for reuse by later requests "
             "that share their token prefix (multi-turn chats, agents' system prompts), up to "
             "this many bytes, least recently used out first; 0 turns the prefix cache off."
+        ),
+    )
+    prefix_cache_min_tokens: int = Field(
+        64,
+        ge=0,
+        description=(
+            "A prefix-cache hit shorter than this many tokens is ignored: merging a cached "
+            "prefix into the batch costs more than prefilling a few dozen tokens (every chat "
+            "request shares its template's preamble)."
         ),
     )
     kv_bits: int | None = Field(

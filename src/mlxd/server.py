@@ -128,6 +128,8 @@ def run(settings: Settings) -> int:
             (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
         log.info("MLX backend: %s", backend)
 
+        if settings.server.api_workers > 1:
+            return _run_workers(settings, host, port)
         try:
             app = create_app(settings)
         except ConfigError as exc:
@@ -153,3 +155,30 @@ def run(settings: Settings) -> int:
         return 0 if server.started else 1
     finally:
         cleanup()
+
+
+def _run_workers(settings: Settings, host: str, port: int) -> int:
+    """``--api-workers N``: one engine core, N front-end processes on one listening socket
+    (uvicorn's process manager); each front end drains on SIGTERM as uvicorn does."""
+    from uvicorn.supervisors import Multiprocess
+
+    from mlxd.enginecore.supervisor import CoreSupervisor
+    from mlxd.frontend.runtime import CORE_DIR_ENV
+
+    supervisor = CoreSupervisor(settings)
+    supervisor.start()
+    os.environ[CORE_DIR_ENV] = str(supervisor.run_dir)
+    try:
+        config = uvicorn.Config(
+            "mlxd.frontend.workers:app_factory", factory=True, host=host, port=port,
+            workers=settings.server.api_workers, log_config=None,
+            log_level=settings.log.level, access_log=False,
+            timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) or None,
+        )
+        sock = config.bind_socket()
+        log.info("mlxd starting on http://%s:%d with %d front ends (pid %d)", host, port,
+                 settings.server.api_workers, os.getpid())
+        Multiprocess(config, sockets=[sock]).run()
+        return 0
+    finally:
+        supervisor.stop()

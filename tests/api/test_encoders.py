@@ -270,13 +270,13 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
     # The chat model's weights are shared, not loaded again.
     assert [m["name"] for m in srv.health()["models"]].count(SMOL) == 1
     # Architectures without a plain LM head take the full forward: the same scores.
-    (scorer,) = srv.runtime.encoders.scorers()
-    scorer._plain_head = False
+    assert srv.core("scorers") == 1
+    srv.fault("scorer_plain_head", value=False)
     try:
         full = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital "
                                              "of France?", "documents": PARIS}).json()
     finally:
-        scorer._plain_head = True
+        srv.fault("scorer_plain_head", value=True)
     for x in full["results"]:
         assert abs(x["relevance_score"] - scores[x["index"]]) < 1e-4
 
@@ -407,8 +407,11 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = http.post("/v1/tokenize", json={"model": SMOL, "messages": msgs}).json()
     tok = Tokenizer.from_file(str(srv.runtime.models.store.get(SMOL) / "tokenizer.json"))
-    lm = srv.runtime.models.get_loaded(SMOL).engine
-    assert r["data"][0]["count"] == len(lm.encode_messages(msgs)) > len(
+    from mlxd.engines.text import load_tokenizer
+
+    chat_tok = load_tokenizer(srv.runtime.models.store.get(SMOL))
+    templated = chat_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert r["data"][0]["count"] == len(templated) > len(
         tok.encode(msgs[0]["content"]).ids)
     assert http.post("/v1/tokenize", json={"model": MINILM, "messages": msgs}
                      ).status_code == 400

@@ -66,12 +66,14 @@ def test_request_id_round_trips(server):
     assert len(r.headers["x-request-id"]) >= 16
 
 
-def test_health_is_503_when_the_device_worker_is_dead(start_server, tiny_llama):
+def test_health_is_503_while_the_engine_core_is_down(start_server, tiny_llama):
     srv = start_server(tiny_llama)
     assert httpx.get(srv.url + "/health").status_code == 200
-    srv.runtime.worker.stop()  # what a crashed worker looks like from outside
+    srv.runtime.supervisor.first_delay = 3.0  # keep it down long enough to look
+    srv.fault("kill")
     r = httpx.get(srv.url + "/health")
-    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert r.status_code == 503 and r.json()["status"] in ("unavailable", "restarting")
+    assert r.json()["engine_core"]["alive"] is False
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "service_unavailable"

@@ -29,9 +29,8 @@ def test_text_and_previous_response_id(client):
                                  previous_response_id=r1.id, max_output_tokens=6,
                                  temperature=0)
     assert r2.previous_response_id == r1.id
-    # the history (first input and answer) came along, and its prefix came from the cache
+    # the history (first input and answer) came along
     assert r2.usage.input_tokens > r1.usage.input_tokens + r1.usage.output_tokens
-    assert r2.usage.input_tokens_details.cached_tokens > 0
     ref = client.chat.completions.create(model="plain-llama", max_tokens=6, temperature=0,
                                          messages=[{"role": "user", "content": "Hello there"},
                                                    {"role": "assistant",
@@ -39,6 +38,11 @@ def test_text_and_previous_response_id(client):
                                                    {"role": "user", "content": "And then?"}])
     assert r2.output_text == ref.choices[0].message.content
     assert r2.usage.input_tokens == ref.usage.prompt_tokens  # instructions not carried over
+    # a third turn: the second's whole prompt and answer come from the prefix cache
+    r3 = client.responses.create(model="plain-llama", input="More?",
+                                 previous_response_id=r2.id, max_output_tokens=4,
+                                 temperature=0)
+    assert r3.usage.input_tokens_details.cached_tokens >= r2.usage.input_tokens
 
     got = client.responses.retrieve(r1.id)
     assert got.id == r1.id and got.output_text == r1.output_text

@@ -65,10 +65,15 @@ def metric(srv: LiveServer, name: str, model: str = VLM) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def engine(srv: LiveServer, name: str = VLM):
-    lm = srv.runtime.models.get_loaded(name)
-    assert lm is not None, f"{name} is not loaded"
-    return lm.engine
+def engine(srv: LiveServer, name: str = VLM) -> dict:
+    """The engine core's view of the loaded model (as /health reports it)."""
+    found = {m["name"]: m for m in srv.health()["models"]}
+    assert name in found, f"{name} is not loaded"
+    return found[name]
+
+
+def encoder_runs(srv: LiveServer) -> int:
+    return engine(srv)["vision_feature_cache"]["encoder_runs"]
 
 
 # -- fixtures -----------------------------------------------------------------------------------
@@ -183,14 +188,13 @@ def test_input_image_parts_and_raw_base64(vsrv):
 
 def test_resent_image_hits_the_feature_cache(vsrv):
     img = data_url(png(5, (56, 56)))
-    eng = engine(vsrv)
     hits, misses = (metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
                     metric(vsrv, "mlxd:vision_feature_cache_misses_total"))
-    runs = eng.features.encoder_runs
+    runs = encoder_runs(vsrv)
     with vsrv.client() as c:
         first = c.post(CHAT, json=ask(image_part(img))).json()
         assert metric(vsrv, "mlxd:vision_feature_cache_misses_total") == misses + 1
-        assert eng.features.encoder_runs == runs + 1
+        assert encoder_runs(vsrv) == runs + 1
         # a second turn of the same conversation resends the image
         turn2 = {"model": VLM, "max_tokens": 8, "temperature": 0, "messages": [
             {"role": "user", "content": [image_part(img), {"type": "text", "text": "What?"}]},
@@ -200,12 +204,12 @@ def test_resent_image_hits_the_feature_cache(vsrv):
         again = c.post(CHAT, json=ask(image_part(img))).json()
     assert metric(vsrv, "mlxd:vision_feature_cache_hits_total") == hits + 2
     assert metric(vsrv, "mlxd:vision_feature_cache_misses_total") == misses + 1
-    assert eng.features.encoder_runs == runs + 1  # the encoder did not run again
+    assert encoder_runs(vsrv) == runs + 1  # the encoder did not run again
     assert again["choices"][0]["message"] == first["choices"][0]["message"]  # same features
     assert metric(vsrv, "mlxd:vision_feature_cache_bytes") > 0
     stats = {m["name"]: m for m in vsrv.health()["models"]}[VLM]["vision_feature_cache"]
     assert stats["mode"] == "per_image" and stats["entries"] >= 1
-    assert stats["encoder_runs"] == eng.features.encoder_runs
+    assert stats["encoder_runs"] == runs + 1
 
 
 def test_stop_strings_and_client_disconnect(vsrv):
@@ -222,11 +226,14 @@ def test_stop_strings_and_client_disconnect(vsrv):
             for line in r.iter_lines():
                 if '"content"' in line:
                     break
-    eng = engine(vsrv)
+    def busy() -> bool:
+        eng = engine(vsrv)
+        return eng["running"] + eng["waiting"] > 0
+
     deadline = time.time() + 10
-    while eng.has_work() and time.time() < deadline:
+    while busy() and time.time() < deadline:
         time.sleep(0.02)
-    assert not eng.has_work()
+    assert not busy()
 
 
 def _tokens(r: dict) -> list[tuple[str, float]]:
@@ -247,8 +254,6 @@ def _same_until_a_tie(solo: list, batched: list) -> bool:
 
 
 def test_concurrent_vision_and_text_requests_complete_batched(vsrv):
-    eng = engine(vsrv)
-    eng.max_batch_seen = 0
     imgs = [data_url(png(10 + i)) for i in range(4)]
 
     def vbody(i: int) -> dict:
@@ -273,7 +278,8 @@ def test_concurrent_vision_and_text_requests_complete_batched(vsrv):
         assert r["usage"]["completion_tokens"] == 24
     for a, b in zip(solo, batched, strict=True):
         assert _same_until_a_tie(_tokens(a), _tokens(b))
-    assert eng.batching and eng.max_batch_seen >= 2
+    eng = engine(vsrv)
+    assert eng["vision_feature_cache"]["batching"] and eng["max_batch_size_seen"] >= 2
 
 
 def test_seeded_sampling_and_logprobs(vsrv):
@@ -464,7 +470,7 @@ def test_sequential_mode_with_kv_options_lazy_load(private):
                                   "max_tokens": 4})
     assert all(r.status_code == 200 for r in rs) and text.status_code == 200
     eng = engine(srv)
-    assert not eng.batching and eng.max_batch_seen == 1
+    assert not eng["vision_feature_cache"]["batching"] and eng["max_batch_size_seen"] == 1
 
 
 def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir, tmp_path,
@@ -477,7 +483,8 @@ def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir,
     with plain.client() as c:
         base = c.post(CHAT, json=body)
     eng = engine(plain)
-    assert base.status_code == 200 and eng.batching and eng._settings["kv_bits"] == 8
+    assert base.status_code == 200 and eng["vision_feature_cache"]["batching"]
+    assert eng["options"]["kv_bits"] == 8
     plain.stop()
     adapted = LiveServer(make_settings(tmp_path / "a", vlm_dir,
                                        models={"adapter_path": str(adapter)})).start()
@@ -485,7 +492,7 @@ def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir,
         with adapted.client() as c:
             tuned = c.post(CHAT, json={**body, "model": "default"})
         assert tuned.status_code == 200, tuned.text
-        assert tuned.json()["model"] == VLM and engine(adapted).adapter_path is not None
+        assert tuned.json()["model"] == VLM and engine(adapted)["adapter_path"] is not None
         assert tuned.json()["choices"][0]["message"] != base.json()["choices"][0]["message"]
     finally:
         adapted.stop()

@@ -54,3 +54,18 @@ def test_prefixes_are_redundant_and_bytes_are_bounded():
     assert pc.nbytes <= 3 * one and len(pc) == 3
     assert pc.lookup(list(range(10)))[1] == 0  # least recently used went first
     assert PrefixCache(0).enabled is False
+
+
+def test_short_hits_are_ignored_and_the_block_index_finds_long_ones():
+    pc = PrefixCache(1 << 22, min_hit_tokens=32)
+    pc.insert(list(range(20)), kv(20))
+    assert pc.lookup(list(range(20)) + [7]) == (None, 0)  # 20 < 32 tokens: not worth it
+    for start in range(1000, 1600, 100):  # many entries, none related
+        pc.insert(list(range(start, start + 50)), kv(50))
+    long = list(range(200, 300))
+    pc.insert(long, kv(100))
+    cache, n = pc.lookup(long[:70] + [5, 6])
+    assert n == 70 and cache[0].offset == 70
+    cache, n = pc.lookup(long[:40] + [9])  # through the index, then the exact prefix
+    assert n == 40
+    assert pc.lookup(list(range(200, 225)) + [1])[1] == 0  # a 25-token match: too short

@@ -27,7 +27,7 @@ from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, openai_response_format
 from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, ToolCall, Usage
-from mlxd.runtime.service import Generation
+from mlxd.frontend.generation import Generation
 
 router = APIRouter()
 

@@ -15,7 +15,7 @@ from mlxd.api.middleware import install_middleware
 from mlxd.api.responses import router as responses_router
 from mlxd.api.streaming import ClientGone
 from mlxd.config import Settings
-from mlxd.runtime.service import Runtime
+from mlxd.frontend.runtime import Runtime
 
 
 def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:

@@ -12,7 +12,8 @@ from fastapi import Request
 
 from mlxd.api.streaming import until_disconnect
 from mlxd.core.types import GenerateRequest, TokenEvent, TokenLogprob, ToolCall, Usage
-from mlxd.runtime.service import Generation, Runtime
+from mlxd.frontend.generation import Generation
+from mlxd.frontend.runtime import Runtime
 
 
 def runtime(request: Request) -> Runtime:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, HTTPException, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from mlxd.observability.metrics import REGISTRY
+from mlxd.observability.metrics import REGISTRY, merged_text
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,18 @@ router = APIRouter()
 async def metrics(request: Request) -> Response:
     if not request.app.state.settings.metrics.enabled:
         raise HTTPException(404, "metrics are disabled (metrics.enabled: false)")
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Response(await render(request.app.state.runtime), media_type=CONTENT_TYPE_LATEST)
+
+
+async def render(runtime) -> bytes:
+    """The front end's families and the engine core's, in one exposition."""
+    core = b""
+    if runtime.client.alive:
+        try:
+            core = await runtime.client.call("metrics")
+        except Exception:  # noqa: BLE001 - a dead or busy core: the front end's own still go
+            log.warning("could not read the engine core's metrics")
+    return merged_text(core.decode())
 
 
 def start_metrics_port(settings) -> object | None:

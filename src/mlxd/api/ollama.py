@@ -23,7 +23,7 @@ from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
-from mlxd.runtime.service import Generation
+from mlxd.frontend.generation import Generation
 
 router = APIRouter(prefix="/api")
 
@@ -166,7 +166,7 @@ async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: st
     from mlxd.runtime.keepalive import parse_keep_alive
 
     if parse_keep_alive(keep_alive) == 0:
-        if rt.models.get_loaded(model) is not None:
+        if await rt.models.get_loaded(model) is not None:
             await rt.models.unload(model)
         reason = "unload"
     else:
@@ -394,16 +394,16 @@ async def delete(body: ModelBody, request: Request):
 async def ps(request: Request):
     rt = runtime(request)
     out = []
-    for lm in rt.models.loaded():
+    for lm in await rt.models.loaded():
         manifest = rt.models.store.manifest(lm.name) or {"format": "mlx"}
-        expires = lm.expires_at
+        expires = lm.expires_at if lm.expires_at is not None else float("inf")
         out.append({
             "name": lm.name, "model": lm.name, "size": lm.size,
             "digest": (manifest.get("digest") or "").removeprefix("sha256:"),
-            "details": _details(manifest, getattr(lm.engine, "config", None)),
+            "details": _details(manifest, lm.config),
             # Ollama reports far-future times for "forever" and for busy models
             "expires_at": _now_iso(expires if expires != float("inf") else 253402300799),
             "size_vram": lm.size if rt.backend != "cpu" else 0,
-            "context_length": getattr(lm.engine, "context_length", None),
+            "context_length": lm.context_length,
         })
     return {"models": out}

@@ -33,7 +33,7 @@ from mlxd.api.tooling import (
 )
 from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
-from mlxd.runtime.service import Generation
+from mlxd.frontend.generation import Generation
 
 router = APIRouter()
 
@@ -233,8 +233,8 @@ async def _completion_stream(gens: list[Generation], cid: str, created: int,
     yield sse("[DONE]")
 
 
-def _model_card(rt, name: str) -> dict:
-    lm = rt.models.get_loaded(name)
+def _model_card(rt, name: str, loaded: dict) -> dict:
+    lm = loaded.get(name)
     created = int(lm.loaded_at) if lm else 0
     manifest = rt.models.store.manifest(name) if not lm else None
     if manifest and manifest.get("created"):
@@ -254,16 +254,17 @@ def _parse_ts(ts: str) -> int:
 @router.get("/v1/models")
 async def list_models(request: Request):
     rt = runtime(request)
-    names = [lm.name for lm in rt.models.loaded()]
+    loaded = {lm.name: lm for lm in await rt.models.loaded()}
+    names = list(loaded)
     names += [m["name"] for m in rt.models.installed() if m["name"] not in names]
-    return {"object": "list", "data": [_model_card(rt, n) for n in names]}
+    return {"object": "list", "data": [_model_card(rt, n, loaded) for n in names]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
     rt = runtime(request)
-    loaded = {lm.name for lm in rt.models.loaded()}
+    loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}
-    if model_id not in loaded | installed:
+    if model_id not in set(loaded) | installed:
         raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
-    return _model_card(rt, model_id)
+    return _model_card(rt, model_id, loaded)

@@ -37,7 +37,7 @@ from mlxd.api.tooling import (
 )
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
-from mlxd.runtime.service import Generation
+from mlxd.frontend.generation import Generation
 
 router = APIRouter()
 

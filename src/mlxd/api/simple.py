@@ -16,7 +16,7 @@ from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest
-from mlxd.runtime.service import Generation
+from mlxd.frontend.generation import Generation
 
 router = APIRouter()
 
@@ -24,7 +24,7 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     rt = runtime(request)
-    status = rt.status()
+    status = await rt.status()
     return JSONResponse(status, status_code=200 if rt.healthy else 503)
 
 
@@ -86,4 +86,4 @@ async def unload(request: Request):
     except ValueError as exc:
         raise InvalidRequest(f"invalid body: {exc}") from None
     result = await runtime(request).models.unload(body.model)
-    return {**result, "memory": runtime(request).memory()}
+    return result

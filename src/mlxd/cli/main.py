@@ -56,10 +56,13 @@ def serve(
     kv_group_size: Annotated[Optional[int], typer.Option(help="KV quantization group.")] = None,
     max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
                            ] = None,
+    api_workers: Annotated[Optional[int], typer.Option(
+        help="Front-end processes (HTTP, tokenizing, streaming) sharing one engine core.",
+    )] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
-        "server": {"host": host, "port": port},
+        "server": {"host": host, "port": port, "api_workers": api_workers},
         "models": {"default": model, "preload": preload or None, "dtype": dtype,
                    "adapter_path": adapter, "trust_remote_code": trust_remote_code},
         "engine": {

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
@@ -183,3 +184,43 @@ class EncodeEvent:
     values: list = field(default_factory=list)
     error: Exception | None = None
     finish_reason: FinishReason | None = None
+
+
+# -- encoder results (what the core's encoder service answers) --------------------------------
+
+
+@dataclass
+class Timings:
+    t_submitted: float = field(default_factory=time.perf_counter)
+    t_acquired: float = 0.0
+    t_done: float = 0.0
+
+    def durations_ns(self) -> dict[str, int]:
+        ns = 1_000_000_000
+        return {"total_duration": int((self.t_done - self.t_submitted) * ns),
+                "load_duration": int(max(self.t_acquired - self.t_submitted, 0) * ns)}
+
+
+@dataclass
+class EmbedResult:
+    model: str
+    vectors: Any  # numpy array (inputs, dimensions) float32, in input order
+    prompt_tokens: int
+    timings: Timings
+
+
+@dataclass
+class RerankResult:
+    model: str
+    scores: list[float]  # in document order
+    prompt_tokens: int
+    timings: Timings
+
+
+@dataclass
+class TokenizeResult:
+    model: str
+    kind: str
+    tokens: list[list[int]]
+    context_length: int
+    token_strings: list[list[str]] | None = None

@@ -7,7 +7,15 @@ turn of a chat resends the history; agents resend a long system prompt and tool 
 takes the longest cached prefix and only prefills the rest: mlx-lm's
 ``BatchGenerator.insert(caches=..., all_tokens=...)`` merges it into the batch.
 
-Matching is by longest common token prefix over all entries. An entry longer than the
+Matching goes through a token-block hash index (as vLLM's and mlx-vlm's block hashing
+do): each entry's prompt is cut into blocks of :data:`BLOCK` tokens, each block hashed
+together with the blocks before it, so a lookup hashes the new prompt's blocks and walks
+the index to the deepest block it shares with an entry, in time proportional to the
+prompt, not to the number of entries; the exact common prefix is then measured against
+that one entry. A hit shorter than ``min_hit_tokens`` is ignored: merging a cached prefix
+into the batch costs more than prefilling a few dozen tokens (every chat request shares
+the ~30 tokens of its template's preamble). Nothing here synchronises the device: an
+insert only keeps references to the arrays. An entry longer than the
 match is cut back: a request gets slices of the cached arrays (no copy; merging into the
 batch copies them, and nothing ever writes into a cached array).
 Models whose caches cannot be trimmed (recurrent layers) only reuse entries that are a
@@ -26,9 +34,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+
+BLOCK = 16
 
 
 @dataclass
@@ -37,6 +46,18 @@ class _Entry:
     cache: list[Any]
     nbytes: int
     trimmable: bool
+    hashes: list[int]
+
+
+def _block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens)."""
+    n = len(tokens) if limit is None else min(limit, len(tokens))
+    out, h = [], 0
+    seq = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
+    for i in range(0, n - n % BLOCK, BLOCK):
+        h = hash((h, *seq[i:i + BLOCK]))
+        out.append(h)
+    return out
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,9 +89,11 @@ def _view(cache: list[Any], length: int) -> list[Any]:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, min_hit_tokens: int = 0) -> None:
         self.max_bytes = max(0, int(max_bytes))
+        self.min_hit_tokens = max(0, int(min_hit_tokens))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._index: dict[int, list[int]] = {}  # block hash -> entry keys holding it
         self._next_key = 0
         self.nbytes = 0
         self.hits = 0
@@ -95,16 +118,18 @@ class PrefixCache:
             if self.enabled:
                 self.misses += 1
             return None, 0
-        want = np.asarray(tokens, dtype=np.int64)
         limit = len(tokens) - 1  # the last prompt token always runs
+        candidates = self._candidates(tokens, limit)
+        want = np.asarray(tokens, dtype=np.int64)
         best_key, best_n = None, 0
-        for key, e in self._entries.items():
+        for key in candidates:
+            e = self._entries[key]
             n = min(_common_prefix(e.tokens, want), limit)
             if not e.trimmable and n < len(e.tokens):
                 continue  # only a whole entry can serve, and only if it fits
             if n > best_n:
                 best_key, best_n = key, n
-        if best_key is None or best_n == 0:
+        if best_key is None or best_n == 0 or best_n < self.min_hit_tokens:
             self.misses += 1
             return None, 0
         entry = self._entries[best_key]
@@ -113,13 +138,29 @@ class PrefixCache:
         self.tokens_saved += best_n
         return _view(entry.cache, best_n), best_n
 
+    def _candidates(self, tokens: list[int], limit: int, prefixes: bool = False
+                    ) -> list[int]:
+        """Entries sharing the deepest block with ``tokens``, plus short entries (which the
+        block index cannot see) and, with ``prefixes``, entries that end inside a block the
+        walk passed (those that may be a prefix of ``tokens``)."""
+        found: list[int] = []
+        ends: list[int] = []
+        for level, h in enumerate(_block_hashes(tokens, limit), 1):
+            keys = self._index.get(h)
+            if not keys:
+                break
+            found = keys
+            if prefixes:
+                ends += [k for k in keys if len(self._entries[k].hashes) == level]
+        short = [k for k, e in self._entries.items() if len(e.tokens) < BLOCK]
+        return list(dict.fromkeys([*found, *ends, *short]))
+
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         if not self.enabled or not cache or len(tokens) < 2:
             return
         sizes = {c.size() for c in cache if hasattr(c, "size")}
         if sizes and sizes != {len(tokens)}:
             return  # a sliding-window cache that no longer holds the whole sequence
-        mx.eval([c.state for c in cache])
         nbytes = sum(c.nbytes for c in cache)
         if nbytes > self.max_bytes:
             return
@@ -127,13 +168,17 @@ class PrefixCache:
         trimmable = can_trim_prompt_cache(cache)
         # Drop entries that this one makes redundant: the same tokens, or a prefix of them
         # (when this one can be cut back to serve it).
-        for key, e in list(self._entries.items()):
+        for key in self._candidates(tokens, len(tokens), prefixes=True):
+            e = self._entries[key]
             n = _common_prefix(e.tokens, arr)
             if n == len(e.tokens) and (trimmable or n == len(arr)):
                 self._drop(key)
         key = self._next_key
         self._next_key += 1
-        self._entries[key] = _Entry(arr, cache, nbytes, trimmable)
+        hashes = _block_hashes(arr)
+        self._entries[key] = _Entry(arr, cache, nbytes, trimmable, hashes)
+        for h in hashes:
+            self._index.setdefault(h, []).append(key)
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes and self._entries:
             self._drop(next(iter(self._entries)))
@@ -141,7 +186,15 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
+        for h in e.hashes:
+            keys = self._index.get(h)
+            if keys is not None:
+                if key in keys:
+                    keys.remove(key)
+                if not keys:
+                    del self._index[h]
 
     def clear(self) -> None:
         self._entries.clear()
+        self._index.clear()
         self.nbytes = 0

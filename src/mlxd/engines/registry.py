@@ -14,10 +14,6 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
-        if _model_options(name, settings)["adapter_path"] is not None:
-            raise ModelLoadError(f"model '{name}': LoRA adapters are served for vision models "
-                                 "only so far; fuse it into the text model (mlx_lm.fuse)")
-
         e = settings.engine
         engine = LLMEngine(
             name,
@@ -28,6 +24,8 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
             dtype=settings.models.dtype,
             trust_remote_code=settings.models.trust_remote_code,
             prefix_cache_bytes=e.prefix_cache_bytes,
+            prefix_cache_min_tokens=e.prefix_cache_min_tokens,
+            adapter_path=_model_options(name, settings)["adapter_path"],
         )
         if e.warmup:
             engine.warmup()

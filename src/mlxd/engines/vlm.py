@@ -34,10 +34,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
-from mlxd.core.types import SamplingParams, TokenEvent, TokenLogprob, TopLogprob, Usage
+from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
+from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
 from mlxd.engines.sampling import build_logits_processors, build_sampler
-from mlxd.engines.stops import StopMatcher
 from mlxd.engines.vlm_features import FeatureCache, FeatureEncoder
 
 log = logging.getLogger(__name__)
@@ -89,23 +89,12 @@ def _argmax(logprobs: mx.array) -> mx.array:
 
 
 @dataclass(eq=False)
-class VisionSequence:
-    prompt_tokens: VisionPrompt
-    params: SamplingParams
-    handle: Any = None
-    uid: int = -1
-    generated: int = 0
-    finished: bool = False
-    _detok: Any = field(default=None, repr=False)
-    _stops: StopMatcher | None = field(default=None, repr=False)
+class VisionSequence(Sequence):
     _row: _RowSampler | None = field(default=None, repr=False)
     _steps: Any = field(default=None, repr=False)  # sequential mode: the generate_step iterator
 
-    def usage(self) -> Usage:
-        return Usage(prompt_tokens=len(self.prompt_tokens), completion_tokens=self.generated)
 
-
-class VisionEngine:
+class VisionEngine(DecodeEngine):
     """One loaded vision-language model: its processor, feature cache and batch."""
 
     kind = "vision"
@@ -128,6 +117,7 @@ class VisionEngine:
         feature_cache_entries: int = 64,
         feature_cache_bytes: int = 512 << 20,
     ) -> None:
+        super().__init__()
         self.name = name
         self.path = Path(path)
         try:
@@ -310,16 +300,14 @@ class VisionEngine:
         return self.tokenizer.decode(ids)
 
     # -- worker-thread API ---------------------------------------------------------------
-    def new_sequence(self, prompt_tokens: list[int], params: SamplingParams) -> VisionSequence:
+    def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
+                     grammar: Any = None, arm_after: tuple[int, ...] | None = None
+                     ) -> VisionSequence:
         if not isinstance(prompt_tokens, VisionPrompt):
             prompt_tokens = VisionPrompt(list(prompt_tokens))
         return VisionSequence(prompt_tokens=prompt_tokens, params=params)
 
     def add(self, seq: VisionSequence) -> None:
-        from mlx_vlm.tokenizer_utils import make_streaming_detokenizer
-
-        seq._detok = make_streaming_detokenizer(self.processor)
-        seq._stops = StopMatcher(seq.params.stop)
         seq._row = _RowSampler(seq.params, self.vocab_size)
         self._pending.append(seq)
 
@@ -351,8 +339,8 @@ class VisionEngine:
                 "encoder_runs": self.features.encoder_runs,
                 "batching": self.batching}
 
-    def step(self) -> list[tuple[VisionSequence, TokenEvent]]:
-        out: list[tuple[VisionSequence, TokenEvent]] = []
+    def step(self) -> list[tuple[VisionSequence, StepOutput]]:
+        out: list[tuple[VisionSequence, StepOutput]] = []
         self.steps += 1
         if self.batching:
             self._admit(out)
@@ -498,57 +486,22 @@ class VisionEngine:
 
     # shared ----------------------------------------------------------------------------
     def _on_token(self, seq: VisionSequence, token: int | None, finish: str | None
-                  ) -> TokenEvent:
-        detok, stops = seq._detok, seq._stops
-        assert stops is not None
+                  ) -> StepOutput:
         raw_lp = seq._row.pending.popleft() if (seq._row and seq._row.pending) else None
-        if token is not None:
-            seq.generated += 1
-        if finish == "stop" or token is None:  # an EOS token: never shown
-            detok.finalize()
-        else:
-            detok.add_token(token)
-            if finish == "length":
-                detok.finalize()
-        text = detok.last_segment
-        text, hit = stops.feed(text)
-        if hit:
-            finish = "stop"
-        elif finish is not None:
-            text += stops.flush()
-        event = TokenEvent(text=text, token_ids=[token] if token is not None else [],
-                           finish_reason=finish)
-        if seq.params.logprobs and token is not None and raw_lp is not None:
-            event.logprobs = [self._logprob(token, raw_lp, seq.params.top_logprobs)]
-        if finish is not None:
-            event.usage = seq.usage()
-        return event
-
-    def _logprob(self, token: int, logprobs: mx.array, top: int) -> TokenLogprob:
-        entry = TokenLogprob(token_id=token, token=self.tokenizer.decode([token]),
-                             logprob=logprobs[token].item())
-        if top > 0:
-            idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
-            vals = logprobs[idx]
-            order = mx.argsort(-vals)
-            for i, v in zip(idx[order].tolist(), vals[order].tolist(), strict=True):
-                entry.top.append(TopLogprob(i, self.tokenizer.decode([i]), v))
-        return entry
+        return self._emit(seq, token, finish, raw_lp)
 
     @staticmethod
-    def _error(exc: Exception) -> TokenEvent:
-        """The runtime turns it into the request's error (500, or 503 out of memory)."""
-        return TokenEvent(text="", finish_reason="error", error=exc)
+    def _error(exc: Exception) -> StepOutput:
+        """The core turns it into the request's error (500, or 503 out of memory)."""
+        return StepOutput(None, "error", error=exc)
 
-    def fail_all(self, exc: Exception) -> list[tuple[VisionSequence, TokenEvent]]:
-        """After an exception inside a step: end every sequence and start a clean batch."""
-        seqs = [*self._pending, *self._active.values()]
+    def _sequences(self) -> list[Sequence]:
+        seqs: list[Sequence] = [*self._pending, *self._active.values()]
         if self._current is not None:
             seqs.append(self._current)
-        out = []
-        for seq in seqs:
-            seq.finished = True
-            out.append((seq, TokenEvent(text="", finish_reason="error", error=exc)))
+        return seqs
+
+    def _reset(self) -> None:
         self._pending.clear()
         self._active.clear()
         if self._current is not None:
@@ -562,8 +515,6 @@ class VisionEngine:
             except Exception:  # noqa: BLE001
                 pass
             self._gen = self._new_generator()
-        mx.clear_cache()
-        return out
 
     # -- warm-up and capability check ------------------------------------------------------
     def warmup(self) -> None:

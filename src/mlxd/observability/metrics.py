@@ -15,6 +15,41 @@ from mlxd.observability.context import add_usage
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
+# Families the engine-core process records (models, encoder batches, vision features); a
+# front end's /metrics takes these from the core and every other family from itself.
+CORE_FAMILIES = frozenset({
+    "mlxd:embed_batch_size", "mlxd:embed_queue_duration_seconds",
+    "mlxd:embed_inference_duration_seconds", "mlxd:vision_feature_cache_hits",
+    "mlxd:vision_feature_cache_misses", "mlxd:vision_feature_cache_bytes",
+    "mlxd:vision_images", "mlxd:models_loaded", "mlxd:model_memory_bytes",
+    "mlxd:model_load_seconds", "mlxd:model_evictions",
+})
+
+
+class MergedCollector:
+    """This process's families plus the engine core's (parsed from its text format)."""
+
+    def __init__(self, core_text: str) -> None:
+        self.core_text = core_text
+
+    def collect(self) -> Any:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in REGISTRY.collect():
+            if family.name not in CORE_FAMILIES:
+                yield family
+        for family in text_string_to_metric_families(self.core_text):
+            if family.name in CORE_FAMILIES:
+                yield family
+
+
+def merged_text(core_text: str) -> bytes:
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MergedCollector(core_text))  # type: ignore[arg-type]
+    return generate_latest(registry)
+
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

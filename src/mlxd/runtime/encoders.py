@@ -21,7 +21,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,52 +34,22 @@ from mlxd.core.errors import (
     QueueFull,
     Unavailable,
 )
-from mlxd.core.types import EmbedRequest, RerankRequest
+from mlxd.core.types import (
+    EmbedRequest,
+    EmbedResult,
+    RerankRequest,
+    RerankResult,
+    Timings,
+    TokenizeResult,
+)
 from mlxd.observability.context import add_usage, note
-from mlxd.runtime.worker import WorkerDied, is_out_of_memory
+from mlxd.runtime.worker import LoopChannel, WorkerDied, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
 # Requests whose text is shorter than this are tokenized right on the event loop (tens of
 # microseconds); a thread hop would cost more than it saves. Longer ones go to a thread.
 _INLINE_CHARS = 4096
-
-
-@dataclass
-class Timings:
-    t_submitted: float = field(default_factory=time.perf_counter)
-    t_acquired: float = 0.0
-    t_done: float = 0.0
-
-    def durations_ns(self) -> dict[str, int]:
-        ns = 1_000_000_000
-        return {"total_duration": int((self.t_done - self.t_submitted) * ns),
-                "load_duration": int(max(self.t_acquired - self.t_submitted, 0) * ns)}
-
-
-@dataclass
-class EmbedResult:
-    model: str
-    vectors: np.ndarray  # (inputs, dimensions) float32, in input order
-    prompt_tokens: int
-    timings: Timings
-
-
-@dataclass
-class RerankResult:
-    model: str
-    scores: list[float]  # in document order
-    prompt_tokens: int
-    timings: Timings
-
-
-@dataclass
-class TokenizeResult:
-    model: str
-    kind: str
-    tokens: list[list[int]]
-    context_length: int
-    token_strings: list[list[str]] | None = None
 
 
 class EncoderService:
@@ -136,7 +105,7 @@ class EncoderService:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         job = engine.new_job(encoded)
-        job.handle = (loop, q)
+        job.handle = (LoopChannel(loop), q)
         worker.submit(engine, job)
         out: list[Any] = [None] * len(encoded)
         remaining = len(encoded)

@@ -31,7 +31,7 @@ from mlxd.observability import metrics
 from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
-from mlxd.store.local import ModelStore
+from mlxd.store.catalog import ModelCatalog
 from mlxd.store.names import validate_name
 
 log = logging.getLogger(__name__)
@@ -89,36 +89,26 @@ class ModelManager:
     def __init__(self, settings: Settings, worker: DeviceWorker) -> None:
         self.settings = settings
         self.worker = worker
-        self.store = ModelStore(settings.models_dir)
+        self.catalog = ModelCatalog.from_settings(settings)
+        self.store = self.catalog.store
         m = settings.models
         self.default_keep_alive = parse_keep_alive(m.keep_alive)
         self.budget = m.memory_budget_bytes if m.memory_budget_bytes is not None else \
             default_budget()
         self.caps = {"chat": m.max_chat_models, "vision": m.max_vision_models,
                      "embedding": m.max_embedding_models, "reranker": m.max_rerankers}
-        self._paths: dict[str, Path] = {}  # models served straight from a directory
+        self._paths = self.catalog.paths  # models served straight from a directory
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future] = {}
         self._reserved = 0
         self.evictions = 0
         self.load_counts: dict[str, int] = {}
-        self.default_name = self._register(m.default)
-        self.preload_names = [self._register(n) for n in m.preload]
+        self.default_name = self.catalog.default_name
+        self.preload_names = self.catalog.preload_names
 
     # -- names ---------------------------------------------------------------------------
-    def _register(self, name_or_path: str) -> str:
-        """A filesystem path (from config or flags) is served under its directory name."""
-        p = Path(name_or_path).expanduser()
-        if ("/" in name_or_path or name_or_path.startswith(".")) and p.is_dir():
-            name = p.resolve().name
-            self._paths[name] = p.resolve()
-            return name
-        return name_or_path
-
     def resolve(self, name: str | None) -> str:
-        if not name or name == "default":
-            return self.default_name
-        return name
+        return self.catalog.resolve(name)
 
     # -- views ---------------------------------------------------------------------------
     def loaded(self) -> list[LoadedModel]:
@@ -132,22 +122,13 @@ class ModelManager:
         return sum(e.size for e in self._loaded.values())
 
     def installed(self) -> list[dict[str, Any]]:
-        out = self.store.list()
-        known = {m["name"] for m in out}
-        for name, path in self._paths.items():
-            if name not in known:
-                out.append({"name": name, "kind": "chat", "source": str(path), "format": "mlx",
-                            "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file())})
-        return out
+        return self.catalog.installed()
 
     def model_path(self, name: str) -> Path | None:
         name = self.resolve(name)
-        if name in self._paths:
-            return self._paths[name]
         if name in self._loaded:
             return self._loaded[name].path
-        validate_name(name)
-        return self.store.get(name)
+        return self.catalog.path(name)
 
     # -- acquire / release ---------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: str | int | float | None = None
@@ -183,18 +164,29 @@ class ModelManager:
 
     # -- loading -------------------------------------------------------------------------
     async def _load_once(self, name: str) -> LoadedModel:
+        """Start one load of ``name`` that every waiter shares.
+
+        The load runs as a task of its own: a waiter that goes away (its client left) stops
+        waiting, but never cancels the load the others wait for, and a finished load is
+        always attached and counted.
+        """
         fut = asyncio.get_running_loop().create_future()
         self._loading[name] = fut
-        try:
-            entry = await self._load(name)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: each waiter re-raises it itself
-            raise
-        finally:
+        task = asyncio.ensure_future(self._load(name))
+
+        def done(t: asyncio.Task) -> None:
             self._loading.pop(name, None)
-        fut.set_result(entry)
-        return entry
+            if t.cancelled():
+                fut.set_exception(Unavailable(f"loading '{name}' was interrupted; retry"))
+            elif t.exception() is not None:
+                fut.set_exception(t.exception())
+            else:
+                fut.set_result(t.result())
+                return
+            fut.exception()  # retrieved here: each waiter re-raises it itself
+
+        task.add_done_callback(done)
+        return await asyncio.shield(fut)
 
     async def _resolve_path(self, name: str) -> tuple[Path, str]:
         if name in self._paths:

@@ -34,24 +34,24 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-class Engine:  # structural protocol the worker relies on
-    """What the worker needs of an engine.
+class LoopChannel:
+    """Delivers to asyncio queues of one event loop: one thread-safe hop per step.
 
-    ``has_work()`` is True when a step would do something now. An engine that batches
-    across callers (wait a few ms for more requests) may also define ``next_deadline()``:
-    the ``time.monotonic()`` at which it wants a step even if no command arrives.
+    A sequence's or job's ``handle`` is ``(channel, key)``; the worker groups a step's
+    events by channel and hands each channel its list of ``(key, event)`` at once.
     """
 
-    name: str
+    __slots__ = ("loop",)
 
-    def add(self, seq: Any) -> None: ...
-    def cancel(self, seq: Any) -> None: ...
-    def has_work(self) -> bool: ...
-    def step(self) -> list: ...
-    def fail_all(self, exc: Exception) -> list: ...
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
 
+    def send(self, items: list) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: its requests are gone anyway
+            pass
 
-Delivery = tuple[asyncio.AbstractEventLoop, asyncio.Queue]
 
 _OOM_MARKERS = (
     "[metal::malloc]", "[malloc]", "attempting to allocate", "out of memory",
@@ -224,7 +224,10 @@ class DeviceWorker:
                 _deliver([(seq, _error_event(exc))])
         elif kind == "cancel":
             _, engine, seq = cmd
-            engine.cancel(seq)
+            try:
+                engine.cancel(seq)
+            except Exception:  # noqa: BLE001 - a failed cancel must not kill the worker
+                log.exception("engine %s failed to cancel a sequence", engine.name)
         elif kind == "call":
             _, fn, fut = cmd
             if fut.set_running_or_notify_cancel():
@@ -252,22 +255,21 @@ class DeviceWorker:
 
 
 def _error_event(exc: BaseException) -> Any:
-    from mlxd.core.types import TokenEvent
+    from mlxd.engines.decode import StepOutput
 
-    return TokenEvent(text="", finish_reason="error", error=exc)  # type: ignore[arg-type]
+    return StepOutput(None, "error", error=exc)  # type: ignore[arg-type]
 
 
 def _deliver(events: list) -> None:
-    """Hand events to their event loops: one thread-safe hop per loop per step, not per token."""
-    by_loop: dict[Any, list] = defaultdict(list)
+    """Hand a step's events to their channels: one hop per channel per step, not per token."""
+    by_channel: dict[Any, list] = defaultdict(list)
     for seq, event in events:
-        loop, q = seq.handle
-        by_loop[loop].append((q, event))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: its requests are gone anyway
-            pass
+        if seq.handle is None:  # warm-up sequences
+            continue
+        channel, key = seq.handle
+        by_channel[channel].append((key, event))
+    for channel, items in by_channel.items():
+        channel.send(items)
 
 
 def _put_all(items: list) -> None:

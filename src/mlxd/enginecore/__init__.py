@@ -1,0 +1,1 @@
+"""The engine core: one process per device that owns everything MLX."""

@@ -1,0 +1,200 @@
+"""The engine core's request/response calls: model management, status and encoders.
+
+Each is a coroutine ``fn(core, **args) -> value``; values are plain msgspec-encodable data
+(bytes for vectors). Errors travel back as :class:`~.protocol.WireError`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from mlxd.core.errors import ModelNotFound
+from mlxd.core.types import EmbedRequest, RerankRequest
+
+
+def model_info(entry: Any) -> dict[str, Any]:
+    """What a front end needs to serve a loaded model: its tokenizer's place and limits."""
+    engine = entry.engine
+    return {
+        "name": entry.name, "kind": entry.kind, "path": str(entry.path),
+        "context_length": int(getattr(engine, "context_length", 0) or 0),
+        "vocab_size": int(getattr(engine, "vocab_size", 0) or 0),
+        "eos_token_ids": list(getattr(engine, "eos_token_ids", []) or []),
+        "adapter_path": str(engine.adapter_path) if getattr(engine, "adapter_path", None)
+        else None,
+    }
+
+
+def loaded_view(entry: Any) -> dict[str, Any]:
+    """One loaded model for /health, /api/ps and /v1/models."""
+    engine = entry.engine
+    view = {
+        "name": entry.name, "kind": entry.kind, "path": str(entry.path), "size": entry.size,
+        "pinned": entry.pinned, "active_requests": entry.active,
+        "expires_at": None if entry.expires_at == float("inf") else entry.expires_at,
+        "loaded_at": entry.loaded_at, "load_seconds": entry.load_seconds,
+        "running": engine.num_running, "waiting": engine.num_waiting,
+        "max_batch_size_seen": engine.max_batch_seen,
+        "context_length": engine.context_length,
+    }
+    if hasattr(engine, "prefix_cache_stats"):
+        view["prefix_cache"] = engine.prefix_cache_stats()
+    if hasattr(engine, "feature_cache_stats"):
+        view["vision_feature_cache"] = engine.feature_cache_stats()
+    adapter = getattr(engine, "adapter_path", None)
+    view["adapter_path"] = str(adapter) if adapter else None
+    options = getattr(engine, "_settings", None)
+    if isinstance(options, dict):
+        view["options"] = {k: v for k, v in options.items()
+                           if k in ("kv_bits", "kv_group_size", "max_kv_size")}
+    return view
+
+
+def memory() -> dict[str, int]:
+    """MLX's allocator view: what arrays hold, what its cache keeps, and the peak."""
+    try:
+        import mlx.core as mx
+
+        return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                "peak_bytes": mx.get_peak_memory()}
+    except Exception:  # noqa: BLE001 - a backend without these counters
+        return {}
+
+
+async def touch(core: Any, model: str | None, keep_alive: Any = None) -> dict[str, Any]:
+    entry = await core.models.touch(model, keep_alive)
+    return model_info(entry)
+
+
+async def unload(core: Any, model: str | None = None) -> dict[str, Any]:
+    result = await core.models.unload(model)
+    return {**result, "memory": memory()}
+
+
+async def loaded(core: Any) -> list[dict[str, Any]]:
+    return [loaded_view(e) for e in core.models.loaded()]
+
+
+async def forget(core: Any, name: str) -> None:
+    core.models.forget_store_entry(name)
+
+
+async def status(core: Any) -> dict[str, Any]:
+    from mlxd.engines.backend import backend_name
+
+    m = core.models
+    return {
+        "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
+        "uptime_s": round(time.time() - core.started_at, 3),
+        "requests_in_flight": core._inflight,
+        "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes},
+        "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
+        "models": [loaded_view(e) for e in m.loaded()],
+    }
+
+
+async def metrics_text(core: Any) -> bytes:
+    from prometheus_client import generate_latest
+
+    from mlxd.observability.metrics import REGISTRY
+
+    return generate_latest(REGISTRY)
+
+
+async def embed(core: Any, **req: Any) -> dict[str, Any]:
+    res = await core.encoders.embed(EmbedRequest(**req))
+    vec = np.ascontiguousarray(res.vectors, dtype=np.float32)
+    return {"model": res.model, "vectors": vec.tobytes(), "shape": list(vec.shape),
+            "prompt_tokens": res.prompt_tokens,
+            "load_s": max(res.timings.t_acquired - res.timings.t_submitted, 0.0)}
+
+
+async def rerank(core: Any, **req: Any) -> dict[str, Any]:
+    res = await core.encoders.rerank(RerankRequest(**req))
+    return {"model": res.model, "scores": [float(s) for s in res.scores],
+            "prompt_tokens": res.prompt_tokens,
+            "load_s": max(res.timings.t_acquired - res.timings.t_submitted, 0.0)}
+
+
+async def tokenize(core: Any, model: str | None, inputs: list[str] | None,
+                   messages: list[dict] | None = None, add_special_tokens: bool = True,
+                   token_strings: bool = False, keep_alive: Any = None) -> dict[str, Any]:
+    res = await core.encoders.tokenize(model, inputs, messages,
+                                       add_special_tokens=add_special_tokens,
+                                       token_strings=token_strings, keep_alive=keep_alive)
+    return {"model": res.model, "kind": res.kind, "tokens": res.tokens,
+            "context_length": res.context_length, "token_strings": res.token_strings}
+
+
+async def scorers(core: Any) -> int:
+    """How many LLM rerank scorers borrow a chat model's weights (tests)."""
+    return len(core.encoders.scorers())
+
+
+async def fault(core: Any, kind: str, model: str | None = None, seconds: float = 0.0,
+                message: str = "", value: bool = True) -> None:
+    """Failure drills (only with MLXD_TEST_FAULTS=1): how a core dies or fails in the field.
+
+    ``kill``/``abort``: the process dies (SIGKILL; SIGABRT as a Metal/CUDA abort does);
+    ``worker``: the device thread dies; ``step_error``: ``model``'s next step raises
+    RuntimeError(``message``); ``slow_steps``: each step of ``model`` sleeps ``seconds``
+    first (0 ends it); ``load_error``: the next load raises MemoryError(``message``);
+    ``scorer_plain_head``: LLM rerank scorers take their LM-head shortcut or not (``value``:
+    the path of architectures without a plain head, on any model).
+    """
+    import signal
+
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "abort":
+        os.abort()
+    elif kind == "worker":
+        core.worker.inject_fault(RuntimeError(message or "simulated device thread crash"))
+    elif kind in ("step_error", "slow_steps"):
+        entry = core.models.get_loaded(model or core.models.default_name)
+        if entry is None:
+            raise ModelNotFound(f"model '{model}' is not loaded")
+        _patch_step(entry.engine, kind, seconds, message)
+    elif kind == "load_error":
+        import mlxd.engines.registry as registry
+
+        real = registry.create_engine
+
+        def failing(*args: Any, **kw: Any) -> Any:
+            registry.create_engine = real
+            raise MemoryError(message or "simulated: cannot allocate the weights")
+
+        registry.create_engine = failing
+    elif kind == "scorer_plain_head":
+        for scorer in core.encoders.scorers():
+            scorer._plain_head = value
+    else:
+        raise ModelNotFound(f"unknown fault '{kind}'")
+
+
+def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
+    real = type(engine).step
+
+    if kind == "step_error":
+        def step() -> Any:
+            del engine.step  # once
+            raise RuntimeError(message)
+    elif seconds > 0:
+        def step() -> Any:
+            time.sleep(seconds)
+            return real(engine)
+    else:
+        engine.__dict__.pop("step", None)
+        return
+    engine.step = step
+
+
+METHODS = {
+    "touch": touch, "unload": unload, "loaded": loaded, "forget": forget, "status": status,
+    "metrics": metrics_text, "embed": embed, "rerank": rerank, "tokenize": tokenize,
+    "scorers": scorers, "fault": fault,
+}

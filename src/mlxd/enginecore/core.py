@@ -1,0 +1,408 @@
+"""The engine-core process: everything MLX for one device, behind a ZeroMQ socket.
+
+Three threads:
+
+* the **device thread** (runtime/worker.py): loads, prefills, decode steps and encoder
+  passes, nothing else. What a step produced goes, as one list, to
+  :class:`FrontendChannel` which turns it into one :class:`~.protocol.Outputs` message per
+  front end and queues it for the output thread;
+* the **output thread**: the only one that writes to the front ends' sockets (msgspec
+  encoding and ZeroMQ sends stay off the device thread), and the heartbeat every
+  :data:`HEARTBEAT_S`, which front ends use to tell a busy core from a dead one;
+* the **main thread**'s asyncio loop: reads requests, runs the model manager (loads,
+  LRU/TTL, memory budget), admission, leases, and the calls (status, embed, rerank...).
+
+A fault that kills the device thread ends the process (exit code 3): the supervisor starts
+a fresh core, as it does after a kill -9 or a Metal/CUDA abort, which nothing in-process
+can catch. One recovery path for every way a core can die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from mlxd.config import Settings
+from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
+from mlxd.core.types import SamplingParams
+from mlxd.enginecore import protocol as p
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.2
+FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1": the "fault" call exists (tests and failure drills)
+
+
+def core_address(run_dir: str | Path) -> str:
+    return f"ipc://{Path(run_dir) / 'core-in'}"
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request admitted into an engine: what its end must release."""
+
+    lease: Any
+    engine: Any
+    seq: Any
+    frontend: int
+
+
+class FrontendChannel:
+    """The device thread's outlet to one front end (see runtime/worker.py's channels)."""
+
+    __slots__ = ("core", "frontend")
+
+    def __init__(self, core: EngineCore, frontend: int) -> None:
+        self.core = core
+        self.frontend = frontend
+
+    def send(self, items: list) -> None:
+        outs: list[p.SeqOut] = []
+        finished: list[str] = []
+        for (rid, seq), ev in items:
+            so = p.SeqOut(rid, [] if ev.token is None else [ev.token], ev.finish_reason)
+            if ev.logprob is not None:
+                so.logprobs = [p.Logprob(*ev.logprob)]
+            if ev.error is not None:
+                so.error = p.error_to_wire(ev.error)
+                so.finish_reason = "error"
+            if so.finish_reason is not None:
+                so.cached_tokens = seq.cached_tokens
+                finished.append(rid)
+            outs.append(so)
+        core = self.core
+        core.out.put((self.frontend, p.Outputs(core.epoch, outs)))
+        if finished:
+            try:
+                core.loop.call_soon_threadsafe(core.finished, finished)
+            except RuntimeError:  # the loop is closing: the process is exiting
+                pass
+
+
+class EngineCore:
+    def __init__(self, settings: Settings, run_dir: str | Path, epoch: int) -> None:
+        from mlxd.runtime.encoders import EncoderService
+        from mlxd.runtime.models import ModelManager
+        from mlxd.runtime.worker import DeviceWorker
+
+        self.settings = settings
+        self.run_dir = Path(run_dir)
+        self.epoch = epoch
+        self.worker = DeviceWorker()
+        self.models = ModelManager(settings, self.worker)
+        self.encoders = EncoderService(self)
+        self.draining = False
+        self.ready = False
+        self.startup_error: str | None = None
+        self._inflight = 0
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._aborted: deque[str] = deque(maxlen=4096)  # aborts that beat their Add
+        self._channels: dict[int, FrontendChannel] = {}
+        self._calls: dict[tuple[int, int], asyncio.Task] = {}
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.started_at = time.time()
+
+    # -- what EncoderService and the model manager read ------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.worker.alive and not self.draining
+
+    @property
+    def admission_limit(self) -> int:
+        e = self.settings.engine
+        return e.max_num_seqs + e.max_queued_requests
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(core_address(self.run_dir))
+        out_thread = threading.Thread(target=self._output_loop, name="mlxd-core-out",
+                                      daemon=True)
+        out_thread.start()
+        self.models.store.clean_temp()
+        self.worker.start()
+        tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
+                 asyncio.create_task(self._watch_worker())]
+        decode = p.core_decoder().decode
+        log.info("engine core %d ready for requests (pid %d)", self.epoch, os.getpid())
+        try:
+            while True:
+                raw = await sock.recv()
+                try:
+                    msg = decode(raw)
+                except msgspec.DecodeError:
+                    log.error("dropped an undecodable message (%d bytes)", len(raw))
+                    continue
+                self._dispatch(msg)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _load_pinned(self) -> None:
+        names = dict.fromkeys([self.models.default_name, *self.models.preload_names])
+        try:
+            for name in names:
+                await self.models.touch(name, None)
+        except Exception as exc:  # noqa: BLE001 - reported to the front ends, which decide
+            log.exception("could not load the pinned models")
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+        self.ready = True
+        self.out.put(("heartbeat",))
+
+    async def _sweep(self, every: float = 0.5) -> None:
+        """Unload models whose keep_alive ran out."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.models.expire()
+            except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
+                log.exception("model expiry sweep failed")
+
+    async def _watch_worker(self) -> None:
+        """The device thread died: its sequences were failed; end the process so that the
+        supervisor starts a clean core (MLX state of a dead thread is not to be trusted)."""
+        while not self.worker.dead:
+            await asyncio.sleep(0.05)
+        log.critical("device thread died (%s); the engine core exits for a restart",
+                     self.worker.error)
+        await asyncio.sleep(0.2)  # let the output thread send the failed sequences
+        os._exit(3)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, p.Hello):
+            self._channels.setdefault(msg.frontend, FrontendChannel(self, msg.frontend))
+            self.out.put(("connect", msg.frontend, msg.address))
+            return
+        if isinstance(msg, p.Bye):
+            self._drop_frontend(msg.frontend)
+            return
+        if msg.epoch != self.epoch:
+            return  # meant for a core that has died since: its sender already failed it
+        if isinstance(msg, p.Add):
+            asyncio.create_task(self._add(msg))
+        elif isinstance(msg, p.Abort):
+            for rid in msg.rids:
+                if not self._end(rid, cancel=True):
+                    self._aborted.append(rid)
+        elif isinstance(msg, p.Call):
+            key = (msg.frontend, msg.cid)
+            if msg.method == "cancel_call":
+                task = self._calls.pop((msg.frontend, int(msg.args["cid"])), None)
+                if task is not None:
+                    task.cancel()
+                return
+            self._calls[key] = asyncio.create_task(self._call(msg))
+
+    def _reply_error(self, fe: int, rid: str, exc: BaseException) -> None:
+        self.out.put((fe, p.Outputs(self.epoch, [p.SeqOut(
+            rid, [], "error", error=p.error_to_wire(exc), accepted=True)])))
+
+    async def _add(self, m: p.Add) -> None:
+        fe = m.frontend
+        if self.draining or not self.worker.alive:
+            self._reply_error(fe, m.rid, Unavailable("the engine core is not running; retry "
+                                                     "shortly", headers={"Retry-After": "2"}))
+            return
+        if self._inflight >= self.admission_limit:
+            self._reply_error(fe, m.rid, QueueFull("too many requests queued; retry shortly",
+                                                   headers={"Retry-After": "1"}))
+            return
+        self._inflight += 1
+        lease = None
+        try:
+            lease = await self.models.acquire(m.model, m.keep_alive)
+            engine = lease.engine
+            params = _sampling(m.sampling)
+            if m.vision is not None or engine.kind == "vision":
+                prompt = await asyncio.to_thread(self._vision_prompt, engine, m)
+            elif engine.kind != "chat":
+                raise InvalidRequest(f"model '{engine.name}' is a {engine.kind} model, not a "
+                                     "chat model", param="model")
+            else:
+                prompt = m.prompt_tokens
+            grammar = None
+            if m.grammar is not None:
+                grammar = await asyncio.to_thread(engine.text.grammar.matcher, m.grammar)
+            seq = engine.new_sequence(prompt, params, grammar=grammar,
+                                      arm_after=tuple(m.arm_after) if m.arm_after else None)
+        except BaseException as exc:
+            self._inflight -= 1
+            if lease is not None:
+                lease.release()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            self._reply_error(fe, m.rid, exc)
+            return
+        if m.rid in self._aborted:  # the front end gave up while the model loaded
+            self._inflight -= 1
+            lease.release()
+            return
+        channel = self._channels.get(fe)
+        if channel is None:
+            channel = self._channels[fe] = FrontendChannel(self, fe)
+        seq.handle = (channel, (m.rid, seq))
+        self._live[m.rid] = _Live(lease, engine, seq, fe)
+        self.out.put((fe, p.Outputs(self.epoch, [p.SeqOut(
+            m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))])))
+        self.worker.submit(engine, seq)
+
+    def _vision_prompt(self, engine: Any, m: p.Add) -> Any:
+        """Decode and process a vision request's images (in a thread, off the loop)."""
+        from mlxd.engines.vlm import LoadedImage
+        from mlxd.runtime.images import decode_image
+
+        v = m.vision
+        if engine.kind != "vision":
+            raise InvalidRequest(f"model '{engine.name}' does not accept images (it is not a "
+                                 "vision model)", param="messages")
+        if v is None:  # a token-id or text prompt to a vision model
+            return engine.encode_vision(prompt_tokens=m.prompt_tokens)
+        vs = self.settings.vision
+        images = [LoadedImage(decode_image(data, param, vs),
+                              hashlib.sha256(data).hexdigest(), param)
+                  for data, param in zip(v.images, v.image_params, strict=True)]
+        if images:
+            from mlxd.observability import metrics
+
+            metrics.vision_images_total.labels(engine.name).inc(len(images))
+        return engine.encode_vision(messages=v.messages, prompt=v.prompt,
+                                    prompt_tokens=v.prompt_tokens, images=images,
+                                    template_kwargs=v.template_kwargs)
+
+    def finished(self, rids: list[str]) -> None:
+        """On the loop: these requests' last output went out; release their leases."""
+        for rid in rids:
+            self._end(rid, cancel=False)
+
+    def _end(self, rid: str, *, cancel: bool) -> bool:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return False
+        if cancel:
+            self.worker.cancel(live.engine, live.seq)
+        self._inflight -= 1
+        live.lease.release()
+        return True
+
+    def _drop_frontend(self, fe: int) -> None:
+        for rid, live in list(self._live.items()):
+            if live.frontend == fe:
+                self._end(rid, cancel=True)
+        for key, task in list(self._calls.items()):
+            if key[0] == fe:
+                task.cancel()
+        self.out.put(("disconnect", fe))
+
+    # -- calls -------------------------------------------------------------------------------
+    async def _call(self, m: p.Call) -> None:
+        from mlxd.enginecore import calls
+
+        try:
+            fn = calls.METHODS.get(m.method)
+            if fn is None or (m.method == "fault" and os.environ.get(FAULTS_ENV) != "1"):
+                raise InvalidRequest(f"unknown engine-core call '{m.method}'")
+            value = await fn(self, **m.args)
+            reply = p.Reply(self.epoch, m.cid, value)
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
+            reply = p.Reply(self.epoch, m.cid, None, p.error_to_wire(exc))
+        finally:
+            self._calls.pop((m.frontend, m.cid), None)
+        self.out.put((m.frontend, reply))
+
+    # -- the output thread -------------------------------------------------------------------
+    def _output_loop(self) -> None:
+        ctx = zmq.Context()
+        socks: dict[int, zmq.Socket] = {}
+        enc = p.encoder()
+        pid = os.getpid()
+        last_beat = 0.0
+
+        def beat(targets: list[zmq.Socket]) -> None:
+            msg = enc.encode(p.Heartbeat(self.epoch, pid, self.ready, self.startup_error))
+            for s in targets:
+                with contextlib.suppress(zmq.Again):
+                    s.send(msg, zmq.NOBLOCK)
+
+        while True:
+            try:
+                item = self.out.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                item = None
+            now = time.monotonic()
+            if item is not None:
+                head = item[0]
+                if head == "connect":
+                    _, fe, address = item
+                    old = socks.pop(fe, None)
+                    if old is not None:
+                        old.close(0)
+                    s = ctx.socket(zmq.PUSH)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.setsockopt(zmq.SNDHWM, 0)
+                    s.connect(address)
+                    socks[fe] = s
+                    beat([s])
+                elif head == "disconnect":
+                    s = socks.pop(item[1], None)
+                    if s is not None:
+                        s.close(0)
+                elif head == "heartbeat":
+                    beat(list(socks.values()))
+                    last_beat = now
+                else:
+                    s = socks.get(head)
+                    if s is not None:
+                        with contextlib.suppress(zmq.Again):
+                            s.send(enc.encode(item[1]), zmq.NOBLOCK)
+            if now - last_beat >= HEARTBEAT_S:
+                beat(list(socks.values()))
+                last_beat = now
+
+
+def _sampling(s: p.Sampling) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        seed=s.seed, logit_bias=s.logit_bias, logprobs=s.logprobs, top_logprobs=s.top_logprobs)
+
+
+def main(run_dir: str, epoch: int) -> None:
+    """The process entry (``python -m mlxd.enginecore RUN_DIR EPOCH``)."""
+    import pickle
+
+    from mlxd import blas
+
+    settings: Settings = pickle.loads((Path(run_dir) / "settings.pkl").read_bytes())
+    from mlxd.observability.logs import setup_logging
+
+    blas.preload(settings.backend.blas)  # before anything imports MLX
+    setup_logging(settings.log.level, settings.log.format)
+    # The parent decides when the core stops; Ctrl-C in a terminal reaches the whole process
+    # group, and the front end's drain must not lose its core before it is done.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    core = EngineCore(settings, run_dir, epoch)
+    asyncio.run(core.run())

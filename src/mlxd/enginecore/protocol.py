@@ -1,0 +1,202 @@
+"""The wire between front ends and the engine core: msgspec structs over ZeroMQ.
+
+Why ZeroMQ + msgspec (as vLLM's engine core does): ZeroMQ gives message framing, automatic
+reconnection to a restarted core on the same ``ipc://`` address, and I/O on its own thread,
+so neither side blocks on the other; msgspec encodes these typed structs (``array_like``:
+positional, no field names on the wire) in about a microsecond, an order of magnitude less
+than pickle or JSON, and decoding validates the types.
+
+Topology (every socket ``ipc://`` under one run directory):
+
+* ``core-in``: the core binds a PULL socket; every front end connects a PUSH socket and
+  sends :data:`ToCore` messages.
+* ``fe-<id>``: each front end binds a PULL socket; the core connects one PUSH socket per
+  front end (after its :class:`Hello`) and sends :data:`ToFrontend` messages: per engine
+  step ONE :class:`Outputs` batch holding the new tokens of all that front end's requests.
+
+Nothing here is HTTP or a dialect: requests are token ids plus sampling parameters.
+Every message the core sends carries its ``epoch`` (a counter the supervisor raises at each
+core start) and every request a front end sends names the epoch it was meant for: a
+message queued for a core that has since died is dropped, never run by its successor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class VisionInput(msgspec.Struct, array_like=True, gc=False):
+    """A vision request as the core's vision adapter templates and processes it: the
+    messages (images as ``{"type": "image"}`` parts) and the images' raw bytes in order."""
+
+    messages: list[dict] | None
+    prompt: str | None
+    prompt_tokens: list[int] | None
+    images: list[bytes]
+    image_params: list[str]
+    template_kwargs: dict | None = None
+
+
+class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
+    """Admit one sequence. ``grammar`` is llguidance grammar text the front end compiled
+    and validated; ``arm_after`` the token ids after which it starts to apply."""
+
+    epoch: int
+    frontend: int
+    rid: str
+    model: str
+    keep_alive: str | int | float | None
+    prompt_tokens: list[int]
+    sampling: Sampling
+    grammar: str | None = None
+    arm_after: list[int] | None = None
+    vision: VisionInput | None = None
+    tools: bool = False  # only for errors' wording in the vision adapter
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    epoch: int
+    rids: list[str]
+
+
+class Call(msgspec.Struct, tag="call", array_like=True, gc=False):
+    """A request/response call (load, unload, status, embed, rerank, tokenize...)."""
+
+    epoch: int
+    frontend: int
+    cid: int
+    method: str
+    args: dict[str, Any]
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False):
+    """A front end announces itself (again, after a core restart): where to send to it."""
+
+    frontend: int
+    address: str
+
+
+class Bye(msgspec.Struct, tag="bye", array_like=True, gc=False):
+    frontend: int
+
+
+ToCore = Add | Abort | Call | Hello | Bye
+
+
+class WireError(msgspec.Struct, array_like=True, gc=False):
+    """An exception crossing the boundary: its class name (one of core/errors.py's, or
+    ``out_of_memory`` / ``core_died`` / ``engine``), message, param and headers."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    headers: dict[str, str] | None = None
+
+
+class Logprob(msgspec.Struct, array_like=True, gc=False):
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class SeqOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one engine step produced for one sequence."""
+
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+    prompt_tokens: int = -1  # set once (first output): what the core prefilled
+    cached_tokens: int = 0
+    error: WireError | None = None
+    accepted: bool = False  # the first message of every request: admitted (or error)
+
+
+class Outputs(msgspec.Struct, tag="out", array_like=True, gc=False):
+    epoch: int
+    outputs: list[SeqOut]
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True, gc=False):
+    epoch: int
+    cid: int
+    value: Any = None
+    error: WireError | None = None
+
+
+class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
+    """Sent on connect and every few hundred ms by the core's output thread (never by the
+    device thread, so a long step does not look like a death). ``ready``: the pinned models
+    are loaded."""
+
+    epoch: int
+    pid: int
+    ready: bool
+    error: str | None = None  # the pinned models could not be loaded at start
+
+
+ToFrontend = Outputs | Reply | Heartbeat
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def core_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToCore)
+
+
+def frontend_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToFrontend)
+
+
+# -- errors across the boundary ----------------------------------------------------------------
+
+
+def error_to_wire(exc: BaseException) -> WireError:
+    from mlxd.core.errors import MlxdError
+    from mlxd.runtime.worker import WorkerDied, is_out_of_memory
+
+    if isinstance(exc, MlxdError):
+        return WireError(type(exc).__name__, exc.message, exc.param,
+                         {str(k): str(v) for k, v in exc.headers.items()} or None)
+    if isinstance(exc, WorkerDied):
+        return WireError("core_died", str(exc))
+    if is_out_of_memory(exc):
+        return WireError("out_of_memory", str(exc))
+    return WireError("engine", f"{type(exc).__name__}: {exc}")
+
+
+def error_from_wire(err: WireError) -> Exception:
+    """The front end's exception for ``err``: the same MlxdError class, or a 503/500."""
+    from mlxd.core import errors
+
+    cls = getattr(errors, err.kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.MlxdError):
+        return cls(err.message, param=err.param, headers=err.headers)
+    if err.kind == "core_died":
+        return errors.Unavailable(f"{err.message}; it is being restarted, retry shortly",
+                                  headers={"Retry-After": "2"})
+    if err.kind == "out_of_memory":
+        return errors.OutOfMemory(
+            f"out of memory while generating ({err.message}); the batch was cancelled to "
+            "free memory. Retry, or lower max_tokens or engine.max_num_seqs",
+            headers={"Retry-After": "1"})
+    return errors.EngineError(f"generation failed: {err.message}")

@@ -1,0 +1,101 @@
+"""Starts the engine core as a child process and starts it again when it dies.
+
+The core is a fresh interpreter (``python -m mlxd.enginecore``; never a fork, which would
+inherit a parent that may already hold MLX, Metal or CUDA state, and threads; and not
+multiprocessing's spawn, which re-imports the parent's main module), reading its settings
+from a pickle in the run directory. Each start gets a new ``epoch``; front ends
+learn it from the core's heartbeat and drop anything meant for an older one. A core that
+keeps dying is restarted with a growing delay (doubling up to ``max_delay``), reset once
+it has stayed up for ``stable_after`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from mlxd.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class CoreSupervisor:
+    def __init__(self, settings: Settings, *, first_delay: float = 0.2,
+                 max_delay: float = 30.0, stable_after: float = 60.0) -> None:
+        self.settings = settings
+        self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-"))
+        self.epoch = 0
+        self.restarts = 0
+        self.first_delay = first_delay
+        self.max_delay = max_delay
+        self.stable_after = stable_after
+        self._proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.on_death: list = []  # callables(exitcode), run on the supervisor thread
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread = threading.Thread(target=self._watch, name="mlxd-core-supervisor",
+                                        daemon=True)
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        self.epoch += 1
+        settings_file = self.run_dir / "settings.pkl"
+        settings_file.write_bytes(pickle.dumps(self.settings))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir), str(self.epoch)],
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._started = time.monotonic()
+        log.info("engine core %d started (pid %d)", self.epoch, self._proc.pid)
+
+    def _watch(self) -> None:
+        quick_deaths = 0  # in a row, each within stable_after of its start
+        while not self._stopping.is_set():
+            proc = self._proc
+            assert proc is not None
+            code = proc.wait()
+            if self._stopping.is_set():
+                return
+            quick_deaths = 0 if time.monotonic() - self._started > self.stable_after \
+                else quick_deaths + 1
+            delay = min(self.first_delay * 2 ** max(quick_deaths - 1, 0), self.max_delay)
+            log.error("engine core %d (pid %s) died with exit code %s; starting a new one in "
+                      "%.1fs", self.epoch, proc.pid, code, delay)
+            for cb in list(self.on_death):
+                try:
+                    cb(code)
+                except Exception:  # noqa: BLE001 - a callback must not stop the restarts
+                    log.exception("core death callback failed")
+            if self._stopping.wait(delay):
+                return
+            self.restarts += 1
+            from mlxd.observability.metrics import worker_restarts_total
+
+            worker_restarts_total.inc()
+            self._spawn()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        shutil.rmtree(self.run_dir, ignore_errors=True)

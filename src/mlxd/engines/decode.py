@@ -1,0 +1,128 @@
+"""What every engine offers the device worker, and the decode engines' shared base.
+
+Text (engines/llm.py) and vision (engines/vlm.py) decode the same way: sequences wait,
+join a batch, produce one token per step, leave on EOS, length or cancellation, and fail
+together only on a true device fault. :class:`DecodeEngine` holds that bookkeeping and
+what a step emits; the families are small adapters around their library's batch.
+
+The core emits token ids, never text: detokenizing, stop strings and output parsing run in
+the front ends (frontend/generation.py), off the device thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from mlxd.core.types import SamplingParams
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the device worker (runtime/worker.py) needs of any engine."""
+
+    name: str
+    kind: str
+
+    def add(self, seq: Any) -> None: ...
+    def cancel(self, seq: Any) -> None: ...
+    def has_work(self) -> bool: ...
+    def next_deadline(self) -> float | None: ...
+    def step(self) -> list[tuple[Any, Any]]: ...
+    def fail_all(self, exc: Exception) -> list[tuple[Any, Any]]: ...
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One step's result for one sequence: a token (None when the sequence ended without
+    one), why it ended, its log-probability data, or the error that ended it."""
+
+    token: int | None
+    finish_reason: str | None = None
+    logprob: tuple[float, list[int], list[float]] | None = None  # (lp, top ids, top lps)
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state inside an engine. ``handle`` belongs to whoever submitted it."""
+
+    prompt_tokens: list[int]
+    params: SamplingParams
+    grammar: Any = None  # an llguidance matcher (text models)
+    arm_after: tuple[int, ...] | None = None
+    handle: Any = None
+    uid: int = -1
+    generated: int = 0
+    finished: bool = False
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    t_added: float = 0.0
+    extra: Any = field(default=None, repr=False)  # the family adapter's own state
+
+
+class DecodeEngine:
+    """Shared bookkeeping of a decode engine; subclasses run their library's batch."""
+
+    name: str
+    kind: str
+    vocab_size: int
+
+    def __init__(self) -> None:
+        self.max_batch_seen = 0
+        self.steps = 0
+
+    # -- the worker's view ---------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        return None
+
+    def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
+                     grammar: Any = None, arm_after: tuple[int, ...] | None = None
+                     ) -> Sequence:
+        return Sequence(prompt_tokens=prompt_tokens, params=params, grammar=grammar,
+                        arm_after=arm_after)
+
+    def _sequences(self) -> list[Sequence]:
+        """Every sequence the engine holds (waiting or running)."""
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Forget every sequence and start a clean batch (after a device fault)."""
+        raise NotImplementedError
+
+    def fail_all(self, exc: Exception) -> list[tuple[Sequence, StepOutput]]:
+        """After an exception inside a step: end every sequence, waiting ones included (a
+        sequence left waiting would be admitted later and decode for nobody)."""
+        out = []
+        for seq in self._sequences():
+            seq.finished = True
+            out.append((seq, StepOutput(None, "error", error=exc)))
+        try:
+            self._reset()
+        finally:
+            mx.clear_cache()
+        return out
+
+    # -- what a step emits ---------------------------------------------------------------
+    def _emit(self, seq: Sequence, token: int | None, finish: str | None,
+              logprobs: mx.array | None) -> StepOutput:
+        if token is not None:
+            seq.generated += 1
+        out = StepOutput(token, finish)
+        if seq.params.logprobs and token is not None and logprobs is not None:
+            out.logprob = _logprob(token, logprobs, seq.params.top_logprobs)
+        return out
+
+
+def _logprob(token: int, logprobs: mx.array, top: int) -> tuple[float, list[int], list[float]]:
+    """(the token's log-probability, the top ids, their log-probabilities), as numbers."""
+    if top <= 0:
+        return float(logprobs[token].item()), [], []
+    idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    vals = logprobs[idx]
+    order = mx.argsort(-vals)
+    lp, ids, top_lps = logprobs[token], idx[order], vals[order]
+    mx.eval(lp, ids, top_lps)
+    return float(lp.item()), ids.tolist(), top_lps.tolist()

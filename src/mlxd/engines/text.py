@@ -1,0 +1,171 @@
+"""A chat/text model's tokenizer side: templating, tokenizing, grammars, output parsing.
+
+No MLX here. Front ends hold one :class:`TextProcessor` per model to template and tokenize
+prompts, compile (and so validate) grammars and parse the output; the engine core holds
+one too (warm-up, token counts, rerank prompts). Loading one reads only the tokenizer
+files, never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.core.errors import InvalidRequest, ModelLoadError
+from mlxd.core.types import GenerateRequest
+from mlxd.engines.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
+from mlxd.engines.tool_calls import (
+    OutputSplitter,
+    ToolFormat,
+    fallback_messages,
+    template_messages,
+    tool_format,
+)
+
+
+@dataclass
+class SeqPlan:
+    """What :meth:`TextProcessor.prepare` worked out for one request."""
+
+    splitter: OutputSplitter | None = None  # answer / reasoning / tool calls (front end)
+    grammar: str | None = None  # llguidance grammar text, validated (core: the matcher)
+    arm_after: tuple[int, ...] | None = None  # grammar waits for these tokens (think end)
+
+
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
+    """mlx-lm's tokenizer wrapper for a model directory, as ``mlx_lm.load`` builds it."""
+    from mlx_lm.utils import load_tokenizer as _load
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    eos = config.get("eos_token_id")
+    if eos is None:
+        eos = (config.get("text_config") or {}).get("eos_token_id")
+    try:
+        return _load(Path(path), {"trust_remote_code": trust_remote_code},
+                     eos_token_ids=eos)
+    except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
+        raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
+
+
+class TextProcessor:
+    """Thread-safe helpers over one model's tokenizer."""
+
+    def __init__(self, name: str, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: list[int] | None = None) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids if eos_token_ids is not None
+                                    else getattr(tokenizer, "eos_token_ids", []) or [])
+        self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
+        self.tool_format: ToolFormat = tool_format(tokenizer)
+
+    @property
+    def detokenizer(self) -> Any:
+        """A fresh streaming detokenizer (one per sequence)."""
+        return self.tokenizer.detokenizer
+
+    def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise InvalidRequest(
+                f"model '{self.name}' has no chat template; use /v1/completions", param="model"
+            )
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **template_kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja2 TemplateError, KeyError on odd messages
+            raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
+        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode_request(self, req: GenerateRequest) -> list[int]:
+        """A chat request's prompt: its messages, tools and template variables, templated.
+
+        A template that does not render tools gets them (and earlier calls and results) in
+        the fallback syntax of engines/tool_calls.py.
+        """
+        messages = req.messages or []
+        kwargs = dict(req.template_kwargs or {})
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        if not self.tool_format.native and (tools or any(
+                m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
+            messages = fallback_messages(messages, tools)
+        elif tools:
+            kwargs["tools"] = tools
+        return self.encode_messages(template_messages(messages), **kwargs)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        ids = self.tokenizer.encode(prompt)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        # Some tokenizers add BOS twice when the prompt already carries it as text.
+        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids: given ids (checked), templated messages, or raw text."""
+        if req.prompt_tokens is not None:
+            tokens = list(req.prompt_tokens)
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token ids out of range: {bad[:5]}", param="prompt")
+        elif req.messages is not None:
+            tokens = self.encode_request(req)
+        else:
+            tokens = self.encode_prompt(req.prompt or "")
+        if not tokens:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return tokens
+
+    def prepare(self, req: GenerateRequest, tokens: list[int]) -> SeqPlan | None:
+        """Grammar and output parsing for one request (400s come from here)."""
+        tok = self.tokenizer
+        chat = req.messages is not None
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        fmt = self.tool_format if tools else None
+        think = (tok.think_start, tok.think_end) if chat and tok.has_thinking else None
+        reasoning = think is not None and \
+            tok.rfind_think_start(tokens) > tok.rfind_think_end(tokens)
+        splitter = None
+        if think is not None or fmt is not None:
+            splitter = OutputSplitter(think=think, reasoning=reasoning, fmt=fmt, tools=tools,
+                                      parallel=req.parallel_tool_calls)
+        grammar, param = None, "response_format"
+        if fmt is not None and req.tool_choice in ("required", "function"):
+            names = [t.get("function", t).get("name") for t in tools or []]
+            if req.tool_choice == "function":
+                if req.tool_name not in names:
+                    raise InvalidRequest(f"tool_choice names '{req.tool_name}', which is not "
+                                         "among the tools", param="tool_choice")
+                names = [req.tool_name]
+            grammar = tool_call_grammar(self.grammar, fmt, tools or [], names,
+                                        req.parallel_tool_calls and req.tool_choice == "required")
+            param = "tool_choice"
+        elif req.constraint is not None:
+            c = req.constraint
+            grammar = self.grammar.from_constraint(c)
+            if fmt is not None and fmt.json_body and c.kind in ("json_object", "json_schema"):
+                # tool_choice "auto": the answer follows the schema, or the model calls tools
+                schema = json.loads(c.spec) if c.kind == "json_schema" else {"type": "object"}
+                if isinstance(schema, dict):
+                    self.grammar.matcher(grammar)  # the schema alone must be supported
+                    answer = "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema})
+                    names = [t.get("function", t).get("name") for t in tools or []]
+                    grammar = tool_call_grammar(self.grammar, fmt, tools or [], names,
+                                                req.parallel_tool_calls, answer=answer)
+        if grammar is not None:
+            self.grammar.matcher(grammar, param)  # validates: an unsupported one is a 400
+        arm = tuple(tok.think_end_tokens) if grammar is not None and reasoning else None
+        if splitter is None and grammar is None:
+            return None
+        return SeqPlan(splitter=splitter, grammar=grammar, arm_after=arm)

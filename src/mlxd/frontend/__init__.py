@@ -1,0 +1,1 @@
+"""Front-end processes: HTTP dialects' runtime, tokenizers, streams; no MLX."""

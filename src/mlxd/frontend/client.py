@@ -1,0 +1,207 @@
+"""A front end's connection to the engine core: streams, calls, and noticing a death.
+
+One reader task routes the core's messages: per-step :class:`~mlxd.enginecore.protocol.
+Outputs` to each request's queue, replies to their calls. A watchdog declares the core
+dead when its process is gone or its heartbeat has been silent for ``dead_after``
+seconds; then every request in flight ends with a 503 (a stream with an error event), and
+:meth:`CoreClient.wait_ready` holds new work until the next core says it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from mlxd.core.errors import Unavailable
+from mlxd.enginecore import protocol as p
+from mlxd.enginecore.core import core_address
+
+log = logging.getLogger(__name__)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) still answers kill(0)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _died() -> p.WireError:
+    return p.WireError("core_died", "the engine core stopped")
+
+
+class CoreClient:
+    def __init__(self, run_dir: str | Path, *, dead_after: float = 3.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.frontend = os.getpid() * 1000 + next(_instances) % 1000
+        self.address = f"ipc://{self.run_dir / f'fe-{self.frontend}'}"
+        self.dead_after = dead_after
+        self.epoch = 0  # of the core we talk to; 0: none yet
+        self.core_pid: int | None = None
+        self.alive = False
+        self.ready = False
+        self.startup_error: str | None = None
+        self.deaths = 0
+        self._last_beat = 0.0
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._cid = itertools.count(1)
+        self._ready_event = asyncio.Event()
+        self._enc = p.encoder()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.connect(core_address(self.run_dir))
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.address)
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._send(p.Bye(self.frontend))
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all(_died())
+        await asyncio.sleep(0)
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+
+    # -- sending -----------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        self._push.send(self._enc.encode(msg), zmq.NOBLOCK)
+
+    async def wait_ready(self, timeout: float) -> None:
+        if self.alive and self.ready:
+            return
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable("the engine core is not running (restarting); retry shortly",
+                              headers={"Retry-After": "2"}) from None
+
+    def open_stream(self, rid: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        return q
+
+    def close_stream(self, rid: str, *, abort: bool) -> None:
+        if self._streams.pop(rid, None) is not None and abort and self.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(p.Abort(self.epoch, [rid]))
+
+    def add(self, msg: p.Add) -> None:
+        msg.epoch, msg.frontend = self.epoch, self.frontend
+        self._send(msg)
+
+    async def call(self, method: str, **args: Any) -> Any:
+        """One call; cancelling the caller (a client gone) cancels it in the core."""
+        if not self.alive:
+            raise p.error_from_wire(_died())
+        cid = next(self._cid)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._calls[cid] = fut
+        self._send(p.Call(self.epoch, self.frontend, cid, method, args))
+        try:
+            reply = await fut
+        except asyncio.CancelledError:
+            if self.alive:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(p.Call(self.epoch, self.frontend, 0, "cancel_call",
+                                      {"cid": cid}))
+            raise
+        finally:
+            self._calls.pop(cid, None)
+        if reply.error is not None:
+            raise p.error_from_wire(reply.error)
+        return reply.value
+
+    # -- receiving ---------------------------------------------------------------------------
+    async def _read(self) -> None:
+        decode = p.frontend_decoder().decode
+        while True:
+            raw = await self._pull.recv()
+            try:
+                msg = decode(raw)
+            except Exception:  # noqa: BLE001 - a malformed message must not stop the reader
+                log.exception("dropped an undecodable message from the engine core")
+                continue
+            if isinstance(msg, p.Heartbeat):
+                self._beat(msg)
+            elif msg.epoch != self.epoch:
+                continue
+            elif isinstance(msg, p.Outputs):
+                streams = self._streams
+                for out in msg.outputs:
+                    q = streams.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+            elif isinstance(msg, p.Reply):
+                fut = self._calls.get(msg.cid)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    def _beat(self, hb: p.Heartbeat) -> None:
+        self._last_beat = time.monotonic()
+        if hb.epoch != self.epoch:
+            if self.alive:  # a new core without us noticing the old one's death
+                self._declare_dead()
+            self.epoch, self.core_pid, self.alive = hb.epoch, hb.pid, True
+            log.info("connected to engine core %d (pid %d)", hb.epoch, hb.pid)
+        self.ready = hb.ready
+        self.startup_error = hb.error
+        if hb.ready:
+            self._ready_event.set()
+
+    async def _watch(self, every: float = 0.05) -> None:
+        last_hello = 0.0
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            if self.alive and (now - self._last_beat > self.dead_after or (
+                    self.core_pid is not None and not _pid_alive(self.core_pid))):
+                self._declare_dead()
+            if not self.alive and now - last_hello > 0.2:
+                last_hello = now  # until a core answers (ZeroMQ reconnects the socket)
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(p.Hello(self.frontend, self.address))
+
+    def _declare_dead(self) -> None:
+        log.error("engine core %d (pid %s) is gone; failing %d request(s) in flight",
+                  self.epoch, self.core_pid, len(self._streams))
+        self.alive = self.ready = False
+        self.deaths += 1
+        self._ready_event = asyncio.Event()
+        self._fail_all(_died())
+
+    def _fail_all(self, err: p.WireError) -> None:
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(p.SeqOut(rid, [], "error", error=err, accepted=True))
+        self._streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_result(p.Reply(self.epoch, 0, None, err))
+
+
+_instances = itertools.count()

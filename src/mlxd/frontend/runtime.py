@@ -1,0 +1,455 @@
+"""What the API dialects call, in a front-end process: admission, prompts, the catalogue.
+
+A front end never runs MLX. Per request it validates, templates and tokenizes (with the
+model's tokenizer, loaded here from the model's directory: tokenizer files only), checks
+the context, compiles the grammar (an unsupported schema is a 400 before any output),
+then sends the core token ids and sampling parameters (frontend/generation.py turns the
+tokens that come back into text). Embeddings, reranking and token counts are calls to the
+core, which batches them on the device. Listing, describing, pulling and deleting models
+read and write the store directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxd.config import Settings
+from mlxd.core.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    QueueFull,
+    Unavailable,
+)
+from mlxd.core.types import (
+    EmbedRequest,
+    EmbedResult,
+    GenerateRequest,
+    RerankRequest,
+    RerankResult,
+    Timings,
+    TokenEvent,
+    TokenizeResult,
+)
+from mlxd.enginecore import protocol as p
+from mlxd.enginecore.supervisor import CoreSupervisor
+from mlxd.frontend.client import CoreClient
+from mlxd.frontend.generation import Generation, new_rid
+from mlxd.frontend.models import ModelsView
+from mlxd.observability.context import add_usage, note
+from mlxd.store.catalog import ModelCatalog
+
+log = logging.getLogger(__name__)
+
+CORE_DIR_ENV = "MLXD_CORE_DIR"  # a front end of `--api-workers N`: the core is elsewhere
+
+
+class Runtime:
+    def __init__(self, settings: Settings, *, core_dir: str | Path | None = None,
+                 startup_timeout: float = 3600.0) -> None:
+        self.settings = settings
+        self.catalog = ModelCatalog.from_settings(settings)
+        self.supervisor = None if core_dir is not None else CoreSupervisor(settings)
+        run_dir = core_dir if core_dir is not None else self.supervisor.run_dir  # type: ignore
+        self.client = CoreClient(run_dir)
+        self.models = ModelsView(self)
+        self.startup_timeout = startup_timeout
+        self.started_at = time.time()
+        self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
+        self.inflight = 0  # this front end's generations admitted by the core
+        self._admitted = 0  # this front end's requests between submit and release
+        self._processors: dict[tuple[str, str], Any] = {}
+        self._loading: dict[tuple[str, str], asyncio.Future] = {}
+        self._info: dict[str, dict[str, Any]] = {}
+        self._info_epoch = 0
+        self.backend = "unknown"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.supervisor is not None:
+            self.supervisor.start()
+        await self.client.start()
+        await self.client.wait_ready(self.startup_timeout)
+        if self.client.startup_error:
+            raise RuntimeError(f"the engine core could not load the pinned models: "
+                               f"{self.client.startup_error}")
+        try:
+            self.backend = (await self.client.call("status"))["backend"]
+        except Exception:  # noqa: BLE001 - only informative
+            log.exception("could not ask the engine core for its backend")
+
+    async def stop(self) -> None:
+        await self.client.close()
+        if self.supervisor is not None:
+            await asyncio.to_thread(self.supervisor.stop)
+
+    # -- status ------------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """Able to serve: a core that is up with its pinned models loaded, no drain."""
+        return self.client.alive and self.client.ready and not self.draining
+
+    @property
+    def restarts(self) -> int:
+        return self.supervisor.restarts if self.supervisor is not None else self.client.deaths
+
+    @property
+    def admission_limit(self) -> int:
+        e = self.settings.engine
+        return e.max_num_seqs + e.max_queued_requests
+
+    async def status(self) -> dict[str, Any]:
+        core: dict[str, Any] = {}
+        if self.client.alive:
+            try:
+                core = await asyncio.wait_for(self.client.call("status"), 5)
+            except Exception:  # noqa: BLE001 - /health must answer whatever the core does
+                core = {}
+        state = "ok" if self.healthy else "draining" if self.draining else (
+            "restarting" if not self.client.ready else "unavailable")
+        return {
+            "status": state,
+            "worker_restarts": self.restarts,
+            "engine_core": {"pid": self.client.core_pid, "epoch": self.client.epoch,
+                            "alive": self.client.alive, "ready": self.client.ready},
+            "model_loaded": bool(core.get("models")),
+            "default_model": self.catalog.default_name,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "requests_in_flight": core.get("requests_in_flight", 0),
+            "memory": core.get("memory", {}),
+            "model_loads": core.get("model_loads", {}),
+            "model_evictions": core.get("model_evictions", 0),
+            "models": core.get("models", []),
+        }
+
+    async def memory(self) -> dict[str, int]:
+        return (await self.client.call("status"))["memory"]
+
+    def _check_serving(self) -> None:
+        if self.draining:
+            raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
+        if not self.healthy:
+            raise Unavailable("the engine core is not running (restarting); retry shortly",
+                              headers={"Retry-After": "2"})
+
+    # -- models and their tokenizers ---------------------------------------------------------
+    async def model_info(self, name: str, keep_alive: Any = None, *, fresh: bool = False
+                         ) -> dict[str, Any]:
+        """What the core knows of a model, loading it if needed (cached per core)."""
+        if self._info_epoch != self.client.epoch:
+            self._info, self._info_epoch = {}, self.client.epoch
+        info = None if fresh else self._info.get(name)
+        if info is None:
+            info = await self.client.call("touch", model=name, keep_alive=keep_alive)
+            self._info[name] = self._info[info["name"]] = info
+        return info
+
+    def forget_model(self, name: str) -> None:
+        self._info.pop(name, None)
+        for key in [k for k in self._processors if k[0] == name]:
+            del self._processors[key]
+
+    async def processor(self, info: dict[str, Any]) -> Any:
+        """The model's TextProcessor (its tokenizer loaded once, off the event loop)."""
+        key = (info["name"], info["path"])
+        proc = self._processors.get(key)
+        if proc is not None:
+            return proc
+        fut = self._loading.get(key)
+        if fut is None:
+            from mlxd.engines.text import TextProcessor, load_tokenizer
+
+            def load() -> Any:
+                tok = load_tokenizer(Path(info["path"]),
+                                     trust_remote_code=self.settings.models.trust_remote_code)
+                vocab = info["vocab_size"] or len(tok)
+                eos = info["eos_token_ids"] or None
+                return TextProcessor(info["name"], tok, vocab, eos)
+
+            fut = asyncio.ensure_future(asyncio.to_thread(load))
+            self._loading[key] = fut
+            fut.add_done_callback(lambda _: self._loading.pop(key, None))
+        proc = await asyncio.shield(fut)
+        self._processors[key] = proc
+        return proc
+
+    # -- generation --------------------------------------------------------------------------
+    async def submit(self, req: GenerateRequest) -> Generation:
+        """Validate, tokenize and admit ``req``; errors here are clean 4xx/5xx before any
+        output. The returned Generation must be iterated or closed (that frees its slot)."""
+        self._check_serving()
+        self.check_limits(req)
+        name = self.catalog.resolve(req.model)
+        note(model=name)
+        if req.images:
+            self._check_images(name, req)
+        if req.user:
+            note(user=req.user)
+        if self._admitted >= self.admission_limit:
+            raise QueueFull("too many requests queued; retry shortly",
+                            headers={"Retry-After": "1"})
+        self._admitted += 1
+        try:
+            return await self._submit(name, req)
+        finally:
+            self._admitted -= 1
+
+    async def _submit(self, name: str, req: GenerateRequest) -> Generation:
+        t0 = time.perf_counter()
+        info = await self.model_info(name, req.keep_alive)
+        name = info["name"]
+        t_acquired = time.perf_counter()
+        kind = info["kind"]
+        if kind not in ("chat", "vision"):
+            raise InvalidRequest(f"model '{name}' is a {kind} model, not a chat model",
+                                 param="model")
+        if kind != "chat":
+            self._check_text_only_features(name, req)
+        proc = await self.processor(info)
+        vision = None
+        if kind == "vision" or req.images:
+            vision = await self._vision_input(name, kind, req)
+            tokens: list[int] = list(req.prompt_tokens or [])
+            plan = None
+            params = self._fit_to_context(info, req, 0)
+        else:
+            tokens, plan = await asyncio.to_thread(self._tokenize_and_prepare, proc, req)
+            params = self._fit_to_context(info, req, len(tokens))
+        sp = params
+        add = p.Add(
+            epoch=0, frontend=0, rid=new_rid(), model=name, keep_alive=req.keep_alive,
+            prompt_tokens=tokens,
+            sampling=p.Sampling(
+                max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                seed=sp.seed, logit_bias=sp.logit_bias, logprobs=sp.logprobs,
+                top_logprobs=sp.top_logprobs),
+            grammar=plan.grammar if plan is not None else None,
+            arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
+            vision=vision)
+        gen = Generation(self, name, proc, tokens if vision is None else None, params, plan,
+                         add)
+        gen.t_submitted, gen.t_acquired = t0, t_acquired
+        await gen.start()
+        return gen
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        gen = await self.submit(req)
+        async for event in gen:
+            yield event
+
+    def check_limits(self, req: GenerateRequest) -> None:
+        """Operator limits (security.max_tokens_limit, max_inputs): 400 before any work."""
+        sec = self.settings.security
+        n = req.sampling.max_tokens
+        if sec.max_tokens_limit is not None and n is not None and n > sec.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens is {n}, more than this server allows ({sec.max_tokens_limit})",
+                param="max_tokens",
+            )
+        if req.messages is not None and len(req.messages) > sec.max_inputs:
+            raise InvalidRequest(
+                f"{len(req.messages)} messages, more than this server allows "
+                f"({sec.max_inputs})", param="messages",
+            )
+
+    def _check_images(self, name: str, req: GenerateRequest) -> None:
+        """400 for too many images, or images to a model known not to take them (no load)."""
+        images = req.images or []
+        limit = self.settings.vision.max_images_per_request
+        if len(images) > limit:
+            raise InvalidRequest(f"{len(images)} images, more than this server accepts in "
+                                 f"one request ({limit})", param=_field(images[limit].param))
+        info = self._info.get(name)
+        try:
+            kind = info["kind"] if info else self.catalog.kind(name)
+        except (InvalidRequest, ModelNotFound, OSError, ValueError):
+            kind = None  # the load reports what is wrong with the name
+        if kind is not None and kind != "vision":
+            raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
+                                 "model)", param=_field(images[0].param))
+
+    @staticmethod
+    def _check_text_only_features(name: str, req: GenerateRequest) -> None:
+        """Tools and structured output need a text engine: never silently ignored."""
+        if req.constraint is not None:
+            raise InvalidRequest(f"model '{name}' does not support structured output yet",
+                                 param="response_format")
+        if req.tools and req.tool_choice != "none":
+            raise InvalidRequest(f"model '{name}' does not support tools yet", param="tools")
+
+    async def _vision_input(self, name: str, kind: str, req: GenerateRequest) -> p.VisionInput:
+        if kind != "vision":
+            raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
+                                 "model)", param=_field((req.images or [])[0].param))
+        from mlxd.runtime.images import image_bytes
+
+        vs = self.settings.vision
+        refs = req.images or []
+        data = [await asyncio.to_thread(image_bytes, ref, vs) for ref in refs]
+        return p.VisionInput(messages=req.messages, prompt=req.prompt,
+                             prompt_tokens=req.prompt_tokens, images=data,
+                             image_params=[r.param for r in refs],
+                             template_kwargs=req.template_kwargs)
+
+    @staticmethod
+    def _tokenize_and_prepare(proc: Any, req: GenerateRequest) -> tuple[list[int], Any]:
+        tokens = proc.tokenize(req)
+        return tokens, proc.prepare(req, tokens)
+
+    def _fit_to_context(self, info: dict[str, Any], req: GenerateRequest, n_prompt: int):
+        ctx = info["context_length"] or 4096
+        sp = req.sampling
+        if n_prompt >= ctx:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens, but the prompt has "
+                f"{n_prompt} tokens.",
+                param="messages" if req.messages is not None else "prompt",
+            )
+        vocab = info["vocab_size"]
+        if sp.logit_bias and vocab and any(not 0 <= t < vocab for t in sp.logit_bias):
+            raise InvalidRequest("logit_bias names a token id outside the vocabulary",
+                                 param="logit_bias")
+        room = ctx - n_prompt
+        cap = self.settings.security.max_tokens_limit or room
+        if sp.max_tokens is None:
+            return replace(sp, max_tokens=min(self.settings.engine.default_max_tokens, room,
+                                              cap))
+        if sp.max_tokens < 0:  # "until the context is full"
+            return replace(sp, max_tokens=min(room, cap))
+        if sp.max_tokens > room:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n_prompt + sp.max_tokens} tokens ({n_prompt} in the prompt, {sp.max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return sp
+
+    async def count_tokens(self, req: GenerateRequest) -> tuple[str, int]:
+        """(model name, prompt tokens) of ``req`` as it would be generated: templated with
+        its tools; loads the model if it has to."""
+        self._check_serving()
+        info = await self.model_info(self.catalog.resolve(req.model), req.keep_alive)
+        note(model=info["name"])
+        if info["kind"] == "vision":
+            res = await self.tokenize(info["name"], None, req.messages)
+            return info["name"], len(res.tokens[0])
+        proc = await self.processor(info)
+        tokens = await asyncio.to_thread(proc.tokenize, req)
+        return info["name"], len(tokens)
+
+    # -- encoders (batched in the core) ------------------------------------------------------
+    async def _encoder_call(self, method: str, **args: Any) -> Any:
+        self._check_serving()
+        if self._admitted >= self.admission_limit:
+            raise QueueFull("too many requests queued; retry shortly",
+                            headers={"Retry-After": "1"})
+        self._admitted += 1
+        try:
+            return await self.client.call(method, **args)
+        finally:
+            self._admitted -= 1
+
+    async def embed(self, req: EmbedRequest) -> EmbedResult:
+        timings = Timings()
+        r = await self._encoder_call(
+            "embed", model=req.model, inputs=req.inputs, truncate=req.truncate,
+            dimensions=req.dimensions, keep_alive=req.keep_alive, request_id=req.request_id)
+        timings.t_acquired = timings.t_submitted + r["load_s"]
+        timings.t_done = time.perf_counter()
+        vectors = np.frombuffer(r["vectors"], dtype=np.float32).reshape(r["shape"])
+        note(model=r["model"])
+        add_usage(r["model"], r["prompt_tokens"], 0)
+        return EmbedResult(r["model"], vectors, r["prompt_tokens"], timings)
+
+    async def rerank(self, req: RerankRequest) -> RerankResult:
+        timings = Timings()
+        r = await self._encoder_call(
+            "rerank", model=req.model, query=req.query, documents=req.documents,
+            truncate=req.truncate, instruction=req.instruction, keep_alive=req.keep_alive,
+            request_id=req.request_id)
+        timings.t_acquired = timings.t_submitted + r["load_s"]
+        timings.t_done = time.perf_counter()
+        note(model=r["model"])
+        add_usage(r["model"], r["prompt_tokens"], 0)
+        return RerankResult(r["model"], r["scores"], r["prompt_tokens"], timings)
+
+    async def tokenize(self, model: str | None, inputs: list[str] | None,
+                       messages: list[dict] | None = None, **kw: Any) -> TokenizeResult:
+        r = await self._encoder_call("tokenize", model=model, inputs=inputs,
+                                     messages=messages, **kw)
+        note(model=r["model"])
+        return TokenizeResult(r["model"], r["kind"], r["tokens"], r["context_length"],
+                              r["token_strings"])
+
+    # -- the model catalogue (the store, read and written here) ------------------------------
+    async def pull(self, name: str, *, kind: str | None = None,
+                   progress: Callable[[dict], None] | None = None) -> dict:
+        """Pull into the store off the event loop; ``progress`` is called on the loop."""
+        from mlxd.store.pull import pull as store_pull
+        from mlxd.store.pull import resolve
+
+        # A name from the network never reaches a local path or a pip spec; aliases the
+        # operator configured still may.
+        resolve(name, self.settings.models, allow_local=False)
+        loop = asyncio.get_running_loop()
+
+        def cb(event: dict) -> None:
+            if progress is not None:
+                loop.call_soon_threadsafe(progress, dict(event))
+
+        return await asyncio.to_thread(store_pull, self.catalog.store, name,
+                                       self.settings.models, kind=kind, progress=cb)
+
+    async def delete(self, name: str) -> None:
+        from mlxd.store.pull import remove
+
+        await asyncio.to_thread(remove, self.catalog.store, name)
+        self.forget_model(name)
+        if self.client.alive:
+            await self.client.call("forget", name=name)
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """What /api/show tells: manifest, config.json, chat template."""
+        name = self.catalog.resolve(name)
+        info = self._info.get(name)
+        path = Path(info["path"]) if info else self.catalog.path(name)
+        if path is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        config = _read_json(path / "config.json")
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        template = tok_cfg.get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"),
+                            None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        manifest = self.catalog.store.manifest(name) or {"name": name, "kind": "chat",
+                                                         "source": str(path)}
+        return {"name": name, "path": str(path), "manifest": manifest, "config": config,
+                "chat_template": template or ""}
+
+
+def _field(param: str) -> str:
+    """``messages[0].content[1]`` -> ``messages[0].content``: the field, for 'wrong model'."""
+    return param[: param.rindex("[")] if param.endswith("]") and "[" in param else param
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,74 @@
+"""Model names as the server sees them: the store, plus directories named in the config.
+
+Both sides of the process boundary need it: front ends to list, describe and resolve
+models without asking the core, the core to find what to load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlxd.store.local import ModelStore
+from mlxd.store.names import validate_name
+
+
+class ModelCatalog:
+    def __init__(self, models_dir: Path, default: str, preload: list[str]) -> None:
+        self.store = ModelStore(models_dir)
+        self.paths: dict[str, Path] = {}  # models served straight from a directory
+        self.default_name = self._register(default)
+        self.preload_names = [self._register(n) for n in preload]
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> ModelCatalog:
+        m = settings.models
+        return cls(settings.models_dir, m.default, list(m.preload))
+
+    def _register(self, name_or_path: str) -> str:
+        """A filesystem path (from config or flags) is served under its directory name."""
+        p = Path(name_or_path).expanduser()
+        if ("/" in name_or_path or name_or_path.startswith(".")) and p.is_dir():
+            name = p.resolve().name
+            self.paths[name] = p.resolve()
+            return name
+        return name_or_path
+
+    def resolve(self, name: str | None) -> str:
+        if not name or name == "default":
+            return self.default_name
+        return name
+
+    @property
+    def pinned(self) -> list[str]:
+        return list(dict.fromkeys([self.default_name, *self.preload_names]))
+
+    def path(self, name: str) -> Path | None:
+        """Where ``name`` lives on disk, if it is installed (no pull, no load)."""
+        name = self.resolve(name)
+        if name in self.paths:
+            return self.paths[name]
+        validate_name(name)
+        return self.store.get(name)
+
+    def installed(self) -> list[dict[str, Any]]:
+        out = self.store.list()
+        known = {m["name"] for m in out}
+        for name, path in self.paths.items():
+            if name not in known:
+                out.append({"name": name, "kind": "chat", "source": str(path), "format": "mlx",
+                            "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file())})
+        return out
+
+    def kind(self, name: str) -> str | None:
+        """The kind of an installed model, without loading it (None when unknown)."""
+        name = self.resolve(name)
+        manifest = self.store.manifest(name) if name not in self.paths else None
+        if manifest and manifest.get("kind"):
+            return manifest["kind"]
+        path = self.path(name)
+        if path is not None:
+            from mlxd.store.inspect import infer_kind
+
+            return infer_kind(path)
+        return None
