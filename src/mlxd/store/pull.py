@@ -22,7 +22,6 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +31,13 @@ from mlxd.store.aliases import BUILTIN_ALIASES, EMBEDDED_DEFAULTS, KINDS
 from mlxd.store.inspect import infer_kind
 from mlxd.store.local import HF_CACHE_DIR, IntegrityError, ModelStore
 from mlxd.store.names import validate_name
+from mlxd.store.progress import ProgressFn, emitter
 from mlxd.store.sources import fetch_into, hub_cache_folder
 
 __all__ = ["ProgressFn", "Resolved", "ensure_model", "infer_kind", "pull", "quantize",
            "remove", "resolve"]
 
 log = logging.getLogger(__name__)
-
-ProgressFn = Callable[[dict], None]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -127,12 +125,6 @@ def resolve(name: str, settings: ModelSettings, *, allow_local: bool = True) -> 
     )
 
 
-def _emitter(progress: ProgressFn | None) -> ProgressFn:
-    if progress is None:
-        return lambda _e: None
-    return progress
-
-
 def _store_name(target: str, explicit: bool) -> str:
     try:
         return validate_name(target)
@@ -150,7 +142,7 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
     it came from one of the name's sources, unless ``force``; a different model there is an
     error without ``force``. Sources are tried in order; ModelLoadError lists each failure.
     """
-    emit = _emitter(progress)
+    emit = emitter(progress)
     if kind is not None and kind not in KINDS:
         raise InvalidRequest(f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}",
                              param="type")
@@ -266,7 +258,7 @@ def remove(store: ModelStore, name: str) -> None:
 def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 64,
              as_name: str | None = None, progress: ProgressFn | None = None) -> dict:
     """Quantize a chat model with mlx-lm into a new store entry (``{name}-{bits}bit``)."""
-    emit = _emitter(progress)
+    emit = emitter(progress)
     if bits not in QUANT_BITS:
         raise InvalidRequest(f"bits must be one of {QUANT_BITS}, got {bits}", param="bits")
     if group_size not in QUANT_GROUP_SIZES:
