@@ -28,6 +28,7 @@ from pathlib import Path
 from mlxd.config import ModelSettings
 from mlxd.core.errors import InvalidRequest, ModelLoadError, ModelNotFound
 from mlxd.store.aliases import BUILTIN_ALIASES, EMBEDDED_DEFAULTS, KINDS
+from mlxd.store.hf_cache import find_cached_model
 from mlxd.store.inspect import infer_kind
 from mlxd.store.local import HF_CACHE_DIR, IntegrityError, ModelStore
 from mlxd.store.names import validate_name
@@ -222,11 +223,23 @@ def _pull_source(store: ModelStore, target: str, source: str, settings: ModelSet
     return manifest
 
 
+def _in_hf_cache(r: Resolved) -> Path | None:
+    """The snapshot of the first hub source of ``r`` found in the local Hugging Face cache."""
+    for source in r.sources:
+        if source.startswith("hf:"):
+            cached = find_cached_model(source[3:])
+            if cached is not None:
+                return cached.path
+    return None
+
+
 def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
     """The store path of ``name``, pulling it first when the settings allow.
 
-    Built-in defaults (smollm2-135m-instruct, all-minilm-l6-v2) follow
-    ``auto_download_defaults``, anything else (other aliases, hub ids) ``auto_download``.
+    A hub id (or an alias's hub source) whose snapshot is in the local Hugging Face cache
+    (``store.hf_cache``) is served from there: no download, no copy. Otherwise built-in
+    defaults (smollm2-135m-instruct, all-minilm-l6-v2) follow ``auto_download_defaults``,
+    anything else (other aliases, hub ids) ``auto_download``.
     Names from requests never reach local paths or ``pypi:`` specs. Invalid names raise
     InvalidRequest, unknown ones ModelNotFound, failing sources ModelLoadError.
     """
@@ -240,6 +253,10 @@ def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
     found = store.get(r.name)
     if found is not None:
         return found
+    cached = _in_hf_cache(r)
+    if cached is not None:  # already on this machine: serve it in place, whatever the policy
+        log.info("serving %s from the local Hugging Face cache: %s", name, cached)
+        return cached
     allowed = settings.auto_download_defaults if name in EMBEDDED_DEFAULTS \
         else settings.auto_download
     if not allowed:
