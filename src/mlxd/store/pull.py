@@ -32,7 +32,7 @@ from mlxd.store.hf_cache import find_cached_model
 from mlxd.store.inspect import infer_kind
 from mlxd.store.local import HF_CACHE_DIR, IntegrityError, ModelStore
 from mlxd.store.names import validate_name
-from mlxd.store.progress import ProgressFn, emitter
+from mlxd.store.progress import ProgressFn, ProgressLog, emitter, tee
 from mlxd.store.sources import fetch_into, hub_cache_folder
 
 __all__ = ["ProgressFn", "Resolved", "ensure_model", "infer_kind", "pull", "quantize",
@@ -143,7 +143,8 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
     it came from one of the name's sources, unless ``force``; a different model there is an
     error without ``force``. Sources are tried in order; ModelLoadError lists each failure.
     """
-    emit = emitter(progress)
+    # the caller's view (CLI bar, HTTP stream) and the server log see the same events
+    emit = tee(emitter(progress), ProgressLog(log, f"pull {name}"))
     if kind is not None and kind not in KINDS:
         raise InvalidRequest(f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}",
                              param="type")
@@ -275,7 +276,7 @@ def remove(store: ModelStore, name: str) -> None:
 def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 64,
              as_name: str | None = None, progress: ProgressFn | None = None) -> dict:
     """Quantize a chat model with mlx-lm into a new store entry (``{name}-{bits}bit``)."""
-    emit = emitter(progress)
+    emit = tee(emitter(progress), ProgressLog(log, f"quantize {name}"))
     if bits not in QUANT_BITS:
         raise InvalidRequest(f"bits must be one of {QUANT_BITS}, got {bits}", param="bits")
     if group_size not in QUANT_GROUP_SIZES:

@@ -79,9 +79,15 @@ def _from_local(path: Path, out: Path, dtype: str, emit: ProgressFn) -> dict[str
         from mlxd.store.gguf import GGUFImportError, import_gguf
 
         resolved = gguf_import_dtype(dtype)
-        emit({"status": f"importing {path.name} ({resolved})"})
+        status = f"importing {path.name} ({resolved})"
+        digest = "sha256:" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+        emit({"status": status})
+
+        def tensors_done(completed: int, total: int) -> None:
+            emit({"status": status, "digest": digest, "total": total, "completed": completed})
+
         try:
-            info = import_gguf(path, out, dtype=resolved)
+            info = import_gguf(path, out, dtype=resolved, progress=tensors_done)
         except GGUFImportError as exc:
             raise SourceUnavailable(f"{path.name}: {exc}") from exc
         return {"format": "gguf", "quantization": info.get("quantization"),
