@@ -75,12 +75,16 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned ``codes`` (rows x cols) the way ``mx.quantize`` does: a little-endian
     bit stream, ``bits`` per value, read as uint32 words."""
     rows, cols = codes.shape
-    c = codes.astype(np.uint64).reshape(rows, cols // 8, 8)
-    words = np.zeros((rows, cols // 8), dtype=np.uint64)
-    for i in range(8):
-        words |= c[:, :, i] << np.uint64(bits * i)
-    packed = words.view(np.uint8).reshape(rows, cols // 8, 8)[:, :, :bits]
-    return np.ascontiguousarray(packed).reshape(rows, cols * bits // 8).view(np.uint32)
+    out = np.empty((rows, cols * bits // 8), dtype=np.uint8)
+    step = max(1, (1 << 22) // cols)  # rows per chunk: the uint64 scratch stays ~32 MB
+    for r in range(0, rows, step):
+        c = codes[r : r + step].astype(np.uint64).reshape(-1, cols // 8, 8)
+        words = np.zeros(c.shape[:2], dtype=np.uint64)
+        for i in range(8):
+            words |= c[:, :, i] << np.uint64(bits * i)
+        packed = words.view(np.uint8).reshape(*c.shape[:2], 8)[:, :, :bits]
+        out[r : r + step] = packed.reshape(len(c), -1)
+    return out.view(np.uint32)
 
 
 def _smallest_exact(x: np.ndarray) -> mx.array:
