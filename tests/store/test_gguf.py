@@ -1,8 +1,9 @@
-"""GGUF import: synthetic llama GGUFs written here, plus one check on a real SmolLM2 file.
+"""GGUF import: synthetic llama GGUFs, plus one check on a real SmolLM2 file.
 
-The writer below produces real block-quantized bytes (Q8_0/Q4_0/Q4_1 as ggml lays them
-out), so the tests check the whole path: header parsing, MLX's GGUF unpacking, our
+The files are written by gguf's own GGUFWriter with real block-quantized bytes
+(tests/fixtures/gguf_writer.py), so the tests check the whole path: header reading,
 dequantization / native packing, the config and the tokenizer that mlx-lm loads.
+Other architectures and the K-quants: test_gguf_arch.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from fixtures.gguf_writer import (
     CHAT_TEMPLATE,
     HIDDEN,
     KV_HEADS,
-    _blocks,
     bpe_vocab,
     hf_name,
     llama_metadata,
@@ -28,9 +28,16 @@ from fixtures.gguf_writer import (
     write_gguf,
 )
 from mlx import nn
+from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.utils import load as mlx_lm_load
 
-from mlxd.store.gguf import GGUFImportError, _llama3_rope_scaling, import_gguf
+from mlxd.store.gguf import GGUFImportError, import_gguf
+from mlxd.store.gguf import llama3_rope_scaling as _llama3_rope_scaling
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32).reshape(-1, 32)
+
 
 # Worst-case |dequantized - source| per block, as a multiple of the block step d.
 STEP_BOUND = {"Q8_0": 0.5, "Q4_0": 1.0, "Q4_1": 0.5}
@@ -247,19 +254,20 @@ def test_sentencepiece_tokenizer_matches_spm(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    path, _, _ = _make(tmp_path, "F32", metadata=llama_metadata("qwen2"))
-    with pytest.raises(GGUFImportError, match="qwen2"):
+    md = {**llama_metadata(), "general.architecture": "mamba"}
+    path, _, _ = _make(tmp_path, "F32", metadata=md)
+    with pytest.raises(GGUFImportError, match="mamba"):
         import_gguf(path, tmp_path / "out")
 
 
 def test_unsupported_tensor_type(tmp_path):
-    tensors = llama_tensors({"blk.0.ffn_down": "Q6_K", "": "Q4_0"})
-    # Q6_K needs 256-wide rows; widen the one tensor so its byte size is well-formed.
-    tensors = [(n, np.zeros((HIDDEN, 256), np.float32) if t == "Q6_K" else x, t)
+    tensors = llama_tensors({"blk.0.ffn_down": "Q3_K", "": "Q4_0"})
+    # Q3_K needs 256-wide rows; widen the one tensor so its byte size is well-formed.
+    tensors = [(n, np.zeros((HIDDEN, 256), np.float32) if t == "Q3_K" else x, t)
                for n, x, t in tensors]
     path = tmp_path / "model.gguf"
     write_gguf(path, llama_metadata(), tensors)
-    with pytest.raises(GGUFImportError, match="Q6_K"):
+    with pytest.raises(GGUFImportError, match="Q3_K"):
         import_gguf(path, tmp_path / "out")
 
 
@@ -329,5 +337,6 @@ def test_real_smollm2_import(tmp_path):
         add_generation_prompt=True, tokenize=False,
     )
     assert prompt.endswith("<|im_start|>assistant\n")
+    assert "Paris" in mlx_lm_generate(model, tok, prompt, max_tokens=12)  # greedy answer
     for text in ["The capital of France is Paris.", "naïve café 日本 🙂 3.14159"]:
         assert tok.decode(tok.encode(text)) == text

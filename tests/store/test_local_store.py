@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from mlxd.config import ModelSettings
 from mlxd.core.errors import InvalidRequest, ModelNotFound
 from mlxd.store.local import ModelStore
 from mlxd.store.names import dir_name, validate_name
-from mlxd.store.sources import ensure_model
+from mlxd.store.pull import ensure_model
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "org/model-1.5B", "llama3:8b",
@@ -67,9 +68,10 @@ def test_leftover_temp_dirs_are_cleaned(tmp_path):
 
 def test_unknown_model_is_not_found(tmp_path):
     with pytest.raises(ModelNotFound):
-        ensure_model(ModelStore(tmp_path), "no-such-model")
+        ensure_model(ModelStore(tmp_path), "no-such-model", ModelSettings())
 
 
 def test_builtin_alias_without_auto_download_is_not_found(tmp_path):
     with pytest.raises(ModelNotFound, match="mlxd pull"):
-        ensure_model(ModelStore(tmp_path), "smollm2-135m-instruct", auto_download=False)
+        settings = ModelSettings(auto_download=False, auto_download_defaults=False)
+        ensure_model(ModelStore(tmp_path), "smollm2-135m-instruct", settings)

@@ -9,10 +9,9 @@ tensor by tensor in between so that progress can be reported.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-ProgressFn = Callable[[dict], None]
+from mlxd.store.progress import ProgressFn, emitter
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -23,7 +22,7 @@ def quantize_dir(src: Path, out: Path, *, bits: int, group_size: int,
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import load, quantize_model, save
 
-    emit = progress or (lambda _e: None)
+    emit = emitter(progress)
     emit({"status": f"loading {src.name}"})
     model, tokenizer, config = load(str(src), return_config=True, lazy=True)
 

@@ -24,14 +24,13 @@ from typing import Any
 
 from mlxd.core.errors import InvalidRequest, ModelLoadError, ModelNotFound
 from mlxd.store.names import dir_name
+from mlxd.store.progress import ProgressFn
 
 MANIFEST = "mlxd.json"
 _TMP_PREFIX = ".tmp-"
 _TMP_PID = re.compile(r"^\.tmp-(\d+)-")
 LOCKS_DIR = ".locks"
 HF_CACHE_DIR = ".hf-cache"  # huggingface_hub's cache for pulls in progress (resumable)
-
-ProgressFn = Callable[[dict], None]
 
 
 class IntegrityError(ModelLoadError):

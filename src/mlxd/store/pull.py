@@ -22,24 +22,23 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.config import ModelSettings
 from mlxd.core.errors import InvalidRequest, ModelLoadError, ModelNotFound
 from mlxd.store.aliases import BUILTIN_ALIASES, EMBEDDED_DEFAULTS, KINDS
+from mlxd.store.hf_cache import find_cached_model
 from mlxd.store.inspect import infer_kind
 from mlxd.store.local import HF_CACHE_DIR, IntegrityError, ModelStore
 from mlxd.store.names import validate_name
+from mlxd.store.progress import ProgressFn, ProgressLog, emitter, tee
 from mlxd.store.sources import fetch_into, hub_cache_folder
 
 __all__ = ["ProgressFn", "Resolved", "ensure_model", "infer_kind", "pull", "quantize",
            "remove", "resolve"]
 
 log = logging.getLogger(__name__)
-
-ProgressFn = Callable[[dict], None]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -127,12 +126,6 @@ def resolve(name: str, settings: ModelSettings, *, allow_local: bool = True) -> 
     )
 
 
-def _emitter(progress: ProgressFn | None) -> ProgressFn:
-    if progress is None:
-        return lambda _e: None
-    return progress
-
-
 def _store_name(target: str, explicit: bool) -> str:
     try:
         return validate_name(target)
@@ -150,7 +143,8 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
     it came from one of the name's sources, unless ``force``; a different model there is an
     error without ``force``. Sources are tried in order; ModelLoadError lists each failure.
     """
-    emit = _emitter(progress)
+    # the caller's view (CLI bar, HTTP stream) and the server log see the same events
+    emit = tee(emitter(progress), ProgressLog(log, f"pull {name}"))
     if kind is not None and kind not in KINDS:
         raise InvalidRequest(f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}",
                              param="type")
@@ -230,11 +224,23 @@ def _pull_source(store: ModelStore, target: str, source: str, settings: ModelSet
     return manifest
 
 
+def _in_hf_cache(r: Resolved) -> Path | None:
+    """The snapshot of the first hub source of ``r`` found in the local Hugging Face cache."""
+    for source in r.sources:
+        if source.startswith("hf:"):
+            cached = find_cached_model(source[3:])
+            if cached is not None:
+                return cached.path
+    return None
+
+
 def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
     """The store path of ``name``, pulling it first when the settings allow.
 
-    Built-in defaults (smollm2-135m-instruct, all-minilm-l6-v2) follow
-    ``auto_download_defaults``, anything else (other aliases, hub ids) ``auto_download``.
+    A hub id (or an alias's hub source) whose snapshot is in the local Hugging Face cache
+    (``store.hf_cache``) is served from there: no download, no copy. Otherwise built-in
+    defaults (smollm2-135m-instruct, all-minilm-l6-v2) follow ``auto_download_defaults``,
+    anything else (other aliases, hub ids) ``auto_download``.
     Names from requests never reach local paths or ``pypi:`` specs. Invalid names raise
     InvalidRequest, unknown ones ModelNotFound, failing sources ModelLoadError.
     """
@@ -248,6 +254,10 @@ def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
     found = store.get(r.name)
     if found is not None:
         return found
+    cached = _in_hf_cache(r)
+    if cached is not None:  # already on this machine: serve it in place, whatever the policy
+        log.info("serving %s from the local Hugging Face cache: %s", name, cached)
+        return cached
     allowed = settings.auto_download_defaults if name in EMBEDDED_DEFAULTS \
         else settings.auto_download
     if not allowed:
@@ -266,7 +276,7 @@ def remove(store: ModelStore, name: str) -> None:
 def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 64,
              as_name: str | None = None, progress: ProgressFn | None = None) -> dict:
     """Quantize a chat model with mlx-lm into a new store entry (``{name}-{bits}bit``)."""
-    emit = _emitter(progress)
+    emit = tee(emitter(progress), ProgressLog(log, f"quantize {name}"))
     if bits not in QUANT_BITS:
         raise InvalidRequest(f"bits must be one of {QUANT_BITS}, got {bits}", param="bits")
     if group_size not in QUANT_GROUP_SIZES:

