@@ -58,6 +58,6 @@ def test_gguf_import_dtype_follows_the_backend():
     from mlxd.dtype_policy import gguf_import_dtype, wants_float32
     from mlxd.engines import backend
 
-    assert wants_float32() == backend.wants_float32()  # one policy, two homes until moved
+    assert backend.wants_float32 is wants_float32  # one policy, one home
     assert gguf_import_dtype("auto") == ("float32" if wants_float32() else "native")
     assert gguf_import_dtype("bfloat16") == "bfloat16"

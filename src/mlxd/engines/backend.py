@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-import platform
+from mlxd.dtype_policy import backend_name, wants_float32
 
-import mlx.core as mx
-
-
-def backend_name() -> str:
-    """'metal', 'cuda' or 'cpu': the device MLX computes on by default."""
-    if mx.default_device() == mx.cpu:
-        return "cpu"
-    if platform.system() == "Darwin":
-        return "metal"
-    return "cuda"
-
-
-def wants_float32() -> bool:
-    """On the CPU backend float32 matmuls go to BLAS; half and quantized ones crawl."""
-    return backend_name() == "cpu"
+__all__ = ["apply_dtype", "backend_name", "wants_float32"]
 
 
 def apply_dtype(model, config: dict, dtype: str) -> str:
