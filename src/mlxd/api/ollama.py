@@ -15,12 +15,22 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from mlxd import __version__
 from mlxd.api.common import runtime
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
+from mlxd.api.wire import (
+    KeepAlive,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopP,
+    WireModel,
+)
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
 from mlxd.runtime.service import Generation
@@ -35,21 +45,27 @@ def _now_iso(ts: float | None = None) -> str:
     return dt.isoformat().replace("+00:00", "Z")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(WireModel):
+    pass
 
 
 class Options(_Body):
-    num_predict: int | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    num_predict: int | None = Field(
+        None, ge=-2, description="-1: until a stop or the context is full; -2: fill the context.")
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = Field(None, description="-1 (llama.cpp's default): random, no seed.")
     stop: list[str] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, v: int | None) -> int | None:
+        return None if v == -1 else v
 
 
 class _GenBase(_Body):
@@ -57,7 +73,7 @@ class _GenBase(_Body):
     stream: bool = True
     options: Options | None = None
     format: Any = None
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
 
     def constraint(self) -> OutputConstraint | None:
         """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""

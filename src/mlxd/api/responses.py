@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mlxd.api.common import Collected, collect, submit_n
 from mlxd.api.streaming import sse_response, until_disconnect
@@ -35,6 +35,7 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
+from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.runtime.service import Generation
@@ -48,15 +49,13 @@ class ResponseNotFound(MlxdError):
     type = "invalid_request_error"
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponsesRequest(WireModel):
     model: str = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = Field(None, le=2.0)
+    top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -67,7 +66,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
 
     def function_tools(self) -> list[dict] | None:
         if not self.tools:
