@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -37,16 +38,26 @@ from mlxd.runtime.service import Generation
 
 router = APIRouter()
 
+# The floor OpenAI and vLLM report for a token the model gives no chance (-inf): JSON has no
+# infinities, and a NaN or -Infinity in a chunk breaks every strict client's parser.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(x: float) -> float:
+    """A logprob as JSON can carry it: -inf and NaN become the floor, never below it."""
+    return max(x, LOGPROB_FLOOR) if math.isfinite(x) else LOGPROB_FLOOR
+
 
 def _chat_logprobs(items: list[TokenLogprob]) -> dict:
     return {
         "content": [
             {
                 "token": lp.token,
-                "logprob": lp.logprob,
+                "logprob": finite_logprob(lp.logprob),
                 "bytes": list(lp.token.encode()),
                 "top_logprobs": [
-                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                    {"token": t.token, "logprob": finite_logprob(t.logprob),
+                     "bytes": list(t.token.encode())}
                     for t in lp.top
                 ],
             }
@@ -62,8 +73,8 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
         pos += len(lp.token)
     return {
         "tokens": [lp.token for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items],
+        "token_logprobs": [finite_logprob(lp.logprob) for lp in items],
+        "top_logprobs": [{t.token: finite_logprob(t.logprob) for t in lp.top} for lp in items],
         "text_offset": offsets,
     }
 
