@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from mlxd.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import collect, runtime, submit_n
 from mlxd.api.errors import anthropic_error_body
 from mlxd.api.streaming import sse_response, until_disconnect
@@ -29,7 +30,7 @@ from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, ToolCall, Usage
 from mlxd.runtime.service import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 def _request(body: MessagesRequest | CountTokensRequest, request: Request,

@@ -13,52 +13,27 @@
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import new_id, runtime
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 KeepAlive = str | int | float | None
 
 
 class _Req(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-B = TypeVar("B", bound=BaseModel)
-
-
-def json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
-    """The body as JSON whatever the Content-Type: ``curl -d`` sends a form type, and
-    Ollama's and TEI's documented curl calls set none."""
-
-    async def parse(request: Request) -> B:
-        raw = await request.body()
-        try:
-            data = json.loads(raw or b"null")
-        except ValueError:
-            raise RequestValidationError(
-                [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                  "input": None}]) from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
-
-    return parse
 
 
 def f32_base64(v: np.ndarray) -> str:
@@ -90,7 +65,7 @@ class EmbeddingsBody(_Req):
 
 
 @router.post("/v1/embeddings")
-async def embeddings(request: Request, body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
+async def embeddings(request: Request, body: EmbeddingsBody):
     req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
                        dimensions=body.dimensions, keep_alive=body.keep_alive,
                        request_id=request.state.request_id)
@@ -179,17 +154,17 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
 
 
 @router.post("/v1/rerank")
-async def rerank_v1(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+async def rerank_v1(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/rerank")
-async def rerank_plain(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+async def rerank_plain(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/v2/rerank")
-async def rerank_v2(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+async def rerank_v2(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=True)
 
 
@@ -208,7 +183,7 @@ class TokenizeBody(_Req):
 
 
 @router.post("/v1/tokenize")
-async def tokenize(request: Request, body: TokenizeBody = Depends(json_body(TokenizeBody))):
+async def tokenize(request: Request, body: TokenizeBody):
     raw = body.input if body.input is not None else body.prompt
     messages = None
     if body.messages is not None:

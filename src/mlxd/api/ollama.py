@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
 from mlxd import __version__
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import runtime
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
@@ -35,7 +36,7 @@ from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", route_class=JSONBodyRoute)
 
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API generation these shapes follow
 

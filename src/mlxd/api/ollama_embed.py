@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import runtime
-from mlxd.api.encoders import json_body
 from mlxd.api.streaming import until_disconnect
 from mlxd.core.types import EmbedRequest
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", route_class=JSONBodyRoute)
 
 
 class _Body(BaseModel):
@@ -47,7 +47,7 @@ def _name(request: Request, model: str | None) -> str:
 
 
 @router.post("/embed")
-async def embed(request: Request, body: EmbedBody = Depends(json_body(EmbedBody))):
+async def embed(request: Request, body: EmbedBody):
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if not inputs:
@@ -62,8 +62,7 @@ async def embed(request: Request, body: EmbedBody = Depends(json_body(EmbedBody)
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request,
-                     body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
+async def embeddings(request: Request, body: EmbeddingsBody):
     rt = runtime(request)
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)

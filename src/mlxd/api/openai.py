@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import (
     Collected,
     close_all,
@@ -36,7 +37,7 @@ from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
 from mlxd.runtime.service import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 # The floor OpenAI and vLLM report for a token the model gives no chance (-inf): JSON has no
 # infinities, and a NaN or -Infinity in a chunk breaks every strict client's parser.

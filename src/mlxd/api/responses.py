@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import Collected, collect, submit_n
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
@@ -40,7 +41,7 @@ from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 class ResponseNotFound(MlxdError):

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
+from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.errors import error_payload
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
-from mlxd.core.errors import InvalidRequest, MlxdError
+from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest
 from mlxd.runtime.service import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.get("/health")
@@ -28,21 +27,8 @@ async def health(request: Request):
     return JSONResponse(status, status_code=200 if rt.healthy else 503)
 
 
-async def _json_body(request: Request) -> GenerateBody:
-    """The simple dialect takes JSON whatever the Content-Type (``curl -d`` sends form type)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw or b"null")
-    except ValueError:
-        raise InvalidRequest("the request body is not valid JSON") from None
-    try:
-        return GenerateBody.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
-
-
 @router.post("/generate")
-async def generate(request: Request, body: GenerateBody = Depends(_json_body)):
+async def generate(body: GenerateBody, request: Request):
     req = GenerateRequest(
         model=body.model,
         sampling=body.to_sampling(),
@@ -78,12 +64,8 @@ class UnloadBody(BaseModel):
 
 
 @router.post("/unload")
-async def unload(request: Request):
-    """Unload one model (``{"model": ...}``) or all; memory goes back to the system."""
-    raw = await request.body()
-    try:
-        body = UnloadBody.model_validate(json.loads(raw) if raw.strip() else {})
-    except ValueError as exc:
-        raise InvalidRequest(f"invalid body: {exc}") from None
-    result = await runtime(request).models.unload(body.model)
+async def unload(request: Request, body: UnloadBody | None = None):
+    """Unload one model (``{"model": ...}``) or all (no body); memory goes back to the
+    system."""
+    result = await runtime(request).models.unload(body.model if body else None)
     return {**result, "memory": runtime(request).memory()}
