@@ -18,22 +18,20 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import new_id, runtime
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
+from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
 router = APIRouter(route_class=JSONBodyRoute)
 
-KeepAlive = str | int | float | None
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Req(WireModel):
+    pass
 
 
 def f32_base64(v: np.ndarray) -> str:

@@ -12,25 +12,26 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import runtime
 from mlxd.api.streaming import until_disconnect
+from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.types import EmbedRequest
 
 router = APIRouter(prefix="/api", route_class=JSONBodyRoute)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(WireModel):
+    pass
 
 
 class EmbedBody(_Body):
     model: str | None = None
     input: str | list[str] | None = None
     truncate: bool = True
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
     options: dict[str, Any] | None = None  # accepted; nothing in it applies to encoders
     dimensions: int | None = Field(None, ge=1)
 
@@ -38,7 +39,7 @@ class EmbedBody(_Body):
 class EmbeddingsBody(_Body):
     model: str | None = None
     prompt: str = ""
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
     options: dict[str, Any] | None = None
 
 

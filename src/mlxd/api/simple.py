@@ -6,13 +6,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.errors import error_payload
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
+from mlxd.api.wire import WireModel
 from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest
 from mlxd.runtime.service import Generation
@@ -58,7 +59,7 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-class UnloadBody(BaseModel):
+class UnloadBody(WireModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
 

@@ -1,7 +1,12 @@
 """The validation policy every request body shares, and the sampling parameters' ranges.
 
-``allow_inf_nan=False`` refuses the ``NaN``/``Infinity``
-literals Python's JSON parser accepts and numbers that overflow to infinity (``1e400``):
+Every dialect's reference server is strict about JSON types (OpenAI and Anthropic answer
+400 for ``"top_k": false``; Ollama is Go, whose decoder refuses a bool for an int, and the
+embedding servers are Rust/serde), so the request models are strict too: no bool becomes 0
+or 1 (``"prompt": [false]`` was token id 0, ``"keep_alive": false`` an unload), no string
+becomes a number, no float is truncated to an int. A JSON integer still fills a float
+field. ``allow_inf_nan=False`` refuses the ``NaN``/``Infinity`` literals Python's JSON
+parser accepts and numbers that overflow to infinity (``1e400``):
 nothing non-finite reaches a sampler.
 
 The ranges are the ones a value must keep for the engine to stay finite and the request to
@@ -25,10 +30,10 @@ PENALTY_MIN, PENALTY_MAX = 0.01, 100.0
 
 
 class WireModel(BaseModel):
-    """Base of every request body: finite numbers, unknown fields ignored (as
-    OpenAI-compatible servers do, for forward compatibility)."""
+    """Base of every request body: strict JSON types, finite numbers, unknown fields ignored
+    (as OpenAI-compatible servers do, for forward compatibility)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX,
