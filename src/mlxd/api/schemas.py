@@ -235,10 +235,25 @@ class GenerateBody(_Req):
     seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
-    chat: bool = Field(
-        False, description="Wrap the prompt in the model's chat template as one user turn."
-    )
+    chat: bool | None = Field(
+        None, description="true: wrap the prompt in the model's chat template as one user "
+        "turn (400 if it has none). Unset: the template when the model has one.")
+    raw: bool = Field(
+        False, description="Send the prompt to the model as is, without the chat template.")
     keep_alive: KeepAlive = None
+
+    def templated(self, model_has_template: bool) -> bool:
+        """Whether the prompt goes through the chat template.
+
+        By default yes when the model has one, as ``mlx_lm.generate`` and Ollama's
+        /api/generate do: an instruction-tuned model given a bare prompt tends to answer
+        with end-of-turn at once (an empty text).
+        """
+        if self.raw and self.chat:
+            raise InvalidRequest("raw and chat exclude each other", param="raw")
+        if self.raw or self.chat is False:
+            return False
+        return bool(self.chat) or model_has_template
 
     def to_sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

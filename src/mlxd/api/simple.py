@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -14,7 +15,7 @@ from mlxd.api.errors import error_payload
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.api.wire import WireModel
-from mlxd.core.errors import MlxdError
+from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest
 from mlxd.runtime.service import Generation
 
@@ -28,13 +29,26 @@ async def health(request: Request):
     return JSONResponse(status, status_code=200 if rt.healthy else 503)
 
 
+async def _has_chat_template(request: Request, model: str) -> bool:
+    """Whether ``model`` ships a chat template (read from its files, as /api/show does; a
+    model not installed yet is assumed to have one, as nearly every chat model does)."""
+    try:
+        info = await asyncio.to_thread(runtime(request).describe, model)
+    except ModelNotFound:
+        return True
+    return bool(info["chat_template"])
+
+
 @router.post("/generate")
 async def generate(body: GenerateBody, request: Request):
+    # the model's files are read only when the request leaves the choice to the model
+    decided = body.raw or body.chat is not None
+    chat = body.templated(decided or await _has_chat_template(request, body.model))
     req = GenerateRequest(
         model=body.model,
         sampling=body.to_sampling(),
-        prompt=None if body.chat else body.prompt,
-        messages=[{"role": "user", "content": body.prompt}] if body.chat else None,
+        prompt=None if chat else body.prompt,
+        messages=[{"role": "user", "content": body.prompt}] if chat else None,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
     )
