@@ -6,8 +6,10 @@
 * ``POST /v1/rerank`` (also ``/rerank`` and ``/v2/rerank``): Jina's shape, and Cohere's field
   names in the same handler (``rank_fields``, ``max_chunks_per_doc`` ignored, ``meta``);
   ``return_text`` + ``decision_threshold`` add a "yes"/"no" ``text_output`` per result.
-* ``POST /v1/tokenize``: token counts (and ids with ``return_tokens``) with any loaded
-  model's tokenizer; ``messages`` counts a chat-templated prompt.
+* ``POST /v1/tokenize``: token counts with any model's tokenizer, in the shape of the
+  embeddings server mlxd replaces: ``data[i] = {"index": i, "tokens": <count>}``, plus the
+  ids under ``token_ids`` with ``return_tokens``; ``messages`` counts a chat-templated
+  prompt.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class TokenizeBody(_Req):
     prompt: str | list[str] | None = Field(None, description="Alias of input (vLLM's name).")
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    return_tokens: bool = False
+    return_tokens: bool = Field(False, description="Add each input's ids as token_ids.")
     return_token_strings: bool = False
     keep_alive: KeepAlive = None
 
@@ -199,9 +201,9 @@ async def tokenize(request: Request, body: TokenizeBody):
         token_strings=body.return_token_strings, keep_alive=body.keep_alive))
     data = []
     for i, ids in enumerate(res.tokens):
-        item: dict[str, Any] = {"index": i, "count": len(ids)}
+        item: dict[str, Any] = {"index": i, "tokens": len(ids)}
         if body.return_tokens:
-            item["tokens"] = ids
+            item["token_ids"] = ids
         if res.token_strings is not None:
             item["token_strings"] = res.token_strings[i]
         data.append(item)
