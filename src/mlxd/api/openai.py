@@ -39,6 +39,10 @@ from mlxd.runtime.service import Generation
 
 router = APIRouter(route_class=JSONBodyRoute)
 
+# mlx-vlm's server serves the OpenAI routes without the /v1 prefix; clients written for it
+# work unchanged. Same handlers; left out of the OpenAPI document, which lists each once.
+ALIAS = {"include_in_schema": False}
+
 # The floor OpenAI and vLLM report for a token the model gives no chance (-inf): JSON has no
 # infinities, and a NaN or -Infinity in a chunk breaks every strict client's parser.
 LOGPROB_FLOOR = -9999.0
@@ -81,6 +85,7 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions", **ALIAS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     req = GenerateRequest(
         model=body.model,
@@ -264,6 +269,7 @@ def _parse_ts(ts: str) -> int:
 
 
 @router.get("/v1/models")
+@router.get("/models", **ALIAS)
 async def list_models(request: Request):
     rt = runtime(request)
     names = [lm.name for lm in rt.models.loaded()]
@@ -272,6 +278,7 @@ async def list_models(request: Request):
 
 
 @router.get("/v1/models/{model_id:path}")
+@router.get("/models/{model_id:path}", **ALIAS)
 async def get_model(model_id: str, request: Request):
     rt = runtime(request)
     loaded = {lm.name for lm in rt.models.loaded()}

@@ -42,6 +42,7 @@ from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
 router = APIRouter(route_class=JSONBodyRoute)
+ALIAS = {"include_in_schema": False}  # mlx-vlm's paths, without /v1 (see api/openai.py)
 
 
 class ResponseNotFound(MlxdError):
@@ -304,6 +305,7 @@ class _Turn:
 
 
 @router.post("/v1/responses")
+@router.post("/responses", **ALIAS)
 async def create_response(body: ResponsesRequest, request: Request):
     turn = _Turn(body, request)
     (gen,) = await submit_n(request, turn.req, 1)
@@ -428,12 +430,14 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore) -> AsyncIt
 
 
 @router.get("/v1/responses/{response_id}")
+@router.get("/responses/{response_id}", **ALIAS)
 async def get_response(response_id: str, request: Request):
     obj, _ = _store(request).get(response_id)
     return obj
 
 
 @router.delete("/v1/responses/{response_id}")
+@router.delete("/responses/{response_id}", **ALIAS)
 async def delete_response(response_id: str, request: Request):
     _store(request).delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
