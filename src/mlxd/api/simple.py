@@ -24,9 +24,15 @@ router = APIRouter(route_class=JSONBodyRoute)
 
 @router.get("/health")
 async def health(request: Request):
+    """The server's state. With API keys configured, a caller without a valid key (a load
+    balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
+    memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
     rt = runtime(request)
     status = rt.status()
-    return JSONResponse(status, status_code=200 if rt.healthy else 503)
+    code = 200 if rt.healthy else 503
+    if getattr(request.state, "anonymous", False):
+        return JSONResponse({"status": status["status"]}, status_code=code)
+    return JSONResponse(status, status_code=code)
 
 
 async def _has_chat_template(request: Request, model: str) -> bool:
