@@ -22,15 +22,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import new_id, runtime
+from mlxd.api.docs import EmbeddingList, RerankResponse, TokenizeResponse, ok
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
 from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
-router = APIRouter(route_class=JSONBodyRoute)
+router = APIRouter(route_class=ApiRoute)
 
 class _Req(WireModel):
     pass
@@ -64,7 +65,7 @@ class EmbeddingsBody(_Req):
         return list(x)  # type: ignore[arg-type]
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", responses=ok(EmbeddingList))
 async def embeddings(request: Request, body: EmbeddingsBody):
     req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
                        dimensions=body.dimensions, keep_alive=body.keep_alive,
@@ -153,17 +154,17 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
     })
 
 
-@router.post("/v1/rerank")
+@router.post("/v1/rerank", responses=ok(RerankResponse))
 async def rerank_v1(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
-@router.post("/rerank")
+@router.post("/rerank", responses=ok(RerankResponse))
 async def rerank_plain(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
-@router.post("/v2/rerank")
+@router.post("/v2/rerank", responses=ok(RerankResponse))
 async def rerank_v2(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=True)
 
@@ -182,7 +183,7 @@ class TokenizeBody(_Req):
     keep_alive: KeepAlive = None
 
 
-@router.post("/v1/tokenize")
+@router.post("/v1/tokenize", responses=ok(TokenizeResponse))
 async def tokenize(request: Request, body: TokenizeBody):
     raw = body.input if body.input is not None else body.prompt
     messages = None

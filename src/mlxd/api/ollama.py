@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
 from mlxd import __version__
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import runtime
+from mlxd.api.docs import NDJSON, OllamaChat, OllamaGenerate, ok, streamed
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
 from mlxd.api.wire import (
@@ -36,7 +37,7 @@ from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
-router = APIRouter(prefix="/api", route_class=JSONBodyRoute)
+router = APIRouter(prefix="/api", route_class=ApiRoute)
 
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API generation these shapes follow
 
@@ -205,7 +206,8 @@ def _with_images(content: str, images: list[str] | None, where: str,
     return [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
 
 
-@router.post("/generate")
+@router.post("/generate", responses=ok(
+    OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")))
 async def generate(body: GenerateBody, request: Request):
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
@@ -239,7 +241,8 @@ async def generate(body: GenerateBody, request: Request):
     return await _respond(request, gen, body.stream, part, last, "response")
 
 
-@router.post("/chat")
+@router.post("/chat", responses=ok(
+    OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")))
 async def chat(body: ChatBody, request: Request):
     params = body.sampling()
     if not body.messages:
@@ -373,7 +376,7 @@ async def show(body: ModelBody, request: Request):
     }
 
 
-@router.post("/pull")
+@router.post("/pull", responses={200: streamed(NDJSON, "progress objects (the default)")})
 async def pull(body: PullBody, request: Request):
     rt = runtime(request)
     name = body.target

@@ -14,13 +14,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import runtime
+from mlxd.api.docs import OllamaEmbed, ok
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import until_disconnect
 from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.types import EmbedRequest
 
-router = APIRouter(prefix="/api", route_class=JSONBodyRoute)
+router = APIRouter(prefix="/api", route_class=ApiRoute)
 
 
 class _Body(WireModel):
@@ -47,7 +48,7 @@ def _name(request: Request, model: str | None) -> str:
     return model or runtime(request).settings.models.default_embedding
 
 
-@router.post("/embed")
+@router.post("/embed", responses=ok(OllamaEmbed))
 async def embed(request: Request, body: EmbedBody):
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])

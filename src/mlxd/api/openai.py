@@ -6,11 +6,11 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import (
     Collected,
     close_all,
@@ -23,7 +23,9 @@ from mlxd.api.common import (
     total_usage,
     usage_dict,
 )
+from mlxd.api.docs import SSE, ChatCompletion, Completion, ModelCard, ModelList, ok
 from mlxd.api.errors import error_payload
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.api.tooling import (
@@ -37,7 +39,7 @@ from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
 from mlxd.runtime.service import Generation
 
-router = APIRouter(route_class=JSONBodyRoute)
+router = APIRouter(route_class=ApiRoute)
 
 # mlx-vlm's server serves the OpenAI routes without the /v1 prefix; clients written for it
 # work unchanged. Same handlers; left out of the OpenAPI document, which lists each once.
@@ -84,7 +86,8 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
     }
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=ok(
+    ChatCompletion, (SSE, "chat.completion.chunk objects, then [DONE]")))
 @router.post("/chat/completions", **ALIAS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     req = GenerateRequest(
@@ -185,7 +188,8 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
     yield sse("[DONE]")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=ok(
+    Completion, (SSE, "text_completion chunks, then [DONE]")))
 async def completions(body: CompletionRequest, request: Request):
     text, tokens = body.single_prompt()
     req = GenerateRequest(
@@ -268,7 +272,7 @@ def _parse_ts(ts: str) -> int:
         return 0
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=ok(ModelList))
 @router.get("/models", **ALIAS)
 async def list_models(request: Request):
     rt = runtime(request)
@@ -277,9 +281,10 @@ async def list_models(request: Request):
     return {"object": "list", "data": [_model_card(rt, n) for n in names]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
 @router.get("/models/{model_id:path}", **ALIAS)
-async def get_model(model_id: str, request: Request):
+async def get_model(request: Request, model_id: Annotated[str, Path(
+        description="A model name as /v1/models lists it; may contain '/' (org/name).")]):
     rt = runtime(request)
     loaded = {lm.name for lm in rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}

@@ -27,8 +27,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import Collected, collect, submit_n
+from mlxd.api.docs import SSE, streamed
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
     apply_tools,
@@ -41,7 +42,7 @@ from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.runtime.service import Generation
 
-router = APIRouter(route_class=JSONBodyRoute)
+router = APIRouter(route_class=ApiRoute)
 ALIAS = {"include_in_schema": False}  # mlx-vlm's paths, without /v1 (see api/openai.py)
 
 
@@ -304,7 +305,8 @@ class _Turn:
         }
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses={200: streamed(
+    SSE, "response.created ... response.output_text.delta ... response.completed")})
 @router.post("/responses", **ALIAS)
 async def create_response(body: ResponsesRequest, request: Request):
     turn = _Turn(body, request)

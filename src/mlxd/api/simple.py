@@ -9,9 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
-from mlxd.api.body import JSONBodyRoute
 from mlxd.api.common import collect, runtime, usage_dict
+from mlxd.api.docs import SSE, GenerateResponse, Health, ok
 from mlxd.api.errors import error_payload
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.api.wire import WireModel
@@ -19,10 +20,11 @@ from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest
 from mlxd.runtime.service import Generation
 
-router = APIRouter(route_class=JSONBodyRoute)
+router = APIRouter(route_class=ApiRoute)
 
 
-@router.get("/health")
+@router.get("/health", responses=ok(Health))
+@router.head("/health", include_in_schema=False)  # probes that only want the status code
 async def health(request: Request):
     """The server's state. With API keys configured, a caller without a valid key (a load
     balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
@@ -45,7 +47,8 @@ async def _has_chat_template(request: Request, model: str) -> bool:
     return bool(info["chat_template"])
 
 
-@router.post("/generate")
+@router.post("/generate", responses=ok(
+    GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')))
 async def generate(body: GenerateBody, request: Request):
     # the model's files are read only when the request leaves the choice to the model
     decided = body.raw or body.chat is not None
