@@ -142,7 +142,7 @@ def test_dimensions_truncate_then_normalise(http):
 
 def test_token_id_inputs_equal_text_inputs(http):
     ids = http.post("/v1/tokenize", json={"model": MINILM, "input": "hello world",
-                                          "return_tokens": True}).json()["data"][0]["tokens"]
+                                          "return_tokens": True}).json()["data"][0]["token_ids"]
     by_text = _embed(http, "hello world", model=MINILM)
     by_ids = _embed(http, ids, model=MINILM)
     np.testing.assert_allclose(by_text, by_ids, atol=1e-6)
@@ -399,11 +399,14 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
         assert r.status_code == 200, r.text
         body = r.json()
         want = [tok.encode(t).ids for t in texts]
-        assert [d["tokens"] for d in body["data"]] == want, name
-        assert [d["count"] for d in body["data"]] == [len(x) for x in want]
+        assert [d["token_ids"] for d in body["data"]] == want, name
+        # the documented shape of the embeddings server mlxd replaces: tokens is the count
+        assert [d["tokens"] for d in body["data"]] == [len(x) for x in want]
+        assert [d["index"] for d in body["data"]] == [0, 1]
         assert body["count"] == sum(map(len, want)) and body["context_length"] > 0
     one = http.post("/v1/tokenize", json={"input": "Hello, world!"}).json()  # default model
-    assert one["model"] == SMOL and "tokens" not in one["data"][0]
+    assert one["model"] == SMOL and "token_ids" not in one["data"][0]
+    assert one["data"][0]["tokens"] == one["count"] > 0
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = http.post("/v1/tokenize", json={"model": SMOL, "messages": msgs}).json()
     tok = Tokenizer.from_file(str(srv.runtime.models.store.get(SMOL) / "tokenizer.json"))
@@ -411,7 +414,7 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
 
     chat_tok = load_tokenizer(srv.runtime.models.store.get(SMOL))
     templated = chat_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    assert r["data"][0]["count"] == len(templated) > len(
+    assert r["data"][0]["tokens"] == len(templated) > len(
         tok.encode(msgs[0]["content"]).ids)
     assert http.post("/v1/tokenize", json={"model": MINILM, "messages": msgs}
                      ).status_code == 400

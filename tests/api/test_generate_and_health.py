@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+from fixtures.tiny_models import make_tiny_chat_model
 
 
 def test_generate_returns_text(server):
@@ -41,13 +42,31 @@ def test_generate_streams_sse_token_by_token(server):
     assert payloads[-1]["finish_reason"] == "length"
 
 
-def test_generate_chat_mode_uses_the_template(server):
-    plain = httpx.post(server.url + "/generate",
-                       json={"prompt": "hi", "max_tokens": 1, "temperature": 0}).json()
-    chat = httpx.post(server.url + "/generate",
-                      json={"prompt": "hi", "max_tokens": 1, "temperature": 0,
-                            "chat": True}).json()
-    assert chat["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+def _prompt_tokens(srv, **body) -> int:
+    r = httpx.post(srv.url + "/generate", timeout=60,
+                   json={"prompt": "hi", "max_tokens": 1, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def test_generate_applies_the_chat_template_unless_raw(server):
+    templated = _prompt_tokens(server)
+    assert _prompt_tokens(server, chat=True) == templated
+    assert _prompt_tokens(server, raw=True) < templated
+    assert _prompt_tokens(server, chat=False) == _prompt_tokens(server, raw=True)
+    r = httpx.post(server.url + "/generate", json={"prompt": "hi", "raw": True, "chat": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "raw"
+
+
+def test_generate_sends_the_prompt_raw_to_a_model_without_template(start_server, tmp_path):
+    path = make_tiny_chat_model(tmp_path / "base-llama", "llama", seed=2)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    srv = start_server(path)
+    assert _prompt_tokens(srv) == _prompt_tokens(srv, raw=True)
+    r = httpx.post(srv.url + "/generate", json={"prompt": "hi", "max_tokens": 1, "chat": True})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
 
 def test_health_lists_loaded_models(server):

@@ -6,6 +6,7 @@ is imported into the store as a standard MLX directory and loaded like any other
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from conftest import LiveServer, make_settings
@@ -40,3 +41,16 @@ def test_capital_of_france_is_paris(smollm):
         temperature=0,
     )
     assert "Paris" in r.choices[0].message.content
+
+
+def test_generate_applies_the_chat_template_by_default(smollm):
+    """A bare prompt made the instruction-tuned model answer end-of-turn at once (an empty
+    text); /generate templates it like mlx_lm.generate and Ollama's /api/generate."""
+    with httpx.Client(base_url=smollm.url, timeout=120) as c:
+        r = c.post("/generate", json={"prompt": "What is the capital of France?",
+                                      "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["text"]
+        raw = c.post("/generate", json={"prompt": "What is the capital of France?",
+                                        "max_tokens": 12, "temperature": 0, "raw": True})
+    assert raw.json()["usage"]["prompt_tokens"] < r.json()["usage"]["prompt_tokens"]

@@ -22,14 +22,16 @@ from fastapi.responses import JSONResponse
 
 from mlxd.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from mlxd.api.common import collect, runtime, submit_n
+from mlxd.api.docs import SSE, AnthropicResponse, TokenCountAnthropic, ok
 from mlxd.api.errors import anthropic_error_body
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, openai_response_format
 from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, ToolCall, Usage
 from mlxd.frontend.generation import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 def _request(body: MessagesRequest | CountTokensRequest, request: Request,
@@ -74,7 +76,8 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
             "input": arguments_dict(call)}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", responses=ok(AnthropicResponse, (
+    SSE, "message_start, content_block_start/delta/stop, message_delta, message_stop")))
 async def messages(body: MessagesRequest, request: Request):
     req = _request(body, request, body.sampling())
     req.user = body.user
@@ -175,7 +178,7 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
         yield _event("error", anthropic_error_body(exc.status, exc.message))
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", responses=ok(TokenCountAnthropic))
 async def count_tokens(body: CountTokensRequest, request: Request):
     req = _request(body, request, SamplingParams())
     _, n = await until_disconnect(request, runtime(request).count_tokens(req))

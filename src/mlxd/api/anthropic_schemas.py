@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mlxd.api.tooling import function_tool, tool_names
+from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
 
 
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Req(WireModel):
+    pass
 
 
 class AnthropicMessage(_Req):
@@ -37,7 +38,7 @@ class MessagesBase(_Req):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
-    keep_alive: str | int | float | None = None  # mlxd extension (Ollama semantics)
+    keep_alive: KeepAlive = None  # mlxd extension (Ollama semantics)
 
     def template_messages(self, images: list[ImageInput] | None = None
                           ) -> list[dict[str, Any]]:
@@ -130,11 +131,11 @@ class MessagesBase(_Req):
 
 
 class MessagesRequest(MessagesBase):
-    max_tokens: int = Field(ge=1)
+    max_tokens: MaxTokens
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: Temperature | None = Field(None, le=1.0)
+    top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
 

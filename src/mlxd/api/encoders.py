@@ -6,59 +6,35 @@
 * ``POST /v1/rerank`` (also ``/rerank`` and ``/v2/rerank``): Jina's shape, and Cohere's field
   names in the same handler (``rank_fields``, ``max_chunks_per_doc`` ignored, ``meta``);
   ``return_text`` + ``decision_threshold`` add a "yes"/"no" ``text_output`` per result.
-* ``POST /v1/tokenize``: token counts (and ids with ``return_tokens``) with any loaded
-  model's tokenizer; ``messages`` counts a chat-templated prompt.
+* ``POST /v1/tokenize``: token counts with any model's tokenizer, in the shape of the
+  embeddings server mlxd replaces: ``data[i] = {"index": i, "tokens": <count>}``, plus the
+  ids under ``token_ids`` with ``return_tokens``; ``messages`` counts a chat-templated
+  prompt.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from mlxd.api.common import new_id, runtime
+from mlxd.api.docs import EmbeddingList, RerankResponse, TokenizeResponse, ok
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
+from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
-KeepAlive = str | int | float | None
-
-
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-B = TypeVar("B", bound=BaseModel)
-
-
-def json_body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
-    """The body as JSON whatever the Content-Type: ``curl -d`` sends a form type, and
-    Ollama's and TEI's documented curl calls set none."""
-
-    async def parse(request: Request) -> B:
-        raw = await request.body()
-        try:
-            data = json.loads(raw or b"null")
-        except ValueError:
-            raise RequestValidationError(
-                [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                  "input": None}]) from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
-
-    return parse
+class _Req(WireModel):
+    pass
 
 
 def f32_base64(v: np.ndarray) -> str:
@@ -89,8 +65,8 @@ class EmbeddingsBody(_Req):
         return list(x)  # type: ignore[arg-type]
 
 
-@router.post("/v1/embeddings")
-async def embeddings(request: Request, body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
+@router.post("/v1/embeddings", responses=ok(EmbeddingList))
+async def embeddings(request: Request, body: EmbeddingsBody):
     req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
                        dimensions=body.dimensions, keep_alive=body.keep_alive,
                        request_id=request.state.request_id)
@@ -178,18 +154,18 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
     })
 
 
-@router.post("/v1/rerank")
-async def rerank_v1(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+@router.post("/v1/rerank", responses=ok(RerankResponse))
+async def rerank_v1(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
-@router.post("/rerank")
-async def rerank_plain(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+@router.post("/rerank", responses=ok(RerankResponse))
+async def rerank_plain(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=False)
 
 
-@router.post("/v2/rerank")
-async def rerank_v2(request: Request, body: RerankBody = Depends(json_body(RerankBody))):
+@router.post("/v2/rerank", responses=ok(RerankResponse))
+async def rerank_v2(request: Request, body: RerankBody):
     return await _rerank(body, request, cohere_v2=True)
 
 
@@ -202,13 +178,13 @@ class TokenizeBody(_Req):
     prompt: str | list[str] | None = Field(None, description="Alias of input (vLLM's name).")
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    return_tokens: bool = False
+    return_tokens: bool = Field(False, description="Add each input's ids as token_ids.")
     return_token_strings: bool = False
     keep_alive: KeepAlive = None
 
 
-@router.post("/v1/tokenize")
-async def tokenize(request: Request, body: TokenizeBody = Depends(json_body(TokenizeBody))):
+@router.post("/v1/tokenize", responses=ok(TokenizeResponse))
+async def tokenize(request: Request, body: TokenizeBody):
     raw = body.input if body.input is not None else body.prompt
     messages = None
     if body.messages is not None:
@@ -226,9 +202,9 @@ async def tokenize(request: Request, body: TokenizeBody = Depends(json_body(Toke
         token_strings=body.return_token_strings, keep_alive=body.keep_alive))
     data = []
     for i, ids in enumerate(res.tokens):
-        item: dict[str, Any] = {"index": i, "count": len(ids)}
+        item: dict[str, Any] = {"index": i, "tokens": len(ids)}
         if body.return_tokens:
-            item["tokens"] = ids
+            item["token_ids"] = ids
         if res.token_strings is not None:
             item["token_strings"] = res.token_strings[i]
         data.append(item)

@@ -24,6 +24,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.observability import context, metrics
+from mlxd.observability.logs import log_value
 
 log = logging.getLogger("mlxd.access")
 
@@ -138,11 +139,14 @@ class AccessMiddleware:
         for key in ("model", "prompt_tokens", "completion_tokens", "key_name", "user"):
             if state.get(key) is not None:
                 fields["key" if key == "key_name" else key] = state[key]
-        extra = " ".join(f"{k}={fields[k]}" for k in ("model", "key", "user") if k in fields)
+        # path, request id, model, key name and user come from the client: log_value keeps
+        # each one token on this one line (a newline in a user forged a log line)
+        extra = " ".join(f"{k}={log_value(fields[k])}" for k in ("model", "key", "user")
+                         if k in fields)
         if "prompt_tokens" in fields:
             extra += f" tokens={fields['prompt_tokens']}+{fields.get('completion_tokens', 0)}"
-        log.info("%s %s %s %.1fms rid=%s%s", method, scope["path"], status,
-                 seconds * 1000, rid, " " + extra if extra else "",
+        log.info("%s %s %s %.1fms rid=%s%s", method, log_value(scope["path"]), status,
+                 seconds * 1000, log_value(rid), " " + extra if extra else "",
                  extra={"fields": fields})
 
 

@@ -15,17 +15,29 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from mlxd import __version__
 from mlxd.api.common import runtime
+from mlxd.api.docs import NDJSON, OllamaChat, OllamaGenerate, ok, streamed
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
+from mlxd.api.wire import (
+    KeepAlive,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopP,
+    WireModel,
+)
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, OutputConstraint, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", route_class=ApiRoute)
 
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API generation these shapes follow
 
@@ -35,21 +47,27 @@ def _now_iso(ts: float | None = None) -> str:
     return dt.isoformat().replace("+00:00", "Z")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(WireModel):
+    pass
 
 
 class Options(_Body):
-    num_predict: int | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    num_predict: int | None = Field(
+        None, ge=-2, description="-1: until a stop or the context is full; -2: fill the context.")
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repeat_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = Field(None, description="-1 (llama.cpp's default): random, no seed.")
     stop: list[str] | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _random_seed(cls, v: int | None) -> int | None:
+        return None if v == -1 else v
 
 
 class _GenBase(_Body):
@@ -57,7 +75,7 @@ class _GenBase(_Body):
     stream: bool = True
     options: Options | None = None
     format: Any = None
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
 
     def constraint(self) -> OutputConstraint | None:
         """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""
@@ -188,7 +206,8 @@ def _with_images(content: str, images: list[str] | None, where: str,
     return [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
 
 
-@router.post("/generate")
+@router.post("/generate", responses=ok(
+    OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")))
 async def generate(body: GenerateBody, request: Request):
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
@@ -222,7 +241,8 @@ async def generate(body: GenerateBody, request: Request):
     return await _respond(request, gen, body.stream, part, last, "response")
 
 
-@router.post("/chat")
+@router.post("/chat", responses=ok(
+    OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")))
 async def chat(body: ChatBody, request: Request):
     params = body.sampling()
     if not body.messages:
@@ -356,7 +376,7 @@ async def show(body: ModelBody, request: Request):
     }
 
 
-@router.post("/pull")
+@router.post("/pull", responses={200: streamed(NDJSON, "progress objects (the default)")})
 async def pull(body: PullBody, request: Request):
     rt = runtime(request)
     name = body.target

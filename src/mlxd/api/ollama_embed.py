@@ -11,26 +11,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Request
+from pydantic import Field
 
 from mlxd.api.common import runtime
-from mlxd.api.encoders import json_body
+from mlxd.api.docs import OllamaEmbed, ok
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import until_disconnect
+from mlxd.api.wire import KeepAlive, WireModel
 from mlxd.core.types import EmbedRequest
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", route_class=ApiRoute)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(WireModel):
+    pass
 
 
 class EmbedBody(_Body):
     model: str | None = None
     input: str | list[str] | None = None
     truncate: bool = True
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
     options: dict[str, Any] | None = None  # accepted; nothing in it applies to encoders
     dimensions: int | None = Field(None, ge=1)
 
@@ -38,7 +40,7 @@ class EmbedBody(_Body):
 class EmbeddingsBody(_Body):
     model: str | None = None
     prompt: str = ""
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
     options: dict[str, Any] | None = None
 
 
@@ -46,8 +48,8 @@ def _name(request: Request, model: str | None) -> str:
     return model or runtime(request).settings.models.default_embedding
 
 
-@router.post("/embed")
-async def embed(request: Request, body: EmbedBody = Depends(json_body(EmbedBody))):
+@router.post("/embed", responses=ok(OllamaEmbed))
+async def embed(request: Request, body: EmbedBody):
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if not inputs:
@@ -62,8 +64,7 @@ async def embed(request: Request, body: EmbedBody = Depends(json_body(EmbedBody)
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request,
-                     body: EmbeddingsBody = Depends(json_body(EmbeddingsBody))):
+async def embeddings(request: Request, body: EmbeddingsBody):
     rt = runtime(request)
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)

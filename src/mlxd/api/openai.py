@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import JSONResponse
 
 from mlxd.api.common import (
@@ -21,7 +23,9 @@ from mlxd.api.common import (
     total_usage,
     usage_dict,
 )
+from mlxd.api.docs import SSE, ChatCompletion, Completion, ModelCard, ModelList, ok
 from mlxd.api.errors import error_payload
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.api.tooling import (
@@ -35,7 +39,20 @@ from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest, TokenLogprob
 from mlxd.frontend.generation import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
+
+# mlx-vlm's server serves the OpenAI routes without the /v1 prefix; clients written for it
+# work unchanged. Same handlers; left out of the OpenAPI document, which lists each once.
+ALIAS = {"include_in_schema": False}
+
+# The floor OpenAI and vLLM report for a token the model gives no chance (-inf): JSON has no
+# infinities, and a NaN or -Infinity in a chunk breaks every strict client's parser.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(x: float) -> float:
+    """A logprob as JSON can carry it: -inf and NaN become the floor, never below it."""
+    return max(x, LOGPROB_FLOOR) if math.isfinite(x) else LOGPROB_FLOOR
 
 
 def _chat_logprobs(items: list[TokenLogprob]) -> dict:
@@ -43,10 +60,11 @@ def _chat_logprobs(items: list[TokenLogprob]) -> dict:
         "content": [
             {
                 "token": lp.token,
-                "logprob": lp.logprob,
+                "logprob": finite_logprob(lp.logprob),
                 "bytes": list(lp.token.encode()),
                 "top_logprobs": [
-                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                    {"token": t.token, "logprob": finite_logprob(t.logprob),
+                     "bytes": list(t.token.encode())}
                     for t in lp.top
                 ],
             }
@@ -62,13 +80,15 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
         pos += len(lp.token)
     return {
         "tokens": [lp.token for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in items],
+        "token_logprobs": [finite_logprob(lp.logprob) for lp in items],
+        "top_logprobs": [{t.token: finite_logprob(t.logprob) for t in lp.top} for lp in items],
         "text_offset": offsets,
     }
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=ok(
+    ChatCompletion, (SSE, "chat.completion.chunk objects, then [DONE]")))
+@router.post("/chat/completions", **ALIAS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     req = GenerateRequest(
         model=body.model,
@@ -168,7 +188,8 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
     yield sse("[DONE]")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=ok(
+    Completion, (SSE, "text_completion chunks, then [DONE]")))
 async def completions(body: CompletionRequest, request: Request):
     text, tokens = body.single_prompt()
     req = GenerateRequest(
@@ -251,7 +272,8 @@ def _parse_ts(ts: str) -> int:
         return 0
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=ok(ModelList))
+@router.get("/models", **ALIAS)
 async def list_models(request: Request):
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
@@ -260,8 +282,10 @@ async def list_models(request: Request):
     return {"object": "list", "data": [_model_card(rt, n, loaded) for n in names]}
 
 
-@router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request):
+@router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
+@router.get("/models/{model_id:path}", **ALIAS)
+async def get_model(request: Request, model_id: Annotated[str, Path(
+        description="A model name as /v1/models lists it; may contain '/' (org/name).")]):
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}

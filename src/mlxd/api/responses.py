@@ -25,9 +25,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mlxd.api.common import Collected, collect, submit_n
+from mlxd.api.docs import SSE, streamed
+from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
     apply_tools,
@@ -35,11 +37,13 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
+from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
+ALIAS = {"include_in_schema": False}  # mlx-vlm's paths, without /v1 (see api/openai.py)
 
 
 class ResponseNotFound(MlxdError):
@@ -48,15 +52,13 @@ class ResponseNotFound(MlxdError):
     type = "invalid_request_error"
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponsesRequest(WireModel):
     model: str = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = Field(None, le=2.0)
+    top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -67,7 +69,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: KeepAlive = None
 
     def function_tools(self) -> list[dict] | None:
         if not self.tools:
@@ -303,7 +305,9 @@ class _Turn:
         }
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", responses={200: streamed(
+    SSE, "response.created ... response.output_text.delta ... response.completed")})
+@router.post("/responses", **ALIAS)
 async def create_response(body: ResponsesRequest, request: Request):
     turn = _Turn(body, request)
     (gen,) = await submit_n(request, turn.req, 1)
@@ -428,12 +432,14 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore) -> AsyncIt
 
 
 @router.get("/v1/responses/{response_id}")
+@router.get("/responses/{response_id}", **ALIAS)
 async def get_response(response_id: str, request: Request):
     obj, _ = _store(request).get(response_id)
     return obj
 
 
 @router.delete("/v1/responses/{response_id}")
+@router.delete("/responses/{response_id}", **ALIAS)
 async def delete_response(response_id: str, request: Request):
     _store(request).delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

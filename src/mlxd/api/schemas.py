@@ -4,17 +4,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
+from mlxd.api.wire import (
+    KeepAlive,
+    LogitBias,
+    MaxTokens,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TopP,
+    WireModel,
+)
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
+TokenId = Annotated[int, Field(ge=0)]
 
 
-class _Req(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do for forward compatibility.
-    model_config = ConfigDict(extra="ignore")
+class _Req(WireModel):
+    pass
 
 
 class StreamOptions(_Req):
@@ -23,22 +35,22 @@ class StreamOptions(_Req):
 
 class SamplingFields(_Req):
     model: str = "default"
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 (vLLM's value): off.")
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    logit_bias: dict[str, LogitBias] | None = None
     stop: Stop = None
     n: int = Field(1, ge=1, le=64, description="Choices to generate, one sequence each.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    keep_alive: str | int | float | None = Field(
+    keep_alive: KeepAlive = Field(
         None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
     )
 
@@ -81,7 +93,7 @@ class SamplingFields(_Req):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(BaseModel):
+class ContentPart(WireModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
@@ -104,7 +116,7 @@ def _image_source(part: ContentPart, param: str) -> str:
                          "http(s) URL)", param=param)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(WireModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -113,7 +125,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -177,7 +189,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1)
@@ -214,19 +226,34 @@ class GenerateBody(_Req):
 
     prompt: str = Field(min_length=1)
     model: str = "default"
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.7, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 0.7
+    top_p: TopP = 1.0
     top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
-    chat: bool = Field(
-        False, description="Wrap the prompt in the model's chat template as one user turn."
-    )
-    keep_alive: str | int | float | None = None
+    chat: bool | None = Field(
+        None, description="true: wrap the prompt in the model's chat template as one user "
+        "turn (400 if it has none). Unset: the template when the model has one.")
+    raw: bool = Field(
+        False, description="Send the prompt to the model as is, without the chat template.")
+    keep_alive: KeepAlive = None
+
+    def templated(self, model_has_template: bool) -> bool:
+        """Whether the prompt goes through the chat template.
+
+        By default yes when the model has one, as ``mlx_lm.generate`` and Ollama's
+        /api/generate do: an instruction-tuned model given a bare prompt tends to answer
+        with end-of-turn at once (an empty text).
+        """
+        if self.raw and self.chat:
+            raise InvalidRequest("raw and chat exclude each other", param="raw")
+        if self.raw or self.chat is False:
+            return False
+        return bool(self.chat) or model_has_template
 
     def to_sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -11,8 +11,11 @@ Keys
     ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; the candidate is compared with every
     key's SHA-256 digest with :func:`hmac.compare_digest` (fixed length, no early exit), so
     timing tells neither which prefix matched nor how long the keys are. ``/health`` is
-    always public, ``/metrics`` unless ``metrics.require_key``. The key's *name* (never the
-    key) goes to the access log.
+    always public, ``/metrics`` unless ``metrics.require_key``; with keys configured,
+    ``/health`` answers a caller without a valid key only its status (``{"status": "ok"}``
+    and the status code), the details (models, memory, load) need a key: ``anonymous`` in
+    the request state tells the handler. The key's *name* (never the key) goes to the access
+    log.
 
 Rate limits (token buckets, refilled continuously)
     ``requests_per_minute``: a request takes one token from its key's bucket before it runs.
@@ -306,7 +309,14 @@ class SecurityMiddleware:
         path = scope["path"]
         state = scope.setdefault("state", {})
         limiter: Limiter | None = None
-        if path not in self.public:
+        if path in self.public and self.keys.enabled:
+            cred = self._credential(scope)
+            entry = self.keys.match(cred) if cred else None
+            if entry is None:
+                state["anonymous"] = True  # served, but only what anyone may see
+            else:
+                state["key_name"] = entry.name
+        elif path not in self.public:
             if self.keys.enabled:
                 cred = self._credential(scope)
                 entry = self.keys.match(cred) if cred else None

@@ -2,52 +2,62 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict
 
 from mlxd.api.common import collect, runtime, usage_dict
+from mlxd.api.docs import SSE, GenerateResponse, Health, ok
 from mlxd.api.errors import error_payload
+from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
-from mlxd.core.errors import InvalidRequest, MlxdError
+from mlxd.api.wire import WireModel
+from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest
 from mlxd.frontend.generation import Generation
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
-@router.get("/health")
+@router.get("/health", responses=ok(Health))
+@router.head("/health", include_in_schema=False)  # probes that only want the status code
 async def health(request: Request):
+    """The server's state. With API keys configured, a caller without a valid key (a load
+    balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
+    memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
     rt = runtime(request)
+    code = 200 if rt.healthy else 503
+    if getattr(request.state, "anonymous", False):
+        return JSONResponse({"status": rt.state}, status_code=code)
     status = await rt.status()
-    return JSONResponse(status, status_code=200 if rt.healthy else 503)
+    return JSONResponse(status, status_code=code)
 
 
-async def _json_body(request: Request) -> GenerateBody:
-    """The simple dialect takes JSON whatever the Content-Type (``curl -d`` sends form type)."""
-    raw = await request.body()
+async def _has_chat_template(request: Request, model: str) -> bool:
+    """Whether ``model`` ships a chat template (read from its files, as /api/show does; a
+    model not installed yet is assumed to have one, as nearly every chat model does)."""
     try:
-        data = json.loads(raw or b"null")
-    except ValueError:
-        raise InvalidRequest("the request body is not valid JSON") from None
-    try:
-        return GenerateBody.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+        info = await asyncio.to_thread(runtime(request).describe, model)
+    except ModelNotFound:
+        return True
+    return bool(info["chat_template"])
 
 
-@router.post("/generate")
-async def generate(request: Request, body: GenerateBody = Depends(_json_body)):
+@router.post("/generate", responses=ok(
+    GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')))
+async def generate(body: GenerateBody, request: Request):
+    # the model's files are read only when the request leaves the choice to the model
+    decided = body.raw or body.chat is not None
+    chat = body.templated(decided or await _has_chat_template(request, body.model))
     req = GenerateRequest(
         model=body.model,
         sampling=body.to_sampling(),
-        prompt=None if body.chat else body.prompt,
-        messages=[{"role": "user", "content": body.prompt}] if body.chat else None,
+        prompt=None if chat else body.prompt,
+        messages=[{"role": "user", "content": body.prompt}] if chat else None,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
     )
@@ -72,18 +82,13 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-class UnloadBody(BaseModel):
+class UnloadBody(WireModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
 
 
 @router.post("/unload")
-async def unload(request: Request):
-    """Unload one model (``{"model": ...}``) or all; memory goes back to the system."""
-    raw = await request.body()
-    try:
-        body = UnloadBody.model_validate(json.loads(raw) if raw.strip() else {})
-    except ValueError as exc:
-        raise InvalidRequest(f"invalid body: {exc}") from None
-    result = await runtime(request).models.unload(body.model)
-    return result
+async def unload(request: Request, body: UnloadBody | None = None):
+    """Unload one model (``{"model": ...}``) or all (no body); memory goes back to the
+    system (the answer carries the engine core's memory after the unload)."""
+    return await runtime(request).models.unload(body.model if body else None)

@@ -8,6 +8,10 @@ from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 
+# Below this temperature sampling is greedy (as in vLLM): 1/T would overflow float32 logits
+# (a temperature of 1e-300 gives inf and NaN probabilities), and the result is argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,7 +31,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(frozen=True)

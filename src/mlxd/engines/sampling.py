@@ -23,6 +23,13 @@ from mlxd.core.types import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 _NEG_INF = float("-inf")
+_KEY_SPACE = 2**64  # mx.random.key takes a uint64; anything else raises inside the batch
+
+
+def prng_key(seed: int) -> mx.array:
+    """The PRNG key of a seed: any Python int maps onto MLX's uint64 domain, so no seed can
+    make key() raise while the batch is decoding (negative seeds included)."""
+    return mx.random.key(seed % _KEY_SPACE)
 
 
 def _top_k(logprobs: mx.array, k: int) -> mx.array:
@@ -81,7 +88,7 @@ def build_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     if params.seed is None:
         top_k = params.top_k if 0 < params.top_k < vocab_size else 0
         return _shared(params.temperature, params.top_p, params.min_p, top_k, vocab_size)
-    return _make(params, vocab_size, mx.random.key(params.seed))
+    return _make(params, vocab_size, prng_key(params.seed))
 
 
 def build_logits_processors(params: SamplingParams) -> list:

@@ -108,6 +108,13 @@ class Runtime:
         e = self.settings.engine
         return e.max_num_seqs + e.max_queued_requests
 
+    @property
+    def state(self) -> str:
+        """ok | draining | restarting (no core, or its pinned models still loading)."""
+        if self.healthy:
+            return "ok"
+        return "draining" if self.draining else "restarting"
+
     async def status(self) -> dict[str, Any]:
         core: dict[str, Any] = {}
         if self.client.alive:
@@ -115,10 +122,8 @@ class Runtime:
                 core = await asyncio.wait_for(self.client.call("status"), 5)
             except Exception:  # noqa: BLE001 - /health must answer whatever the core does
                 core = {}
-        state = "ok" if self.healthy else "draining" if self.draining else (
-            "restarting" if not self.client.ready else "unavailable")
         return {
-            "status": state,
+            "status": self.state,
             "worker_restarts": self.restarts,
             "engine_core": {"pid": self.client.core_pid, "epoch": self.client.epoch,
                             "alive": self.client.alive, "ready": self.client.ready},

@@ -1,0 +1,39 @@
+"""The route class every mlxd router uses: one way to read bodies (api/body.py) and one
+way to document errors (api/docs.py)."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from mlxd.api.body import JSONBodyRoute
+from mlxd.api.docs import error_responses
+from mlxd.api.security import ALWAYS_PUBLIC
+
+
+class ApiRoute(JSONBodyRoute):
+    """A route whose OpenAPI entry lists the errors it can answer, in its dialect's shape
+    (a route's own ``responses`` win), and never FastAPI's 422: validation is a 400 here."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        errors = error_responses(path, takes_body(endpoint), public=path in ALWAYS_PUBLIC)
+        kwargs["responses"] = {**errors, **(kwargs.get("responses") or {})}
+        super().__init__(path, endpoint, **kwargs)
+
+
+def _is_model(t: Any) -> bool:
+    if isinstance(t, type):
+        return issubclass(t, BaseModel)
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return any(_is_model(a) for a in typing.get_args(t))
+    return False
+
+
+def takes_body(endpoint: Callable[..., Any]) -> bool:
+    """Whether the handler has a pydantic body parameter (FastAPI reads one from the body)."""
+    hints = typing.get_type_hints(endpoint, include_extras=False)
+    return any(_is_model(t) for name, t in hints.items() if name != "return")

@@ -1,0 +1,49 @@
+"""The validation policy every request body shares, and the sampling parameters' ranges.
+
+Every dialect's reference server is strict about JSON types (OpenAI and Anthropic answer
+400 for ``"top_k": false``; Ollama is Go, whose decoder refuses a bool for an int, and the
+embedding servers are Rust/serde), so the request models are strict too: no bool becomes 0
+or 1 (``"prompt": [false]`` was token id 0, ``"keep_alive": false`` an unload), no string
+becomes a number, no float is truncated to an int. A JSON integer still fills a float
+field. ``allow_inf_nan=False`` refuses the ``NaN``/``Infinity`` literals Python's JSON
+parser accepts and numbers that overflow to infinity (``1e400``):
+nothing non-finite reaches a sampler.
+
+The ranges are the ones a value must keep for the engine to stay finite and the request to
+mean something: outside them the request is a 400 that names the parameter, never an
+engine failure that takes the batch's other sequences down with it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
+# (engines/sampling.py), so every accepted seed is a valid PRNG key.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+# repetition_penalty divides (or multiplies) the logits of tokens already seen: beyond
+# these bounds float32 logits overflow to infinity and the distribution becomes NaN.
+PENALTY_MIN, PENALTY_MAX = 0.01, 100.0
+
+
+class WireModel(BaseModel):
+    """Base of every request body: strict JSON types, finite numbers, unknown fields ignored
+    (as OpenAI-compatible servers do, for forward compatibility)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX,
+                            description="A signed 64-bit integer; equal seeds, equal text.")]
+Temperature = Annotated[float, Field(ge=0.0, description="0 (or below 1e-5): greedy.")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(ge=PENALTY_MIN, le=PENALTY_MAX,
+                                           description="1: off; above 1 discourages repeats.")]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as OpenAI
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
