@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Profile a running mlxd under load with py-spy: usage profile_server.sh MODEL_DIR C SECONDS OUTDIR
+# Profile mlxd under load with py-spy (front end and engine-core process, --subprocesses):
+# usage profile_server.sh MODEL_DIR C SECONDS OUTDIR
 set -euo pipefail
 model=$1; c=$2; secs=$3; out=$4
 port=8799
@@ -12,7 +13,7 @@ bench=$!
 sleep 8
 m0=$(curl -s localhost:$port/metrics | awk '/^mlxd:generation_tokens_total/ {s+=$2} END {print s}')
 t0=$(date +%s.%N)
-py-spy record -p $pid -d "$secs" -r 200 -f raw -o "$out/pyspy-c$c.txt" --threads --nonblocking --idle >/dev/null 2>&1 || true
+py-spy record -p $pid --subprocesses -d "$secs" -r 200 -f raw -o "$out/pyspy-c$c.txt" --threads --nonblocking --idle >/dev/null 2>&1 || true
 m1=$(curl -s localhost:$port/metrics | awk '/^mlxd:generation_tokens_total/ {s+=$2} END {print s}')
 t1=$(date +%s.%N)
 python3 -c "print('server-side generation tok/s during the profile:', ($m1 - $m0) / ($t1 - $t0))" | tee "$out/server-side-c$c.txt"

@@ -116,6 +116,7 @@ def level(c, per_client, max_tokens, seed):
                        stream=stream)
     pending = list(ids)
     t_submit, first, last, count, done, tokens = {}, {}, {}, {}, 0, 0
+    gaps = []
     t0 = time.perf_counter()
     for _ in range(min(c, len(pending))):
         (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
@@ -124,6 +125,8 @@ def level(c, per_client, max_tokens, seed):
             tokens += 1
             now = time.perf_counter()
             first.setdefault(r.uid, now)
+            if r.uid in last:
+                gaps.append(now - last[r.uid])
             last[r.uid] = now
             count[r.uid] = count.get(r.uid, 0) + 1
             if r.finish_reason is not None:
@@ -135,8 +138,11 @@ def level(c, per_client, max_tokens, seed):
     ttft = sorted(first[u] - t_submit[u] for u in first)
     dec = sorted((count[u] - 1) / (last[u] - first[u]) for u in first
                  if count[u] > 1 and last[u] > first[u])
+    gaps.sort()
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(len(xs) * q / 100))] if xs else None
     return {"concurrency": c, "output_tokens": tokens, "wall_s": wall,
-            "output_tps": tokens / wall, "ttft_p50": ttft[len(ttft) // 2],
+            "output_tps": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
+            "itl_p50": pct(gaps, 50), "itl_p95": pct(gaps, 95),
             "decode_tps_per_request": dec[len(dec) // 2] if dec else None}
 
 
@@ -182,12 +188,16 @@ def main() -> None:
                     help="warm up with one 8-token request per client (CPU: nothing compiles)")
     ap.add_argument("--client-procs", type=int, default=1,
                     help="spread the clients over this many processes")
+    ap.add_argument("--api-workers", type=int, default=1,
+                    help="mlxd front-end processes (mlxd serve --api-workers)")
+    ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
     skip = set(args.skip.split(","))
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results: dict = {"model_dir": args.model_dir, "max_tokens": args.max_tokens,
+                     "api_workers": args.api_workers, "command": " ".join(sys.argv),
                      "requests_per_client": args.requests_per_client,
                      "machine": f"{platform.node()} {platform.machine()} "
                                 f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -199,7 +209,8 @@ def main() -> None:
         print("mlxd", flush=True)
         results["mlxd"] = bench_server(
             [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
-             "--max-num-seqs", str(max(args.levels)), "--log-level", "warning"],
+             "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
+             "--api-workers", str(args.api_workers), *args.mlxd_args.split()],
             env, name, args, "/health")
     if "mlx_lm" not in skip:
         print("mlx_lm.server (as shipped)", flush=True)

@@ -62,3 +62,62 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
     assert p.returncode in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in out
     assert '"logger": "mlxd.access"' in out  # structured json logs, one line per request
+
+
+def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.TransportError:
+            pass
+        assert p.poll() is None, p.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
+    """`--api-workers 2`: two front-end processes on one port, one engine core (the model
+    loaded once), and SIGTERM takes all of them down."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
+              env=_env(tmp_path), start_new_session=True)
+    core_pid = None
+    try:
+        _wait_healthy(url, p)
+        frontends, cores = set(), set()
+        deadline = time.time() + 30
+        while len(frontends) < 2 and time.time() < deadline:
+            with httpx.Client(timeout=10) as c:  # a new connection each time
+                h = c.get(url + "/health")
+                if h.status_code == 200:  # a worker may still be starting
+                    frontends.add(h.json()["frontend_pid"])
+                    cores.add(h.json()["engine_core"]["pid"])
+                    assert [m["name"] for m in h.json()["models"]] == ["tiny-llama"]
+        assert len(frontends) == 2 and len(cores) == 1 and p.pid not in frontends
+        core_pid = cores.pop()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(6):
+            with httpx.Client(timeout=30) as c:
+                r = c.post(url + "/v1/chat/completions", json=chat)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        h = httpx.get(url + "/health").json()
+        assert h["model_loads"] == {"tiny-llama": 1}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    deadline = time.time() + 10
+    while core_pid is not None and _alive(core_pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert core_pid is None or not _alive(core_pid)

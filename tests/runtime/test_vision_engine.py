@@ -38,17 +38,19 @@ def _msgs(n: int) -> list[dict]:
                                          {"type": "text", "text": "Describe."}]}]
 
 
-def _run(engine: VisionEngine, prompts: list, max_tokens: int = 10) -> list[str]:
+def _run(engine: VisionEngine, prompts: list, max_tokens: int = 10) -> list[list[int]]:
+    """Each prompt's generated token ids (the engine emits ids; front ends detokenize)."""
     seqs = [engine.new_sequence(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
             for p in prompts]
     for s in seqs:
         engine.add(s)
-    texts = {id(s): "" for s in seqs}
+    tokens: dict[int, list[int]] = {id(s): [] for s in seqs}
     while engine.has_work():
         for seq, ev in engine.step():
             assert ev.error is None, ev.error
-            texts[id(seq)] += ev.text
-    return [texts[id(s)] for s in seqs]
+            if ev.token is not None:
+                tokens[id(seq)].append(ev.token)
+    return [tokens[id(s)] for s in seqs]
 
 
 def test_feature_cache_is_lru_by_entries_and_bytes():

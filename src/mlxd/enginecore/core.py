@@ -141,7 +141,8 @@ class EngineCore:
         self.models.store.clean_temp()
         self.worker.start()
         tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
-                 asyncio.create_task(self._watch_worker())]
+                 asyncio.create_task(self._watch_worker()),
+                 asyncio.create_task(self._watch_parent(os.getppid()))]
         decode = p.core_decoder().decode
         log.info("engine core %d ready for requests (pid %d)", self.epoch, os.getpid())
         try:
@@ -186,6 +187,13 @@ class EngineCore:
                      self.worker.error)
         await asyncio.sleep(0.2)  # let the output thread send the failed sequences
         os._exit(3)
+
+    async def _watch_parent(self, parent: int) -> None:
+        """The server process is gone (even a kill -9 of it): no core outlives its server."""
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        log.warning("the mlxd server process (pid %d) is gone; the engine core exits", parent)
+        os._exit(0)
 
     # -- requests ----------------------------------------------------------------------------
     def _dispatch(self, msg: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -87,6 +88,22 @@ class Runtime:
             self.backend = (await self.client.call("status"))["backend"]
         except Exception:  # noqa: BLE001 - only informative
             log.exception("could not ask the engine core for its backend")
+        await self._warm_processors()
+
+    async def _warm_processors(self) -> None:
+        """Load the pinned models' tokenizers and render their chat templates once (jinja
+        compiles a template on first use), so the first request costs what the second does."""
+        for name in self.catalog.pinned:
+            try:
+                info = await self.model_info(name)
+                if info["kind"] not in ("chat", "vision"):
+                    continue
+                proc = await self.processor(info)
+                if getattr(proc.tokenizer, "has_chat_template", False):
+                    await asyncio.to_thread(proc.encode_messages,
+                                            [{"role": "user", "content": "Hello"}])
+            except Exception:  # noqa: BLE001 - the first request will say what is wrong
+                log.warning("could not prepare the tokenizer of %s", name, exc_info=True)
 
     async def stop(self) -> None:
         await self.client.close()
@@ -125,6 +142,7 @@ class Runtime:
         return {
             "status": self.state,
             "worker_restarts": self.restarts,
+            "frontend_pid": os.getpid(),
             "engine_core": {"pid": self.client.core_pid, "epoch": self.client.epoch,
                             "alive": self.client.alive, "ready": self.client.ready},
             "model_loaded": bool(core.get("models")),
