@@ -15,9 +15,10 @@ prompt, not to the number of entries; the exact common prefix is then measured a
 that one entry. A hit shorter than ``min_hit_tokens`` is ignored: merging a cached prefix
 into the batch costs more than prefilling a few dozen tokens (every chat request shares
 the ~30 tokens of its template's preamble). Nothing here synchronises the device: an
-insert only keeps references to the arrays. An entry longer than the
-match is cut back: a request gets slices of the cached arrays (no copy; merging into the
-batch copies them, and nothing ever writes into a cached array).
+insert schedules the extracted cache's copy (``mx.async_eval``) and returns.
+
+An entry longer than the match is cut back: a request gets slices of the cached arrays
+(no copy; merging into the batch copies them, and nothing ever writes into a cached array).
 Models whose caches cannot be trimmed (recurrent layers) only reuse entries that are a
 whole prefix of the prompt. At least one prompt token is always left to run, since its
 logits start the generation.
@@ -34,10 +35,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
 BLOCK = 16
+_CANDIDATES = 4  # entries compared at the deepest shared block (the most recent ones)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class PrefixCache:
         self.min_hit_tokens = max(0, int(min_hit_tokens))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, list[int]] = {}  # block hash -> entry keys holding it
+        self._short: set[int] = set()  # entries shorter than a block (the index misses them)
         self._next_key = 0
         self.nbytes = 0
         self.hits = 0
@@ -119,8 +123,15 @@ class PrefixCache:
                 self.misses += 1
             return None, 0
         limit = len(tokens) - 1  # the last prompt token always runs
-        candidates = self._candidates(tokens, limit)
-        want = np.asarray(tokens, dtype=np.int64)
+        level, keys, _ = self._walk(tokens, limit)
+        # A match ends within the block after the deepest shared one: if even that cannot
+        # reach min_hit_tokens, no entry is worth comparing (the common case: prompts that
+        # share only a chat template's preamble).
+        candidates = keys[-_CANDIDATES:] if (level + 1) * BLOCK - 1 >= self.min_hit_tokens \
+            else []
+        if self.min_hit_tokens < BLOCK:
+            candidates = [*candidates, *self._short]
+        want = np.asarray(tokens, dtype=np.int64) if candidates else None
         best_key, best_n = None, 0
         for key in candidates:
             e = self._entries[key]
@@ -138,22 +149,20 @@ class PrefixCache:
         self.tokens_saved += best_n
         return _view(entry.cache, best_n), best_n
 
-    def _candidates(self, tokens: list[int], limit: int, prefixes: bool = False
-                    ) -> list[int]:
-        """Entries sharing the deepest block with ``tokens``, plus short entries (which the
-        block index cannot see) and, with ``prefixes``, entries that end inside a block the
-        walk passed (those that may be a prefix of ``tokens``)."""
-        found: list[int] = []
-        ends: list[int] = []
-        for level, h in enumerate(_block_hashes(tokens, limit), 1):
+    def _walk(self, tokens: list[int], limit: int, ends: bool = False
+              ) -> tuple[int, list[int], list[int]]:
+        """(the deepest block level ``tokens`` shares with an entry, the entries sharing it
+        (oldest first), and with ``ends`` the entries that end inside a block the walk passed:
+        those that may be a prefix of ``tokens``)."""
+        level, found, ending = 0, [], []
+        for lv, h in enumerate(_block_hashes(tokens, limit), 1):
             keys = self._index.get(h)
             if not keys:
                 break
-            found = keys
-            if prefixes:
-                ends += [k for k in keys if len(self._entries[k].hashes) == level]
-        short = [k for k, e in self._entries.items() if len(e.tokens) < BLOCK]
-        return list(dict.fromkeys([*found, *ends, *short]))
+            level, found = lv, keys
+            if ends:
+                ending += [k for k in keys if len(self._entries[k].hashes) == lv]
+        return level, found, ending
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         if not self.enabled or not cache or len(tokens) < 2:
@@ -168,7 +177,8 @@ class PrefixCache:
         trimmable = can_trim_prompt_cache(cache)
         # Drop entries that this one makes redundant: the same tokens, or a prefix of them
         # (when this one can be cut back to serve it).
-        for key in self._candidates(tokens, len(tokens), prefixes=True):
+        _, deepest, ending = self._walk(tokens, len(tokens), ends=True)
+        for key in dict.fromkeys([*deepest, *ending, *self._short]):
             e = self._entries[key]
             n = _common_prefix(e.tokens, arr)
             if n == len(e.tokens) and (trimmable or n == len(arr)):
@@ -176,7 +186,13 @@ class PrefixCache:
         key = self._next_key
         self._next_key += 1
         hashes = _block_hashes(arr)
+        # Materialise the extracted cache without waiting for it: until then its lazy copy
+        # would keep the whole batch's KV buffer referenced, and every later in-place update
+        # of the batch would have to copy that buffer instead of writing into it.
+        mx.async_eval([c.state for c in cache])
         self._entries[key] = _Entry(arr, cache, nbytes, trimmable, hashes)
+        if not hashes:
+            self._short.add(key)
         for h in hashes:
             self._index.setdefault(h, []).append(key)
         self.nbytes += nbytes
@@ -186,6 +202,7 @@ class PrefixCache:
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
+        self._short.discard(key)
         for h in e.hashes:
             keys = self._index.get(h)
             if keys is not None:
@@ -197,4 +214,5 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._index.clear()
+        self._short.clear()
         self.nbytes = 0
