@@ -12,6 +12,7 @@ read and write the store directly.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -89,6 +90,8 @@ class Runtime:
         except Exception:  # noqa: BLE001 - only informative
             log.exception("could not ask the engine core for its backend")
         await self._warm_processors()
+        gc.collect()
+        gc.freeze()  # start-up objects out of the cyclic collector's walks (see enginecore)
 
     async def _warm_processors(self) -> None:
         """Load the pinned models' tokenizers and render their chat templates once (jinja
