@@ -115,33 +115,48 @@ def level(c, per_client, max_tokens, seed):
                        completion_batch_size=max(c, 1), prefill_batch_size=min(8, c),
                        stream=stream)
     pending = list(ids)
-    t_submit, first, last, count, done, tokens = {}, {}, {}, {}, 0, 0
-    gaps = []
+    t_submit, seen, done, tokens = {}, {}, 0, 0
     t0 = time.perf_counter()
     for _ in range(min(c, len(pending))):
         (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
     while done < len(ids):
         for r in g.next_generated():
             tokens += 1
-            now = time.perf_counter()
-            first.setdefault(r.uid, now)
-            if r.uid in last:
-                gaps.append(now - last[r.uid])
-            last[r.uid] = now
-            count[r.uid] = count.get(r.uid, 0) + 1
+            seen.setdefault(r.uid, []).append((r.token, time.perf_counter(), r.finish_reason))
             if r.finish_reason is not None:
                 done += 1
                 if pending:
                     (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
     wall = time.perf_counter() - t0
     g.close()
-    ttft = sorted(first[u] - t_submit[u] for u in first)
-    dec = sorted((count[u] - 1) / (last[u] - first[u]) for u in first
-                 if count[u] > 1 and last[u] > first[u])
-    gaps.sort()
-    pct = lambda xs, q: xs[min(len(xs) - 1, int(len(xs) * q / 100))] if xs else None
+    # TTFT and inter-token gaps as a streaming client sees them (serve_bench): at the tokens
+    # that make text visible, found by replaying the detokenizer after the run (no cost
+    # inside the loop). A byte-level token that completes no character shows nothing.
+    ttft, ttft_tok, gaps, dec = [], [], [], []
+    for u, rows in seen.items():
+        d = tok.detokenizer
+        stamps = []
+        for t, at, fin in rows:
+            if fin == "stop":
+                d.finalize()
+            else:
+                d.add_token(t)
+                if fin is not None:
+                    d.finalize()
+            if d.last_segment:
+                stamps.append(at)
+        ttft_tok.append(rows[0][1] - t_submit[u])
+        if stamps:
+            ttft.append(stamps[0] - t_submit[u])
+            gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+        if len(rows) > 1 and rows[-1][1] > rows[0][1]:
+            dec.append((len(rows) - 1) / (rows[-1][1] - rows[0][1]))
+    for xs in (ttft, ttft_tok, gaps, dec):
+        xs.sort()
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else None
     return {"concurrency": c, "output_tokens": tokens, "wall_s": wall,
             "output_tps": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
+            "ttft_first_token_p50": pct(ttft_tok, 50),
             "itl_p50": pct(gaps, 50), "itl_p95": pct(gaps, 95),
             "decode_tps_per_request": dec[len(dec) // 2] if dec else None}
 
