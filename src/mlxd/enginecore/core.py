@@ -78,6 +78,8 @@ class FrontendChannel:
             so = p.SeqOut(rid, [] if ev.token is None else [ev.token], ev.finish_reason)
             if ev.logprob is not None:
                 so.logprobs = [p.Logprob(*ev.logprob)]
+            if ev.queued_s is not None:
+                so.queued_s = ev.queued_s
             if ev.error is not None:
                 so.error = p.error_to_wire(ev.error)
                 so.finish_reason = "error"

@@ -127,6 +127,7 @@ class SeqOut(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     cached_tokens: int = 0
     error: WireError | None = None
     accepted: bool = False  # the first message of every request: admitted (or error)
+    queued_s: float = -1.0  # with the first token: time in the core before joining a batch
 
 
 class Outputs(msgspec.Struct, tag="out", array_like=True, gc=False):

@@ -44,6 +44,7 @@ class StepOutput:
     finish_reason: str | None = None
     logprob: tuple[float, list[int], list[float]] | None = None  # (lp, top ids, top lps)
     error: Exception | None = None
+    queued_s: float | None = None  # first token only: arrival in the engine -> in the batch
 
 
 @dataclass(eq=False)
@@ -60,6 +61,8 @@ class Sequence:
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     t_added: float = 0.0
+    t_scheduled: float = 0.0  # when it joined the batch (monotonic)
+    error: Exception | None = None  # its own processors failed: it ends alone, with this
     extra: Any = field(default=None, repr=False)  # the family adapter's own state
 
 
@@ -111,9 +114,42 @@ class DecodeEngine:
         if token is not None:
             seq.generated += 1
         out = StepOutput(token, finish)
+        if seq.generated == 1 and seq.t_scheduled and seq.t_added:
+            out.queued_s = max(seq.t_scheduled - seq.t_added, 0.0)
         if seq.params.logprobs and token is not None and logprobs is not None:
             out.logprob = _logprob(token, logprobs, seq.params.top_logprobs)
         return out
+
+
+class GuardedProcessors:
+    """One row's logits processors, isolated: an exception fails that row alone.
+
+    mlx-lm runs every row's processors inside one batched step; one raising would fail the
+    whole batch. Here the row records the error, is steered to an end-of-sequence token so
+    the batch lets it go, and the engine reports the error for that sequence only.
+    """
+
+    __slots__ = ("seq", "processors", "eos")
+
+    def __init__(self, seq: Sequence, processors: list, eos_token_ids: list[int]) -> None:
+        self.seq = seq
+        self.processors = processors
+        self.eos = eos_token_ids
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if self.seq.error is None:
+            try:
+                for proc in self.processors:
+                    logits = proc(context, logits)
+                return logits
+            except Exception as exc:  # noqa: BLE001 - this row fails, the batch lives
+                self.seq.error = exc
+        vocab = logits.shape[-1]
+        allowed = [t for t in self.eos if t < vocab]
+        if not allowed:
+            return logits
+        mask = mx.zeros((vocab,), dtype=mx.bool_).at[mx.array(allowed)].add(True)
+        return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
 def _logprob(token: int, logprobs: mx.array, top: int) -> tuple[float, list[int], list[float]]:

@@ -25,7 +25,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlxd.core.errors import ModelLoadError
 from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
-from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
+from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.sampling import build_logits_processors, build_sampler
 from mlxd.engines.structured import GrammarProcessor
@@ -173,8 +173,10 @@ class LLMEngine(DecodeEngine):
                 seq.finished = True
                 failed.append((seq, StepOutput(None, "error", error=exc)))
             return failed
+        now = time.monotonic()
         for (seq, *_), uid in zip(ready, uids, strict=True):
             seq.uid = uid
+            seq.t_scheduled = now
             self._seqs[uid] = seq
         return failed
 
@@ -186,12 +188,14 @@ class LLMEngine(DecodeEngine):
         return cache
 
     def _processors(self, seq: Sequence) -> list:
+        """The row's processors, guarded (a failure ends that row alone); none at all for a
+        row that needs none, which keeps the batch on mlx-lm's batched fast path."""
         processors = build_logits_processors(seq.params)
         if seq.grammar is not None:
             # last, so that nothing after it can lift the grammar's mask
             processors.append(GrammarProcessor(seq.grammar, self.eos_token_ids,
                                                seq.arm_after))
-        return processors
+        return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return self.prefix_cache.stats()
@@ -244,6 +248,13 @@ class LLMEngine(DecodeEngine):
             if seq is None:
                 continue
             finish = r.finish_reason  # "stop": r.token is an EOS, which is never shown
+            if seq.error is not None:  # its processors failed: it alone ends, with the error
+                out.append((seq, StepOutput(None, "error", error=seq.error)))
+                del self._seqs[r.uid]
+                seq.finished = True
+                if finish is None:
+                    self._gen.remove([r.uid])
+                continue
             out.append((seq, self._emit(seq, r.token, finish, r.logprobs)))
             if finish is not None:
                 del self._seqs[r.uid]

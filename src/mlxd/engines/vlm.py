@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,6 +310,7 @@ class VisionEngine(DecodeEngine):
 
     def add(self, seq: VisionSequence) -> None:
         seq._row = _RowSampler(seq.params, self.vocab_size)
+        seq.t_added = time.monotonic()
         self._pending.append(seq)
 
     def cancel(self, seq: VisionSequence) -> None:
@@ -374,6 +376,7 @@ class VisionEngine(DecodeEngine):
                 out.append((seq, self._error(exc)))
                 continue
             seq.uid = uid
+            seq.t_scheduled = time.monotonic()
             self._active[uid] = seq
             room -= 1
             encoded_new = encoded_new or needs_encoder
@@ -433,6 +436,7 @@ class VisionEngine(DecodeEngine):
             if not self._pending:
                 return
             self._current = self._pending.popleft()
+            self._current.t_scheduled = time.monotonic()
             self.max_batch_seen = max(self.max_batch_seen, 1)
         seq = self._current
         try:

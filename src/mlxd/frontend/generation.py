@@ -48,7 +48,8 @@ class Generation:
         self._detok = processor.detokenizer
         self._stops = StopMatcher(params.stop)
         now = time.perf_counter()
-        self.t_submitted = self.t_acquired = self.t_first = self.t_done = now
+        self.t_submitted = self.t_acquired = self.t_accepted = self.t_first = self.t_done = now
+        self.queue_seconds: float | None = None  # arrival -> first scheduled in a batch
         self._obs: GenerationObserver | None = None
 
     async def start(self) -> None:
@@ -64,6 +65,7 @@ class Generation:
         if first.error is not None:
             self._client.close_stream(self.rid, abort=False)
             raise p.error_from_wire(first.error)
+        self.t_accepted = time.perf_counter()
         if first.prompt_tokens >= 0 and len(self.prompt_tokens) != first.prompt_tokens:
             self.prompt_tokens = range(first.prompt_tokens)  # vision: the core's count
         self._runtime.inflight += 1
@@ -104,6 +106,8 @@ class Generation:
                     assert self._obs is not None
                     self._obs.event(0, "error")
                     raise p.error_from_wire(out.error)
+                if out.queued_s >= 0 and self.queue_seconds is None:
+                    self.queue_seconds = (self.t_accepted - self.t_submitted) + out.queued_s
                 event = self._event(out)
                 assert self._obs is not None
                 self._obs.event(len(event.token_ids), event.finish_reason)

@@ -70,7 +70,7 @@ e2e_request_latency = Histogram("mlxd:e2e_request_latency_seconds",
                                 "Time from admission to the last token.", ["model"],
                                 buckets=_LATENCY, registry=REGISTRY)
 request_queue_time = Histogram("mlxd:request_queue_time_seconds",
-                               "Time from admission until the model is ready to run it.",
+                               "Time from arrival until the request joins a batch.",
                                ["model"], buckets=_LATENCY, registry=REGISTRY)
 prompt_tokens_total = Counter("mlxd:prompt_tokens", "Prompt tokens processed.", ["model"],
                               registry=REGISTRY)
@@ -183,7 +183,9 @@ class GenerationObserver:
             self._state = "running"
             num_requests_waiting.labels(g.model).dec()
             num_requests_running.labels(g.model).inc()
-            request_queue_time.labels(g.model).observe(max(g.t_acquired - g.t_submitted, 0.0))
+            queued = getattr(g, "queue_seconds", None)  # arrival -> first scheduled in a batch
+            request_queue_time.labels(g.model).observe(
+                max(queued if queued is not None else g.t_acquired - g.t_submitted, 0.0))
             self._ttft.observe(max(now - g.t_submitted, 0.0))
             prompt_tokens_total.labels(g.model).inc(len(g.prompt_tokens))
         elif n_tokens:
