@@ -102,3 +102,22 @@ def test_ensure_model_serves_the_cache_without_download(cache, tmp_path):
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}],
                                      add_generation_prompt=True, tokenize=False)
     assert generate(model, tok, prompt, max_tokens=4)  # the tiny model always writes 4 tokens
+
+
+def test_server_lists_and_serves_the_cache_without_a_pull(cache, start_server, tiny):
+    """mlx-vlm's /models lists the local Hugging Face cache; a chat names a cached repo id
+    and the model is served in place (auto_download is off: nothing is pulled)."""
+    import httpx
+
+    srv = start_server(tiny)
+    for path in ("/models", "/v1/models"):
+        ids = [m["id"] for m in httpx.get(srv.url + path, timeout=10).json()["data"]]
+        assert "acme/tiny-chat" in ids and "acme/torch-only" not in ids, (path, ids)
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "model": "acme/tiny-chat", "max_tokens": 3,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "acme/tiny-chat"
+    assert not (srv.settings.models_dir / "acme").exists()  # not copied into the store
+    tags = httpx.get(srv.url + "/api/tags", timeout=10).json()["models"]
+    assert "acme/tiny-chat" in [t["name"] for t in tags]

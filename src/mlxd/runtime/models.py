@@ -198,7 +198,11 @@ class ModelManager:
 
         path = await asyncio.to_thread(ensure_model, self.store, name, self.settings.models)
         manifest = self.store.manifest(name) or {}
-        return path, manifest.get("kind") or "chat"
+        if manifest.get("kind"):
+            return path, manifest["kind"]
+        from mlxd.store.inspect import infer_kind  # e.g. served from the Hugging Face cache
+
+        return path, infer_kind(path) or "chat"
 
     async def _load(self, name: str) -> LoadedModel:
         path, kind = await self._resolve_path(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mlxd.store.hf_cache import find_cached_model, list_cached_models
 from mlxd.store.local import ModelStore
 from mlxd.store.names import validate_name
 
@@ -44,20 +45,33 @@ class ModelCatalog:
         return list(dict.fromkeys([self.default_name, *self.preload_names]))
 
     def path(self, name: str) -> Path | None:
-        """Where ``name`` lives on disk, if it is installed (no pull, no load)."""
+        """Where ``name`` lives on disk, if it is installed or in the local Hugging Face
+        cache (no pull, no load)."""
         name = self.resolve(name)
         if name in self.paths:
             return self.paths[name]
         validate_name(name)
-        return self.store.get(name)
+        found = self.store.get(name)
+        if found is None and "/" in name:
+            cached = find_cached_model(name)
+            found = cached.path if cached is not None else None
+        return found
 
     def installed(self) -> list[dict[str, Any]]:
+        """The store's models, directories named in the config, and the MLX-loadable models
+        of the local Hugging Face cache (served in place, as mlx-vlm's server lists them)."""
         out = self.store.list()
         known = {m["name"] for m in out}
         for name, path in self.paths.items():
             if name not in known:
+                known.add(name)
                 out.append({"name": name, "kind": "chat", "source": str(path), "format": "mlx",
                             "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file())})
+        for cached in list_cached_models():
+            if cached.name not in known:
+                out.append({"name": cached.name, "kind": cached.kind or "chat",
+                            "source": f"hf-cache:{cached.revision}", "format": "mlx",
+                            "size": cached.size, "path": str(cached.path)})
         return out
 
     def kind(self, name: str) -> str | None:
