@@ -142,3 +142,34 @@ def test_engine_core_death_under_load_is_survivable(start_server, tiny_llama, ho
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         r = c.post("/api/chat", json={"model": "tiny-llama", "stream": False, **CHAT})
         assert r.status_code == 200
+
+
+def test_kv_caches_count_against_the_memory_budget_and_load_is_shed(start_server, tiny_llama):
+    """The budget covers the running batches' KV caches, not only the weights: when they fill
+    it, a new request gets 503 + Retry-After (no device OOM), and serving resumes after."""
+    srv = start_server(tiny_llama, models={"memory_budget_bytes": 1_200_000},
+                       engine={"prefix_cache_bytes": 0})
+    srv.fault("slow_steps", model="tiny-llama", seconds=0.03)
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 120}
+    statuses: list = []
+
+    def run() -> None:
+        statuses.append(httpx.post(srv.url + "/v1/chat/completions", json=body,
+                                   timeout=60).status_code)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: srv.health()["memory"]["caches_bytes"] > 0, 10)
+    h = srv.health()
+    assert h["memory"]["models_bytes"] + h["memory"]["caches_bytes"] > 1_200_000
+    assert h["models"][0]["cache_memory_bytes"]["kv_cache"] == h["memory"]["caches_bytes"]
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert "memory budget" in r.json()["error"]["message"]
+    for t in threads:
+        t.join(60)
+    assert statuses == [200] * 8  # the admitted ones were never put at risk
+    srv.fault("slow_steps", model="tiny-llama", seconds=0)
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 200

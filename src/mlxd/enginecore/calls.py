@@ -45,6 +45,8 @@ def loaded_view(entry: Any) -> dict[str, Any]:
         view["prefix_cache"] = engine.prefix_cache_stats()
     if hasattr(engine, "feature_cache_stats"):
         view["vision_feature_cache"] = engine.feature_cache_stats()
+    if hasattr(engine, "memory_bytes"):
+        view["cache_memory_bytes"] = engine.memory_bytes()
     adapter = getattr(engine, "adapter_path", None)
     view["adapter_path"] = str(adapter) if adapter else None
     options = getattr(engine, "_settings", None)
@@ -91,7 +93,8 @@ async def status(core: Any) -> dict[str, Any]:
         "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
         "uptime_s": round(time.time() - core.started_at, 3),
         "requests_in_flight": core._inflight,
-        "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes},
+        "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
+                   "caches_bytes": m.dynamic_bytes()},
         "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
         "models": [loaded_view(e) for e in m.loaded()],
     }

@@ -241,6 +241,7 @@ class EngineCore:
         self._inflight += 1
         lease = None
         try:
+            await self.models.check_headroom()
             lease = await self.models.acquire(m.model, m.keep_alive)
             engine = lease.engine
             params = _sampling(m.sampling)

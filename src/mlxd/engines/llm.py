@@ -200,6 +200,22 @@ class LLMEngine(DecodeEngine):
     def prefix_cache_stats(self) -> dict[str, int]:
         return self.prefix_cache.stats()
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from
+        any thread (a racing step can make one reading slightly stale, never wrong for long)."""
+        kv = 0
+        try:
+            kv = int(self._gen.prompt_cache_nbytes) if self._gen is not None else 0
+        except Exception:  # noqa: BLE001 - the batch changed under the reading: next time
+            pass
+        return {"kv_cache": kv, "prefix_cache": self.prefix_cache.nbytes}
+
+    def shrink(self) -> int:
+        """Give back what can go without failing anyone: the prefix cache (device thread)."""
+        freed = self.prefix_cache.nbytes
+        self.prefix_cache.clear()
+        return freed
+
     def next_deadline(self) -> float | None:
         """When held-back newcomers must be admitted even if no step happens before."""
         if not self._pending:

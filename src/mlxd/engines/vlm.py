@@ -333,6 +333,15 @@ class VisionEngine(DecodeEngine):
     def num_waiting(self) -> int:
         return len(self._pending)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory beyond the weights that this engine holds: cached image features."""
+        return {"image_features": self.features.cache.nbytes}
+
+    def shrink(self) -> int:
+        freed = self.features.cache.nbytes
+        self.features.cache.clear()
+        return freed
+
     def feature_cache_stats(self) -> dict[str, Any]:
         """For /health: the image-feature cache and how often the vision encoder ran."""
         cache = self.features.cache

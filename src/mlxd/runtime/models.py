@@ -117,6 +117,42 @@ class ModelManager:
     def get_loaded(self, name: str) -> LoadedModel | None:
         return self._loaded.get(self.resolve(name))
 
+    def dynamic_bytes(self) -> int:
+        """Memory the loaded models hold beyond their weights: KV caches of running batches,
+        prefix caches, image features. Counted against the budget with the weights."""
+        total = 0
+        for e in self._loaded.values():
+            probe = getattr(e.engine, "memory_bytes", None)
+            if probe is not None:
+                total += sum(probe().values())
+        return total
+
+    async def shrink(self) -> int:
+        """Drop every model's reusable caches (prefix KV, image features), on the device
+        thread; returns the bytes freed."""
+        engines = [e.engine for e in self._loaded.values() if hasattr(e.engine, "shrink")]
+        if not engines:
+            return 0
+        return await asyncio.wrap_future(self.worker.call(
+            lambda: sum(eng.shrink() for eng in engines)))
+
+    async def check_headroom(self) -> None:
+        """Before admitting work: weights + KV + caches within the budget, or shed load.
+
+        Over the budget, the reusable caches go first; if the running batches alone still
+        fill it, the request is refused with 503 and Retry-After rather than letting the
+        device run out of memory mid-batch.
+        """
+        if self.used_bytes + self.dynamic_bytes() <= self.budget:
+            return
+        await self.shrink()
+        used = self.used_bytes + self.dynamic_bytes()
+        if used > self.budget:
+            raise Unavailable(
+                f"the memory budget is full ({_human(used)} of {_human(self.budget)} in "
+                "weights and running batches' KV caches); retry shortly",
+                headers={"Retry-After": "1"})
+
     @property
     def used_bytes(self) -> int:
         return sum(e.size for e in self._loaded.values())
@@ -211,6 +247,8 @@ class ModelManager:
         dtype = self.settings.models.dtype
         upcast = dtype == "float32" or (dtype == "auto" and wants_float32())
         need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
+        if self.used_bytes + self.dynamic_bytes() + self._reserved + need > self.budget:
+            await self.shrink()  # reusable caches go before any model does
         self._make_room(name, kind, need)
         self._reserved += need
         t0 = time.perf_counter()
@@ -277,7 +315,7 @@ class ModelManager:
                 )
             self._unload_entry(victims[0], evicted=True, reason="capacity")
             same = [e for e in self._loaded.values() if e.kind == kind]
-        while self.used_bytes + self._reserved + need > self.budget:
+        while self.used_bytes + self.dynamic_bytes() + self._reserved + need > self.budget:
             victims = self._evictable()
             if not victims:
                 raise Unavailable(
