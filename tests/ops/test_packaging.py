@@ -10,6 +10,7 @@ for .pth files, so the editable mlxd of the running environment stays out of sig
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tomllib
 from conftest import free_port
 from packaging.markers import Marker
 from packaging.requirements import Requirement
@@ -87,8 +89,6 @@ def darwin_requirements(requires: list[str]) -> set[str]:
 
 
 def pyproject_dependencies() -> list[str]:
-    import tomllib
-
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
@@ -137,6 +137,22 @@ def test_formula_resources_cover_what_mlxd_requires_on_macos(formula):
     assert "mlx-metal" in res
     # the Linux extras do not leak into a macOS formula
     assert not {"mkl", "mlx-cpu", "intel-openmp", "tbb"} & res
+
+
+def test_formula_is_what_the_generator_renders_from_the_lock(formula, monkeypatch):
+    """No hand edits: scripts/gen_formula.py's template, given the lock's pins and the
+    formula's own URLs and hashes (fetching them needs the index), gives the same text."""
+    spec = importlib.util.spec_from_file_location("gen_formula",
+                                                  ROOT / "scripts" / "gen_formula.py")
+    gen = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gen_formula", gen)  # dataclasses look it up there
+    spec.loader.exec_module(gen)
+    pins = dict(gen.read_lock(HOMEBREW / "requirements-macos.lock"))
+    arts = [gen.Artifact(name, pins[name], r["url"], r["sha256"])
+            for name, r in formula_resources(formula).items()]
+    sha = re.search(r'^  sha256 "([^"]+)"$', formula, re.M).group(1)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert gen.render(project, sha, arts) == formula
 
 
 # --------------------------------------------------------------------------------------- #
@@ -218,8 +234,6 @@ def test_installed_wheel_runs_the_cli_from_its_own_files(wheel_venv, tmp_path):
     assert "serve" in p.stdout and "doctor" in p.stdout
     p = subprocess.run([str(mlxd), "version"], capture_output=True, text=True, env=env,
                        timeout=60)
-    import tomllib
-
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert p.stdout.strip() == version
     p = subprocess.run([str(wheel_venv / "bin" / "python"), "-c",
