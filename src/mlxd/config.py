@@ -262,8 +262,9 @@ class BackendSettings(_Section):
         "auto",
         description=(
             "Linux CPU: the BLAS loaded before MLX for float32 matmuls. 'auto' takes Debian's "
-            "OpenBLAS, then BLIS, then the pip 'mkl' wheel; 'off' keeps MLX's reference BLAS; "
-            "or 'openblas', 'blis', 'mkl', or a path to a library with CBLAS symbols."
+            "OpenBLAS, then the pip 'mkl' wheel (the 'cpu' extra's), then BLIS; 'off' keeps "
+            "MLX's reference BLAS; or 'openblas', 'mkl', 'blis', or a path to a library with "
+            "CBLAS symbols."
         ),
     )
 

@@ -42,8 +42,9 @@ def systemd_verify(unit: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     return r
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze missing (scripts/test.sh installs Debian's systemd)")
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None and not os.environ.get("CI"),
+                    reason="systemd-analyze missing (.ci/run installs Debian's systemd; "
+                           "on CI its absence fails this test)")
 def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     env = _env(tmp_path)
     r = mlxd("service", "install", "--dry-run", "--platform", "linux", env=env)

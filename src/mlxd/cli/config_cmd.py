@@ -17,7 +17,7 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from mlxd.cli.models import ConfigOpt, JsonOpt, _errors, _Fail
+from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors, drop_none
 
 SECRET_FIELDS = {("security", "api_keys")}
 
@@ -132,12 +132,12 @@ def _env_sources() -> dict[tuple[str, str], str]:
 
 def explain(config_file: Path | None, overrides: dict | None = None) -> dict[str, Any]:
     """The effective settings with a source for each (section, key)."""
-    from mlxd.config import Settings, _drop_none, default_config_path, load_settings, read_yaml
+    from mlxd.config import Settings, default_config_path, load_settings, read_yaml
 
     settings = load_settings(config_file, overrides)
     path = Path(config_file).expanduser() if config_file else default_config_path()
     file_data = read_yaml(path) if path.is_file() else {}
-    flags = _drop_none(overrides or {})
+    flags = drop_none(overrides or {})
     env = _env_sources()
     sections: dict[str, dict[str, Any]] = {}
     for section in Settings.model_fields:
@@ -181,7 +181,7 @@ def _render(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@_errors
+@cli_errors
 def config(
     config: ConfigOpt = None,
     example: Annotated[bool, typer.Option(
@@ -210,7 +210,7 @@ def config(
     overrides = {"server": {"host": host, "port": port}, "models": {"default": model},
                  "log": {"level": log_level, "format": log_format}}
     if config is not None and not Path(config).expanduser().is_file():
-        raise _Fail(f"config file not found: {config}", 2)
+        raise CliError(f"config file not found: {config}", 2)
     data = explain(config, overrides)
     if json_output:
         typer.echo(json.dumps(data, indent=2))

@@ -21,30 +21,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from mlxd.cli.models import ConfigOpt, JsonOpt, _errors, _Fail
+from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors, settings_for
 
 PortOpt = Annotated[Optional[int], typer.Option(help="Server port (default: server.port).")]
-
-
-def _settings(config: Path | None, overrides: dict | None = None):
-    from mlxd.config import load_settings
-
-    return load_settings(config, overrides)
-
-
-def client_headers(settings) -> dict[str, str]:
-    """An API key for CLI commands that call the server (``mlxd ps``): ``MLXD_API_KEY``,
-    else the first key the configuration gives the server itself."""
-    key = os.environ.get("MLXD_API_KEY")
-    if not key:
-        try:
-            from mlxd.api.security import KeyRing
-
-            keys = KeyRing(settings).keys
-            key = keys[0].secret.decode() if keys else None
-        except Exception:  # noqa: BLE001 - no key is fine; the server will say 401
-            key = None
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _health(url: str, timeout: float = 3.0) -> tuple[int, dict]:
@@ -80,7 +59,7 @@ def _human_duration(seconds: float) -> str:
 # --------------------------------------------------------------------------------------- #
 
 
-@_errors
+@cli_errors
 def start(
     config: ConfigOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Address to bind.")] = None,
@@ -98,7 +77,7 @@ def start(
 ) -> None:
     """Start the server in the background; returns once it answers /health."""
     if foreground:
-        from mlxd.cli.main import serve
+        from mlxd.cli.serve import serve
 
         serve(config=config, host=host, port=port, model=model, preload=preload,
               log_level=log_level, log_format=log_format)
@@ -109,13 +88,13 @@ def start(
     overrides = {"server": {"host": host, "port": port},
                  "models": {"default": model, "preload": preload or None},
                  "log": {"level": log_level, "format": log_format}}
-    settings = _settings(config, overrides)  # a bad config fails here, exit 2
+    settings = settings_for(config, overrides)  # a bad config fails here, exit 2
     h, p = settings.server.host, settings.server.port
     if p == 0:
-        raise _Fail("mlxd start needs a fixed port (server.port is 0)")
+        raise CliError("mlxd start needs a fixed port (server.port is 0)")
     found = process.find(p)
     if found.info is not None:
-        raise _Fail(f"already running on port {p} (pid {found.info.pid}) at "
+        raise CliError(f"already running on port {p} (pid {found.info.pid}) at "
                     f"{found.info.url}; `mlxd stop --port {p}` stops it")
     logfile = process.log_path(p)
     logfile.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +170,7 @@ def _status_of(port: int) -> dict[str, Any]:
     return out
 
 
-@_errors
+@cli_errors
 def status(
     port: PortOpt = None,
     json_output: JsonOpt = False,
@@ -200,7 +179,7 @@ def status(
     """Is the server running? (exit 0: running and healthy, 1: not)"""
     from mlxd import process
 
-    p = port if port is not None else _settings(config).server.port
+    p = port if port is not None else settings_for(config).server.port
     st = _status_of(p)
     others = [q for q in process.all_ports() if q != p]
     if json_output:
@@ -262,7 +241,7 @@ def _stop_one(port: int, force: bool, timeout: float | None) -> bool:
     return gone
 
 
-@_errors
+@cli_errors
 def stop(
     port: PortOpt = None,
     force: Annotated[bool, typer.Option(
@@ -282,7 +261,7 @@ def stop(
             typer.echo("no mlxd server is running")
             return
     else:
-        ports = [port if port is not None else _settings(config).server.port]
+        ports = [port if port is not None else settings_for(config).server.port]
     ok = [_stop_one(p, force, timeout) for p in ports]
     if not all(ok):
         raise typer.Exit(1)

@@ -60,7 +60,7 @@ def doctor(
         "device_info": {k: v for k, v in mx.device_info().items()
                         if isinstance(v, (int, str))},
         "blas": {"name": info.name, "path": info.path, "loaded": info.loaded,
-                 "description": info.describe()},
+                 "version": info.version or None, "description": info.describe()},
         "float32_matmul_gflops": round(gflops, 1),
         "home": str(settings.home),
         "models_dir": str(settings.models_dir),
@@ -75,4 +75,5 @@ def doctor(
         typer.echo(f"{k.ljust(width)}  {v}")
     if report["backend"] == "cpu" and not info.loaded:
         typer.echo("\nhint: float32 matmuls use MLX's reference BLAS; "
-                   "apt-get install libopenblas0-pthread (or pip install mkl) for ~20x.")
+                   "pip install mkl (Linux x86_64: the 'cpu' extra brings it) or "
+                   "apt-get install libopenblas0-pthread for ~20x.")

@@ -8,60 +8,22 @@ on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, Optional
 
 import typer
 
-from mlxd.config import ConfigError, Settings, load_settings
+from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors
+from mlxd.config import Settings, load_settings
 
-ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="YAML config file.")
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Fail(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _errors(fn: F) -> F:
-    """One clear line on stderr and a non-zero exit for every failure, no traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from mlxd.core.errors import MlxdError
-
-        try:
-            return fn(*args, **kwargs)
-        except typer.Exit:
-            raise
-        except _Fail as exc:
-            message, code = str(exc), exc.code
-        except ConfigError as exc:
-            message, code = f"configuration error:\n{exc}", 2
-        except MlxdError as exc:
-            message, code = exc.message, 1
-        except KeyboardInterrupt:
-            message, code = "interrupted", 130
-        except OSError as exc:
-            message, code = f"{exc.strerror or exc}" + (
-                f": {exc.filename}" if exc.filename else ""), 1
-        except Exception as exc:  # noqa: BLE001 - the promise is: never a traceback
-            message, code = f"unexpected error: {type(exc).__name__}: {exc}", 1
-        typer.echo(f"mlxd: {message}", err=True)
-        raise typer.Exit(code)
-
-    return wrapper  # type: ignore[return-value]
+# Module-local short names for the shared helpers (the pull-progress work touches this file
+# too; the call sites keep their spelling).
+_Fail = CliError
+_errors = cli_errors
 
 
 def _settings(config: Path | None, overrides: dict | None = None) -> Settings:
@@ -397,7 +359,7 @@ def ps(
     h = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(h, h)
     base = f"http://{'[' + h + ']' if ':' in h else h}:{settings.server.port}"
     try:
-        from mlxd.cli.daemon import client_headers
+        from mlxd.cli.common import client_headers
 
         req = urllib.request.Request(base + "/api/ps", headers=client_headers(settings))
         with urllib.request.urlopen(req, timeout=5) as resp:

@@ -27,7 +27,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlxd.cli.models import ConfigOpt, _errors, _Fail
+from mlxd.cli.common import CliError, ConfigOpt, cli_errors
 
 app = typer.Typer(help="Run mlxd as a per-user service (systemd on Linux, launchd on macOS).",
                   no_args_is_help=True)
@@ -46,7 +46,7 @@ def _platform(choice: str | None) -> str:
     if p in ("darwin", "mac", "osx"):
         p = "macos"
     if p not in ("linux", "macos"):
-        raise _Fail(f"unknown platform '{choice}' (linux or macos)", 2)
+        raise CliError(f"unknown platform '{choice}' (linux or macos)", 2)
     return p
 
 
@@ -140,7 +140,7 @@ def _systemd_available() -> tuple[bool, str]:
 def _systemctl(*args: str, check: bool = True) -> int:
     r = subprocess.run(["systemctl", "--user", *args], text=True)
     if check and r.returncode != 0:
-        raise _Fail(f"systemctl --user {' '.join(args)} failed (exit code {r.returncode})")
+        raise CliError(f"systemctl --user {' '.join(args)} failed (exit code {r.returncode})")
     return r.returncode
 
 
@@ -150,7 +150,7 @@ def _need_systemd(verb: str) -> None:
         return
     where = unit_path()
     state = "installed at" if where.exists() else "not installed (mlxd service install) at"
-    raise _Fail(
+    raise CliError(
         f"cannot {verb} the service: systemd (user instance) is not available here ({why}). "
         f"The unit is {state} {where}; on a machine with systemd: "
         f"systemctl --user daemon-reload && systemctl --user {verb} {UNIT_NAME}. "
@@ -181,10 +181,10 @@ def launchd_plist(config_file: Path, settings) -> bytes:
 
 def _launchctl(*args: str, check: bool = True) -> int:
     if shutil.which("launchctl") is None:
-        raise _Fail("launchctl is not available on this machine")
+        raise CliError("launchctl is not available on this machine")
     r = subprocess.run(["launchctl", *args], text=True)
     if check and r.returncode != 0:
-        raise _Fail(f"launchctl {' '.join(args)} failed (exit code {r.returncode})")
+        raise CliError(f"launchctl {' '.join(args)} failed (exit code {r.returncode})")
     return r.returncode
 
 
@@ -196,7 +196,7 @@ def _domain() -> str:
 
 
 @app.command()
-@_errors
+@cli_errors
 def install(
     config: ConfigOpt = None,
     dry_run: Annotated[bool, typer.Option(
@@ -252,7 +252,7 @@ def install(
 
 
 @app.command()
-@_errors
+@cli_errors
 def uninstall(platform: PlatformOpt = None) -> None:
     """Stop and remove the service definition."""
     plat = _platform(platform)
@@ -279,7 +279,7 @@ def _verb(verb: str, platform: str | None) -> None:
     if plat == "macos":
         target = plist_path()
         if not target.exists():
-            raise _Fail(f"not installed ({target}); run: mlxd service install")
+            raise CliError(f"not installed ({target}); run: mlxd service install")
         svc = f"{_domain()}/{LAUNCHD_LABEL}"
         if verb in ("start", "enable"):
             if verb == "enable":
@@ -295,7 +295,7 @@ def _verb(verb: str, platform: str | None) -> None:
         return
     _need_systemd(verb)
     if not unit_path().exists():
-        raise _Fail(f"not installed ({unit_path()}); run: mlxd service install")
+        raise CliError(f"not installed ({unit_path()}); run: mlxd service install")
     if verb == "status":
         raise typer.Exit(_systemctl("status", "--no-pager", UNIT_NAME, check=False))
     _systemctl(verb, UNIT_NAME)
@@ -303,35 +303,35 @@ def _verb(verb: str, platform: str | None) -> None:
 
 
 @app.command("start")
-@_errors
+@cli_errors
 def start_(platform: PlatformOpt = None) -> None:
     """Start the service now."""
     _verb("start", platform)
 
 
 @app.command("stop")
-@_errors
+@cli_errors
 def stop_(platform: PlatformOpt = None) -> None:
     """Stop the service (it drains in-flight requests first)."""
     _verb("stop", platform)
 
 
 @app.command("status")
-@_errors
+@cli_errors
 def status_(platform: PlatformOpt = None) -> None:
     """The service manager's view of the service."""
     _verb("status", platform)
 
 
 @app.command()
-@_errors
+@cli_errors
 def enable(platform: PlatformOpt = None) -> None:
     """Start the service at login (launchd: also now)."""
     _verb("enable", platform)
 
 
 @app.command()
-@_errors
+@cli_errors
 def disable(platform: PlatformOpt = None) -> None:
     """Do not start the service at login (launchd: also stop it)."""
     _verb("disable", platform)

@@ -1,0 +1,70 @@
+"""``mlxd serve``: run the server in the foreground (``mlxd start -f`` calls it too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlxd.cli.common import ConfigOpt
+from mlxd.config import ConfigError, load_settings
+
+
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="TCP port.")] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Default chat model: a name, alias or directory."),
+    ] = None,
+    preload: Annotated[
+        Optional[list[str]], typer.Option(help="Also load this model at start (repeatable).")
+    ] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="Batch size per model.")] = None,
+    prefill_step_size: Annotated[Optional[int], typer.Option()] = None,
+    max_queued_requests: Annotated[Optional[int], typer.Option()] = None,
+    dtype: Annotated[
+        Optional[str], typer.Option(help="auto|native|float32|float16|bfloat16")
+    ] = None,
+    log_level: Annotated[Optional[str], typer.Option()] = None,
+    log_format: Annotated[Optional[str], typer.Option(help="text|json")] = None,
+    adapter: Annotated[Optional[Path], typer.Option(
+        "--adapter", "--adapter-path", help="LoRA adapter directory for the default model.",
+    )] = None,
+    trust_remote_code: Annotated[Optional[bool], typer.Option(
+        "--trust-remote-code", help="Let models run Python code they ship (only if asked).",
+    )] = None,
+    kv_bits: Annotated[Optional[int], typer.Option(help="Quantize the KV cache (bits).")] = None,
+    kv_group_size: Annotated[Optional[int], typer.Option(help="KV quantization group.")] = None,
+    max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
+                           ] = None,
+    api_workers: Annotated[Optional[int], typer.Option(
+        help="Front-end processes (HTTP, tokenizing, streaming) sharing one engine core.",
+    )] = None,
+) -> None:
+    """Run the server in the foreground."""
+    overrides = {
+        "server": {"host": host, "port": port, "api_workers": api_workers},
+        "models": {"default": model, "preload": preload or None, "dtype": dtype,
+                   "adapter_path": adapter, "trust_remote_code": trust_remote_code},
+        "engine": {
+            "max_num_seqs": max_num_seqs,
+            "prefill_step_size": prefill_step_size,
+            "max_queued_requests": max_queued_requests,
+            "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size,
+            "max_kv_size": max_kv_size,
+        },
+        "log": {"level": log_level, "format": log_format},
+    }
+    try:
+        settings = load_settings(config, overrides)
+    except ConfigError as exc:
+        typer.echo(f"mlxd: configuration error:\n{exc}", err=True)
+        raise typer.Exit(2) from None
+
+    from mlxd.server import run
+
+    raise typer.Exit(run(settings))
