@@ -65,6 +65,7 @@ class CoreClient:
         self._ready_event = asyncio.Event()
         self._enc = p.encoder()
         self._tasks: list[asyncio.Task] = []
+        self._ctx: zmq.asyncio.Context | None = None
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -78,6 +79,8 @@ class CoreClient:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
+        if self._ctx is None:
+            return
         with contextlib.suppress(Exception):
             self._send(p.Bye(self.frontend))
         for t in self._tasks:
@@ -87,6 +90,7 @@ class CoreClient:
         self._push.close(0)
         self._pull.close(0)
         self._ctx.term()
+        self._ctx = None
 
     # -- sending -----------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:

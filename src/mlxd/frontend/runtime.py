@@ -80,11 +80,15 @@ class Runtime:
         self.loop = asyncio.get_running_loop()
         if self.supervisor is not None:
             self.supervisor.start()
-        await self.client.start()
-        await self.client.wait_ready(self.startup_timeout)
-        if self.client.startup_error:
-            raise RuntimeError(f"the engine core could not load the pinned models: "
-                               f"{self.client.startup_error}")
+        try:
+            await self.client.start()
+            await self.client.wait_ready(self.startup_timeout)
+            if self.client.startup_error:
+                raise RuntimeError(f"the engine core could not load the pinned models: "
+                                   f"{self.client.startup_error}")
+        except BaseException:
+            await self.stop()  # a failed start leaves no engine core behind
+            raise
         try:
             self.backend = (await self.client.call("status"))["backend"]
         except Exception:  # noqa: BLE001 - only informative
@@ -109,7 +113,8 @@ class Runtime:
                 log.warning("could not prepare the tokenizer of %s", name, exc_info=True)
 
     async def stop(self) -> None:
-        await self.client.close()
+        if getattr(self.client, "_ctx", None) is not None:
+            await self.client.close()
         if self.supervisor is not None:
             await asyncio.to_thread(self.supervisor.stop)
 
