@@ -121,9 +121,10 @@ def test_formula_resources_are_the_lock_with_pypi_urls_and_hashes(formula):
         assert r["url"].startswith("https://files.pythonhosted.org/packages/"), name
         assert SHA256.match(r["sha256"]), name
         assert version_in_url(r["url"]) == pins[name], name
-        # sdists, except the binary-only MLX wheels (installed by pip as they are)
+        # sdists, except the binary-only MLX wheels and pure-Python packages that publish no
+        # sdist for the pinned version (certifi's post releases): installed by pip as they are
         assert r["url"].endswith(".whl") == r["nounzip"], name
-        if r["url"].endswith(".whl"):
+        if r["url"].endswith(".whl") and not r["url"].endswith("-py3-none-any.whl"):
             assert name in {"mlx", "mlx-metal"} and "macosx" in r["url"], name
             assert r["url"].endswith("_arm64.whl"), name
 
