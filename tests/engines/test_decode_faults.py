@@ -13,7 +13,9 @@ from mlxd.engines.llm import LLMEngine
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama) -> LLMEngine:
-    return LLMEngine("tiny", tiny_llama, max_num_seqs=8)
+    e = LLMEngine("tiny", tiny_llama, max_num_seqs=8)
+    e.bind()  # the batch (on this thread's stream, as the device thread does)
+    return e
 
 
 def _drive(engine: LLMEngine, seqs: list) -> dict[int, list]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +83,22 @@ class LLMEngine(DecodeEngine):
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
         )
-        self._gen: Any = self._new_generator()
+        self._gen: Any = None  # built by bind(), on the device thread
         self._seqs: dict[int, Sequence] = {}
         self._pending: list[Sequence] = []
         self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
+        self._warm_phases: Iterator[list[Sequence]] | None = None
+        self._warm_live: list[Sequence] = []
         mx.eval(self.model.parameters())
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+    def bind(self) -> None:
+        """On the device thread: the batch, on that thread's stream. Everything before it
+        (reading and evaluating the weights) may run on a loader thread, so that a load
+        does not pause the other models' decoding."""
+        if self._gen is None:
+            self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
         """Built on the worker thread, on *that thread's* default stream.
@@ -250,6 +261,11 @@ class LLMEngine(DecodeEngine):
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One decode step for the running batch plus one prefill chunk for newcomers."""
+        out = self._step()
+        self._warm_step(out)
+        return out
+
+    def _step(self) -> list[tuple[Sequence, StepOutput]]:
         out = self._admit()
         if not self._seqs:
             return out
@@ -288,20 +304,39 @@ class LLMEngine(DecodeEngine):
         self._pending.clear()
         self.prefix_cache.clear()  # may be what filled the memory
         try:
-            self._gen.close()
+            if self._gen is not None:
+                self._gen.close()
         except Exception:  # noqa: BLE001 - closing a broken generator must not mask the fault
             pass
         self._gen = self._new_generator()
 
     def warmup(self) -> None:
-        """Throwaway generations through the batch path, so request one costs what two does.
+        """Warm up synchronously (the engine stepped here until done); see
+        :meth:`start_warmup`."""
+        done = self.start_warmup()
+        while not done.done():
+            self.step()
+        done.result()
+
+    def start_warmup(self) -> Future:
+        """Begin throwaway generations through the batch path, so request one costs what two
+        does; they run as ordinary work of this engine, step by step between the other
+        models' steps (a load never pauses the others for a whole warm-up). The Future
+        completes when the last warm-up sequence has finished.
 
         Through the chat template when there is one (its first rendering compiles the jinja
-        template), with a greedy and a sampled row, and at the batch shapes a first burst
-        meets: a lone sequence, then a full prefill batch joining a running one (MLX
+        template), with a greedy and a sampled row; on a GPU also at the batch shapes a first
+        burst meets: a full prefill batch, then decode at each power-of-two batch size (MLX
         compiles kernels per shape on first contact; a first burst of 16 clients saw a 5 s
         TTFT p95 on an H200 without this).
         """
+        self._warm_done: Future = Future()
+        self._warm_phases = self._warm_batches()
+        self._warm_live: list[Sequence] = []
+        self._next_warm_phase()
+        return self._warm_done
+
+    def _warm_batches(self) -> Iterator[list[Sequence]]:
         ids: list[int] = []
         if getattr(self.tokenizer, "has_chat_template", False):
             try:
@@ -312,34 +347,48 @@ class LLMEngine(DecodeEngine):
                                                      else 0]
         greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), \
             SamplingParams(max_tokens=3, temperature=1.0)
-        self._run_warm([self.new_sequence(ids, greedy), self.new_sequence(ids, sampled)])
+        yield [self.new_sequence(ids, greedy), self.new_sequence(ids, sampled)]
+        if mx.default_device() == mx.cpu:
+            return  # nothing compiles per shape on the CPU: one pair warms every path
         n = min(self._settings["prefill_batch_size"], self._settings["max_num_seqs"])
         if n > 2:
-            self._run_warm([self.new_sequence(ids, greedy if i % 2 else sampled)
-                            for i in range(n)])
-        if mx.default_device() != mx.cpu:
-            # GPU kernels are specialised per shape: decode at each power-of-two batch size
-            # up to the batch limit, so that a ramp of clients meets compiled kernels.
-            size = 4
-            while size <= self._settings["max_num_seqs"]:
-                self._run_warm([self.new_sequence(ids, greedy) for _ in range(size)])
-                size *= 2
-        self.max_batch_seen = 0
-        self.steps = 0
-        self.prefix_cache = PrefixCache(self.prefix_cache.max_bytes,
-                                        self.prefix_cache.min_hit_tokens)  # no warm-up entries
+            yield [self.new_sequence(ids, greedy if i % 2 else sampled) for i in range(n)]
+        size = 4
+        while size <= self._settings["max_num_seqs"]:
+            yield [self.new_sequence(ids, greedy) for _ in range(size)]
+            size *= 2
 
-    def _run_warm(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
+    def _next_warm_phase(self) -> None:
+        batch = next(self._warm_phases, None) if self._warm_phases is not None else None
+        if batch is None:
+            self._warm_phases = None
+            self._warm_live = []
+            self.max_batch_seen = 0
+            self.steps = 0
+            self.prefix_cache = PrefixCache(self.prefix_cache.max_bytes,
+                                            self.prefix_cache.min_hit_tokens)  # no warm-up KV
+            if not self._warm_done.done():
+                self._warm_done.set_result(None)
+            return
+        self._warm_live = batch
+        for seq in batch:
             self.add(seq)
-        self._pending_now()
-        while self.has_work():
-            self.step()
+            seq.t_added = 0.0  # admitted at the next step: no coalescing wait
 
-    def _pending_now(self) -> None:
-        """Admit what waits at the next step (warm-up: no coalescing delay)."""
-        for seq in self._pending:
-            seq.t_added = 0.0
+    def _warm_step(self, out: list[tuple[Sequence, StepOutput]]) -> None:
+        """After a step: a failed warm-up sequence fails the warm-up; a finished phase
+        starts the next."""
+        if self._warm_phases is None:
+            return
+        for seq, ev in out:
+            if ev.error is not None and seq in self._warm_live:
+                self._warm_phases = None
+                self._warm_live = []
+                if not self._warm_done.done():
+                    self._warm_done.set_exception(ev.error)
+                return
+        if all(s.finished for s in self._warm_live):
+            self._next_warm_phase()
 
     def close(self) -> None:
         """Drop every reference to the weights and caches so their memory really goes back."""

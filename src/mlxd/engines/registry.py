@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,29 @@ from mlxd.config import Settings
 from mlxd.core.errors import ModelLoadError
 
 
+def loads_off_device(kind: str) -> bool:
+    """Whether :func:`create_engine` may run on a loader thread for this kind (then
+    :func:`finish_on_device` completes the engine on the device thread): reading and
+    evaluating weights off the device thread keeps other models decoding during a load."""
+    return kind == "chat"
+
+
+def finish_on_device(engine: Any, settings: Settings) -> Future:
+    """The device-thread part of a load: the batch on the device stream, then the warm-up
+    started as the engine's own work (attach the engine so the worker steps it); the Future
+    completes when the warm-up has."""
+    engine.bind()
+    if settings.engine.warmup:
+        return engine.start_warmup()
+    done: Future = Future()
+    done.set_result(None)
+    return done
+
+
 def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
-    """Load ``path`` as a ``kind`` model and warm it up; the worker owns the result."""
+    """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
+    :func:`finish_on_device`); every other kind comes back warmed up, built on the device
+    thread, which then owns it."""
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
@@ -27,8 +49,6 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
             adapter_path=_model_options(name, settings)["adapter_path"],
         )
-        if e.warmup:
-            engine.warmup()
         return engine
     if kind in ("embedding", "reranker"):
         return _create_encoder(kind, name, path, settings)

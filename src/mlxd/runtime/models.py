@@ -253,13 +253,28 @@ class ModelManager:
         self._reserved += need
         t0 = time.perf_counter()
 
-        def build() -> Any:
-            from mlxd.engines.registry import create_engine
+        from mlxd.engines import registry
 
-            return create_engine(kind, name, path, self.settings)
+        def build() -> Any:
+            return registry.create_engine(kind, name, path, self.settings)
 
         try:
-            engine = await asyncio.wrap_future(self.worker.call(build))
+            if registry.loads_off_device(kind):
+                # weights read and evaluated on a loader thread, and the warm-up run as the
+                # new engine's own steps between the other models' steps: a load never holds
+                # the device thread for long
+                engine = await asyncio.to_thread(build)
+                warm = await asyncio.wrap_future(self.worker.call(
+                    lambda: registry.finish_on_device(engine, self.settings)))
+                self.worker.attach(engine)
+                try:
+                    await asyncio.wrap_future(warm)
+                except BaseException:
+                    self.worker.detach(engine)
+                    self.worker.call(engine.close)
+                    raise
+            else:
+                engine = await asyncio.wrap_future(self.worker.call(build))
         except MlxdError:
             raise
         except WorkerDied as exc:
