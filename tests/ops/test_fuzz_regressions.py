@@ -62,3 +62,17 @@ def test_the_64_bit_edges_themselves_still_pass_validation(server):
                                                  "max_tokens": 1, "seed": 2**63})
         assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
 
+
+@pytest.mark.parametrize("keep_alive", [1e300, "99999999999999h", 2**62])
+def test_api_ps_after_a_keep_alive_beyond_the_calendar(start_server, tiny_llama, keep_alive):
+    """A keep_alive whose expiry lies past year 9999 made every later GET /api/ps a 500
+    (datetime OverflowError); Ollama shows such models as expiring in year 9999."""
+    srv = start_server(tiny_llama)
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny-llama", "messages": MSGS,
+                                                 "max_tokens": 1, "keep_alive": keep_alive})
+        assert r.status_code == 200, r.text
+        ps = c.get("/api/ps")
+        assert ps.status_code == 200, ps.text
+        (entry,) = [m for m in ps.json()["models"] if m["name"] == "tiny-llama"]
+        assert entry["expires_at"].startswith("9999-12-31T23:59:59")
