@@ -76,3 +76,18 @@ def test_api_ps_after_a_keep_alive_beyond_the_calendar(start_server, tiny_llama,
         assert ps.status_code == 200, ps.text
         (entry,) = [m for m in ps.json()["models"] if m["name"] == "tiny-llama"]
         assert entry["expires_at"].startswith("9999-12-31T23:59:59")
+
+
+def test_sse_is_documented_event_by_event(server):
+    """Tools that read OpenAPI 3.1 (schemathesis among them) parse a text/event-stream into
+    events {data, event, id, retry} and validate each against the schema: documented as a
+    plain string, every streamed 200 "violated" its own documentation."""
+    spec = server.client().get("/openapi.json").json()
+    streams = [(path, op["responses"]["200"]["content"]["text/event-stream"]["schema"])
+               for path, ops in spec["paths"].items() for op in ops.values()
+               if "text/event-stream" in op["responses"].get("200", {}).get("content", {})]
+    assert {p for p, _ in streams} >= {"/v1/chat/completions", "/v1/messages", "/generate"}
+    for path, schema in streams:
+        assert schema["type"] == "object", path
+        assert schema["properties"]["data"]["type"] == "string", path
+        assert schema["properties"]["event"]["type"] == "string", path
