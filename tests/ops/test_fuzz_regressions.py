@@ -34,6 +34,11 @@ CASES = [
      "top_k"),
     ("/v1/rerank", {"model": "tiny-llama", "query": "q", "documents": ["a"], "top_n": BIG},
      "top_n"),
+    # an unknown field of a chat message travels to the template (and over the wire)
+    ("/v1/tokenize", {"model": "tiny-llama", "messages": [
+        {"role": "user", "content": "hi", "extra": [1, BIG]}]}, "messages[0]"),
+    ("/v1/chat/completions", {"model": "tiny-llama", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi", "extra": {"x": BIG}}]}, "messages[0]"),
 ]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
@@ -49,6 +49,17 @@ class WireModel(BaseModel):
                 "int64_range", "an integer is outside the signed 64-bit range [{lo}, {hi}]",
                 {"lo": INT64_MIN, "hi": INT64_MAX})
         return v
+
+    @model_validator(mode="after")
+    def _extra_int64(self) -> WireModel:
+        """The same for the fields of models that keep unknown ones (chat messages carry
+        tool_calls and the like to the template, and from there over the wire)."""
+        for name, v in (self.__pydantic_extra__ or {}).items():
+            if not fits_int64(v):
+                raise PydanticCustomError(
+                    "int64_range", "{name}: an integer is outside the signed 64-bit range "
+                    "[{lo}, {hi}]", {"name": name, "lo": INT64_MIN, "hi": INT64_MAX})
+        return self
 
 
 def fits_int64(v: Any) -> bool:
