@@ -25,7 +25,7 @@ from fixtures.gguf_writer import Dims, arch_tensors, llama_metadata, write_gguf
 from fixtures.tiny_models import make_tiny_chat_model
 from fixtures.wheel_index import wheel_index
 
-# ~90 MB of float32 weights: the import takes a second or two on a shared CPU, long enough
+# 119 MB of float32 weights: the import takes a second or two on a shared CPU, long enough
 # to be killed in the middle.
 BIG = Dims(hidden=512, ffn=1408, heads=8, kv_heads=4, layers=10)
 
