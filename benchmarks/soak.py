@@ -49,7 +49,7 @@ def main() -> None:
 
     from fixtures.tiny_encoders import make_tiny_cross_encoder
     from fixtures.tiny_models import make_tiny_chat_model
-    from soak_load import Models, rss_kib, run_soak, wait_idle
+    from soak_load import Models, memory_books, rss_kib, run_soak, wait_idle
 
     with tempfile.TemporaryDirectory(prefix="mlxd-soak-") as tmp:
         home = Path(tmp)
@@ -91,6 +91,7 @@ def main() -> None:
             wall = time.monotonic() - t0
             after = wait_idle(url)
             res.rss_end = {k: rss_kib(p) for k, p in pids.items()}
+            res.memory_end = memory_books(after)
         finally:
             proc.terminate()
             try:

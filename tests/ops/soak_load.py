@@ -61,6 +61,10 @@ class SoakResult:
     latencies: list[float] = field(default_factory=list)
     rss_mid: dict[str, int] = field(default_factory=dict)
     rss_end: dict[str, int] = field(default_factory=dict)
+    # the engine core's own books at the same moments (MLX active/cache bytes, prefix
+    # caches): tells a cache filling to its bound from memory nobody accounts for
+    memory_mid: dict[str, int] = field(default_factory=dict)
+    memory_end: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -92,8 +96,18 @@ class SoakResult:
             "latency_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
                           "max": round(lat[-1], 3) if lat else 0.0},
             "rss_kib": {"middle": self.rss_mid, "end": self.rss_end},
+            "engine_memory_bytes": {"middle": self.memory_mid, "end": self.memory_end},
             "rss_growth_second_half": {k: round(v, 4) for k, v in self.rss_growth().items()},
         }
+
+
+def memory_books(health: dict[str, Any]) -> dict[str, int]:
+    """MLX's active and cache bytes and the prefix caches' bytes, from a /health body."""
+    mem = health.get("memory", {})
+    return {"mlx_active": int(mem.get("active_bytes", 0)),
+            "mlx_cache": int(mem.get("cache_bytes", 0)),
+            "prefix_caches": sum(int((m.get("prefix_cache") or {}).get("bytes", 0))
+                                 for m in health.get("models", []))}
 
 
 def _request(kind: str, m: Models, i: int, max_tokens: int) -> tuple[str, dict[str, Any]]:
@@ -154,6 +168,7 @@ async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
         queue.put_nowait(item)
     done = 0
     half = requests // 2
+    pending: list[asyncio.Future] = []
 
     async def one(c: httpx.AsyncClient, i: int, kind: str, bad: bool, leave: bool) -> None:
         nonlocal done
@@ -194,6 +209,10 @@ async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
             done += 1
             if done == half:
                 res.rss_mid = {k: rss_kib(p) for k, p in pids.items()}
+                mid = asyncio.ensure_future(c.get("/health"))
+                mid.add_done_callback(lambda f: res.memory_mid.update(
+                    memory_books(f.result().json()) if not f.exception() else {}))
+                pending.append(mid)
             if on_progress is not None:
                 on_progress(done)
 
@@ -209,6 +228,7 @@ async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c:
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
+        await asyncio.gather(*pending, return_exceptions=True)
     res.seconds = time.monotonic() - t0
     return res
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import LiveServer, make_settings
 from fixtures.tiny_encoders import make_tiny_bert_embedder, make_tiny_cross_encoder
-from soak_load import Models, rss_kib, run_soak, wait_idle
+from soak_load import Models, memory_books, rss_kib, run_soak, wait_idle
 
 REQUESTS, CONCURRENCY = 3000, 16
 
@@ -49,6 +49,7 @@ def test_mixed_soak_leaves_no_errors_no_slots_and_flat_memory(soaked, capsys) ->
                                concurrency=CONCURRENCY, pids=pids, seed=1))
     h = wait_idle(soaked.url)
     res.rss_end = {k: rss_kib(p) for k, p in pids.items()}
+    res.memory_end = memory_books(h)
     summary = res.as_dict()
     with capsys.disabled():
         print(f"\nsoak: {summary['requests']} requests in {summary['seconds']}s, "
