@@ -51,7 +51,7 @@ from schemathesis.checks import (
 MAX_TOKENS = 4
 NO_SUCH_MODEL = "fuzz-no-such-model"
 
-# (method, path) -> why leaving it out of a mode is safe. A positive ``/api/pull`` of a
+# (method, path, mode) -> why leaving it out is safe. A positive ``/api/pull`` of a
 # generated name would try the network (unreachable here: a timeout per example, not a test)
 # or, for a name that happens to be a local path, import it into the store: a run must change
 # nothing. Its negative mode still runs: invalid pulls are refused before any download.

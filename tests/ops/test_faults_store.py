@@ -83,12 +83,16 @@ def kill_mid_pull(env: dict[str, str], models: Path, *args: str) -> None:
         proc.stderr.close()
 
 
-def _assert_recovers(env: dict[str, str], models: Path, name: str, *pull_args: str) -> None:
+def _assert_recovers(env: dict[str, str], models: Path, name: str, *pull_args: str,
+                     sweep: Callable[[], None] | None = None) -> None:
     # killed halfway: nothing is listed, no directory under the model's name, only hidden
     # temp leftovers of the dead pid
     assert listed(env) == []
     assert not (models / name).exists()
     assert temp_leftovers(models), "the kill came before anything was written"
+    if sweep is not None:  # e.g. a server start: its engine core sweeps them too
+        sweep()
+        assert temp_leftovers(models) == []
     # the next pull sweeps the leftovers and succeeds
     p = mlxd(env, "pull", *pull_args)
     assert p.returncode == 0, p.stderr
@@ -115,7 +119,10 @@ def test_kill_9_in_the_middle_of_a_gguf_pull(tmp_path: Path) -> None:
 PKG, VER, MODULE = "mlxd-fault-model", "1.0.0", "mlxd_fault_model"
 
 
-def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(tmp_path: Path) -> None:
+def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(tmp_path: Path, start_server,
+                                                   tiny_llama: Path) -> None:
+    """Here the next *server start* sweeps the leftovers (the engine core does at start),
+    then the pull succeeds."""
     model = make_tiny_chat_model(tmp_path / "src" / "m", "llama", hidden_size=512,
                                  num_layers=12)
     index = wheel_index(tmp_path, PKG, VER,
@@ -124,7 +131,14 @@ def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(tmp_path: Path) -> None:
     models = tmp_path / "home" / "models"
     spec = f"pypi:{PKG}=={VER}#{MODULE}/model"
     kill_mid_pull(env, models, spec)
-    _assert_recovers(env, models, PKG, spec)
+
+    def server_start() -> None:
+        # start_server's store is tmp_path/models; this one is MLXD_HOME/models
+        srv = start_server(tiny_llama, models={"dir": str(models)})
+        assert srv.health()["status"] == "ok"
+        assert PKG not in [m["id"] for m in srv.client().get("/v1/models").json()["data"]]
+
+    _assert_recovers(env, models, PKG, spec, sweep=server_start)
 
 
 # --------------------------------------------------------------------------------------- #
