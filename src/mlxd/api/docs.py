@@ -86,9 +86,20 @@ def error_responses(path: str, body: bool, public: bool) -> dict[int | str, Any]
 
 
 def streamed(media_type: str, what: str) -> dict[int | str, Any]:
-    """A 200 that is also a stream (``"stream": true``), for ``responses=``."""
+    """A 200 that is also a stream (``"stream": true``), for ``responses=``.
+
+    For ``text/event-stream`` the schema describes *one event* (OpenAPI 3.1 leaves streams
+    to convention; 3.2 and the tools that read 3.1 this way, schemathesis among them, parse
+    the stream into events ``{data, event, id, retry}``): ``data`` is a string, a JSON
+    object for every event but OpenAI's final ``[DONE]``. Documented as a plain string it
+    was wrong for every event (tests/ops/test_fuzz.py found it)."""
     if media_type == "text/event-stream":
-        schema = {"type": "string", "description": f"Server-sent events: {what}"}
+        schema = {"type": "object", "description": f"One server-sent event: {what}",
+                  "properties": {
+                      "data": {"type": "string",
+                               "description": "JSON, or [DONE] at the end (OpenAI)"},
+                      "event": {"type": "string"}, "id": {"type": "string"},
+                      "retry": {"type": "integer"}}}
     else:
         schema = {"type": "string", "description": f"Newline-delimited JSON: {what}"}
     return {"content": {media_type: {"schema": schema}}}

@@ -42,6 +42,9 @@ router = APIRouter(prefix="/api", route_class=ApiRoute)
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API generation these shapes follow
 
 
+_FAR_FUTURE = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a datetime holds
+
+
 def _now_iso(ts: float | None = None) -> str:
     dt = datetime.fromtimestamp(ts if ts is not None else time.time(), tz=timezone.utc)
     return dt.isoformat().replace("+00:00", "Z")
@@ -416,13 +419,15 @@ async def ps(request: Request):
     out = []
     for lm in await rt.models.loaded():
         manifest = rt.models.store.manifest(lm.name) or {"format": "mlx"}
-        expires = lm.expires_at if lm.expires_at is not None else float("inf")
+        expires = lm.expires_at if lm.expires_at is not None else _FAR_FUTURE
         out.append({
             "name": lm.name, "model": lm.name, "size": lm.size,
             "digest": (manifest.get("digest") or "").removeprefix("sha256:"),
             "details": _details(manifest, lm.config),
             # Ollama reports far-future times for "forever" and for busy models
-            "expires_at": _now_iso(expires if expires != float("inf") else 253402300799),
+            # and for a keep_alive so long (1e300 s, "9999999999h") that the date is past
+            # what a datetime holds: that was a 500 OverflowError (tests/ops/test_fuzz.py)
+            "expires_at": _now_iso(min(expires, _FAR_FUTURE)),
             "size_vram": lm.size if rt.backend != "cpu" else 0,
             "context_length": lm.context_length,
         })

@@ -7,7 +7,11 @@ or 1 (``"prompt": [false]`` was token id 0, ``"keep_alive": false`` an unload), 
 becomes a number, no float is truncated to an int. A JSON integer still fills a float
 field. ``allow_inf_nan=False`` refuses the ``NaN``/``Infinity`` literals Python's JSON
 parser accepts and numbers that overflow to infinity (``1e400``):
-nothing non-finite reaches a sampler.
+nothing non-finite reaches a sampler. Every JSON integer, wherever it sits in a body (a
+token id, ``top_k``, ``dimensions``, ``keep_alive``...), must fit in a signed 64-bit
+integer: the engine core's wire (msgspec) cannot carry a bigger one, and the reference
+servers refuse them too (Go's and serde's decoders); beyond, a 400 names the field (it was a
+500 ``OverflowError`` from the front end's send, found by tests/ops/test_fuzz.py).
 
 The ranges are the ones a value must keep for the engine to stay finite and the request to
 mean something: outside them the request is a 400 that names the parameter, never an
@@ -16,13 +20,15 @@ engine failure that takes the batch's other sequences down with it.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
 # (engines/sampling.py), so every accepted seed is a valid PRNG key.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # repetition_penalty divides (or multiplies) the logits of tokens already seen: beyond
 # these bounds float32 logits overflow to infinity and the distribution becomes NaN.
@@ -34,6 +40,40 @@ class WireModel(BaseModel):
     (as OpenAI-compatible servers do, for forward compatibility)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, v: Any) -> Any:
+        if not fits_int64(v):
+            raise PydanticCustomError(
+                "int64_range", "an integer is outside the signed 64-bit range [{lo}, {hi}]",
+                {"lo": INT64_MIN, "hi": INT64_MAX})
+        return v
+
+    @model_validator(mode="after")
+    def _extra_int64(self) -> WireModel:
+        """The same for the fields of models that keep unknown ones (chat messages carry
+        tool_calls and the like to the template, and from there over the wire)."""
+        for name, v in (self.__pydantic_extra__ or {}).items():
+            if not fits_int64(v):
+                raise PydanticCustomError(
+                    "int64_range", "{name}: an integer is outside the signed 64-bit range "
+                    "[{lo}, {hi}]", {"name": name, "lo": INT64_MIN, "hi": INT64_MAX})
+        return self
+
+
+def fits_int64(v: Any) -> bool:
+    """Every int in ``v`` (lists, tuples and dict values walked; nested request models
+    checked their own fields already) is within the signed 64-bit range."""
+    if isinstance(v, bool) or v is None or isinstance(v, (str, float, BaseModel)):
+        return True
+    if isinstance(v, int):
+        return INT64_MIN <= v <= INT64_MAX
+    if isinstance(v, (list, tuple)):
+        return all(fits_int64(x) for x in v)
+    if isinstance(v, dict):
+        return all(fits_int64(x) for x in v.values())
+    return True
 
 
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX,
