@@ -79,15 +79,8 @@ class KnownIssue:
         return path in self.paths and status == self.status and self.text in body
 
 
-KNOWN_ISSUES: dict[str, KnownIssue] = {
-    "rerank-with-a-chat-model-is-a-500": KnownIssue(
-        frozenset({"/v1/rerank", "/rerank", "/v2/rerank"}), 500,
-        "cannot be used as an LLM reranker",
-        "a rerank request naming (or defaulting to) a chat model whose tokenizer has no "
-        "single-token 'yes'/'no' gets 500 model_load_failed: engines/rerank.py raises "
-        "ModelLoadError (status 500) for what is the caller's choice of model; it should be "
-        "a 400 invalid_request like embeddings with a chat model. engines/ is not api/."),
-}
+KNOWN_ISSUES: dict[str, KnownIssue] = {}  # none open: rerank with a chat model that
+# cannot score (no single-token yes/no) was a 500 and is a 400 now (runtime/encoders.py)
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, response_headers_conformance, negative_data_rejection]

@@ -133,11 +133,6 @@ def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_ser
     assert r.status_code == 200
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (frontend/client.py, not api/): a core silent for more than dead_after (3 s) is "
-    "declared dead, but a later heartbeat of the same epoch never revives it and the "
-    "supervisor restarts only a core whose process exited: the server answers 503 "
-    "'restarting' forever. Remove this marker with the fix."))
 def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server, tiny_llama):
     """A core stopped for 4 s (SIGSTOP: what a swap storm, a starved CPU or a step holding
     the GIL looks like from outside) must not turn into a permanent outage: within seconds

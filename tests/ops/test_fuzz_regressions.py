@@ -7,6 +7,7 @@ dialect now answers 400 naming the field (api/wire.py ``WireModel``).
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 BIG = 10**30  # any JSON integer beyond 2**63 - 1
@@ -96,3 +97,15 @@ def test_sse_is_documented_event_by_event(server):
         assert schema["type"] == "object", path
         assert schema["properties"]["data"]["type"] == "string", path
         assert schema["properties"]["event"]["type"] == "string", path
+
+
+def test_rerank_with_a_chat_model_that_cannot_score_is_a_400(start_server, tiny_llama):
+    """Found by the fuzz: the tiny chat model's tokenizer has no single-token yes/no, so it
+    cannot be an LLM reranker; that is the caller's choice of model (400), not a 500."""
+    srv = start_server(tiny_llama)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = httpx.post(srv.url + path, json={"model": "tiny-llama", "query": "q",
+                                             "documents": ["a", "b"]}, timeout=30)
+        assert r.status_code == 400, (path, r.text)
+        assert "cannot be used as a reranker" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "model"

@@ -60,6 +60,7 @@ class CoreClient:
         self.deaths = 0
         self._last_beat = 0.0
         self._streams: dict[str, asyncio.Queue] = {}
+        self._orphans: list[str] = []  # failed on a stall; aborted if the same core returns
         self._calls: dict[int, asyncio.Future] = {}
         self._cid = itertools.count(1)
         self._ready_event = asyncio.Event()
@@ -172,7 +173,19 @@ class CoreClient:
             if self.alive:  # a new core without us noticing the old one's death
                 self._declare_dead()
             self.epoch, self.core_pid, self.alive = hb.epoch, hb.pid, True
+            self._orphans = []
             log.info("connected to engine core %d (pid %d)", hb.epoch, hb.pid)
+        elif not self.alive:
+            # The same core, silent for a while (a stall: swap, a starved CPU) and back.
+            # What we failed when we gave up on it may still run there: abort it, then
+            # serve again. A core that really died never sends this.
+            self.alive = True
+            if self._orphans:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(p.Abort(self.epoch, self._orphans))
+            log.warning("engine core %d (pid %d) answers again after a stall; %d request(s) "
+                        "failed meanwhile", hb.epoch, hb.pid, len(self._orphans))
+            self._orphans = []
         self.ready = hb.ready
         self.startup_error = hb.error
         if hb.ready:
@@ -192,8 +205,9 @@ class CoreClient:
                     self._send(p.Hello(self.frontend, self.address))
 
     def _declare_dead(self) -> None:
-        log.error("engine core %d (pid %s) is gone; failing %d request(s) in flight",
-                  self.epoch, self.core_pid, len(self._streams))
+        log.error("engine core %d (pid %s) is gone or stalled; failing %d request(s) in "
+                  "flight", self.epoch, self.core_pid, len(self._streams))
+        self._orphans = list(self._streams)
         self.alive = self.ready = False
         self.deaths += 1
         self._ready_event = asyncio.Event()

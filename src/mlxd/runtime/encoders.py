@@ -29,6 +29,7 @@ from mlxd.core.errors import (
     EngineError,
     InvalidRequest,
     MlxdError,
+    ModelLoadError,
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
@@ -224,7 +225,11 @@ class EncoderService:
         from mlxd.engines.encoder import llm_batch_policy
         from mlxd.engines.rerank import LLMRerankEngine
 
-        scorer = LLMRerankEngine.sharing(llm, llm_batch_policy(self.settings))
+        try:
+            scorer = LLMRerankEngine.sharing(llm, llm_batch_policy(self.settings))
+        except ModelLoadError as exc:  # the chat model cannot score (no yes/no tokens): 400
+            raise InvalidRequest(f"model '{entry.name}' cannot be used as a reranker: "
+                                 f"{exc.message}", param="model") from exc
         self.rt.worker.attach(scorer)
         self._scorers[id(entry)] = (entry, scorer)
         log.info("model %s: LLM reranker attached (shares the chat model's weights)",
