@@ -213,3 +213,28 @@ def test_loading_a_model_does_not_pause_the_others(start_server, tiny_llama, tmp
               if t0 <= b <= t0 + load_s]
     assert load_s > 0.25 and during, (load_s, len(during))  # the load overlapped the stream
     assert max(during) < 0.15 + 0.05, max(during)  # 150 ms, plus this CPU's step at most
+
+
+def test_a_client_leaving_during_a_shared_load_does_not_cancel_it(start_server, tiny_llama,
+                                                                  tmp_path):
+    """Two requests wait for the same model's load; the first one's client goes away. The
+    load goes on for the other, which gets its answer, and the model is loaded once."""
+    from fixtures.tiny_models import make_tiny_chat_model
+
+    big = make_tiny_chat_model(tmp_path / "big-src", "llama", hidden_size=640, num_layers=8,
+                               max_position_embeddings=512, seed=6)
+    srv = start_server(tiny_llama)
+    install_into_store(srv.settings.models_dir, "big", big)
+    body = {"model": "big", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    out: dict = {}
+
+    def patient() -> None:
+        out["r"] = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+
+    t = threading.Thread(target=patient)
+    t.start()
+    with pytest.raises(httpx.ReadTimeout):  # this client gives up while "big" loads
+        httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=0.05)
+    t.join(60)
+    assert out["r"].status_code == 200, out["r"].text
+    assert srv.health()["model_loads"].get("big") == 1
