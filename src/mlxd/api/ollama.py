@@ -359,7 +359,7 @@ async def tags(request: Request):
 
 @router.post("/show")
 async def show(body: ModelBody, request: Request):
-    info = runtime(request).describe(body.target)
+    info = runtime(request).catalog_ops.describe(body.target)
     m, cfg = info["manifest"], info["config"]
     model_info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
                   if isinstance(v, (int, float, str, bool))}
@@ -384,11 +384,11 @@ async def pull(body: PullBody, request: Request):
     rt = runtime(request)
     name = body.target
     if not body.stream:
-        await rt.pull(name)
+        await rt.catalog_ops.pull(name)
         return {"status": "success"}
 
     queue: asyncio.Queue = asyncio.Queue()
-    task = asyncio.ensure_future(rt.pull(name, progress=queue.put_nowait))
+    task = asyncio.ensure_future(rt.catalog_ops.pull(name, progress=queue.put_nowait))
     task.add_done_callback(lambda _: queue.put_nowait(None))
 
     async def events() -> AsyncIterator[dict]:
@@ -409,7 +409,7 @@ async def pull(body: PullBody, request: Request):
 
 @router.delete("/delete")
 async def delete(body: ModelBody, request: Request):
-    await runtime(request).delete(body.target)
+    await runtime(request).catalog_ops.delete(body.target)
     return JSONResponse({})
 
 

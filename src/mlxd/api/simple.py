@@ -41,7 +41,7 @@ async def _has_chat_template(request: Request, model: str) -> bool:
     """Whether ``model`` ships a chat template (read from its files, as /api/show does; a
     model not installed yet is assumed to have one, as nearly every chat model does)."""
     try:
-        info = await asyncio.to_thread(runtime(request).describe, model)
+        info = await asyncio.to_thread(runtime(request).catalog_ops.describe, model)
     except ModelNotFound:
         return True
     return bool(info["chat_template"])

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ import numpy as np
 
 from mlxd.config import Settings
 from mlxd.core.errors import (
-    ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
     QueueFull,
@@ -44,6 +41,8 @@ from mlxd.core.types import (
 )
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.supervisor import CoreSupervisor
+from mlxd.frontend import prompts
+from mlxd.frontend.catalog import ModelCatalogOps
 from mlxd.frontend.client import CoreClient
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
@@ -64,6 +63,7 @@ class Runtime:
         run_dir = core_dir if core_dir is not None else self.supervisor.run_dir  # type: ignore
         self.client = CoreClient(run_dir)
         self.models = ModelsView(self)
+        self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
         self.startup_timeout = startup_timeout
         self.started_at = time.time()
         self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
@@ -219,11 +219,11 @@ class Runtime:
         """Validate, tokenize and admit ``req``; errors here are clean 4xx/5xx before any
         output. The returned Generation must be iterated or closed (that frees its slot)."""
         self._check_serving()
-        self.check_limits(req)
+        prompts.check_limits(self.settings, req)
         name = self.catalog.resolve(req.model)
         note(model=name)
         if req.images:
-            self._check_images(name, req)
+            prompts.check_images(self.settings, name, self._known_kind(name), req)
         if req.user:
             note(user=req.user)
         if self._admitted >= self.admission_limit:
@@ -245,17 +245,17 @@ class Runtime:
             raise InvalidRequest(f"model '{name}' is a {kind} model, not a chat model",
                                  param="model")
         if kind != "chat":
-            self._check_text_only_features(name, req)
+            prompts.check_text_only_features(name, req)
         proc = await self.processor(info)
         vision = None
         if kind == "vision" or req.images:
-            vision = await self._vision_input(name, kind, req)
+            vision = await prompts.vision_input(self.settings, name, kind, req)
             tokens: list[int] = list(req.prompt_tokens or [])
             plan = None
-            params = self._fit_to_context(info, req, 0)
+            params = prompts.fit_to_context(self.settings, info, req, 0)
         else:
-            tokens, plan = await asyncio.to_thread(self._tokenize_and_prepare, proc, req)
-            params = self._fit_to_context(info, req, len(tokens))
+            tokens, plan = await asyncio.to_thread(prompts.tokenize_and_prepare, proc, req)
+            params = prompts.fit_to_context(self.settings, info, req, len(tokens))
         sp = params
         add = p.Add(
             epoch=0, frontend=0, rid=new_rid(), model=name, keep_alive=req.keep_alive,
@@ -280,94 +280,6 @@ class Runtime:
         async for event in gen:
             yield event
 
-    def check_limits(self, req: GenerateRequest) -> None:
-        """Operator limits (security.max_tokens_limit, max_inputs): 400 before any work."""
-        sec = self.settings.security
-        n = req.sampling.max_tokens
-        if sec.max_tokens_limit is not None and n is not None and n > sec.max_tokens_limit:
-            raise InvalidRequest(
-                f"max_tokens is {n}, more than this server allows ({sec.max_tokens_limit})",
-                param="max_tokens",
-            )
-        if req.messages is not None and len(req.messages) > sec.max_inputs:
-            raise InvalidRequest(
-                f"{len(req.messages)} messages, more than this server allows "
-                f"({sec.max_inputs})", param="messages",
-            )
-
-    def _check_images(self, name: str, req: GenerateRequest) -> None:
-        """400 for too many images, or images to a model known not to take them (no load)."""
-        images = req.images or []
-        limit = self.settings.vision.max_images_per_request
-        if len(images) > limit:
-            raise InvalidRequest(f"{len(images)} images, more than this server accepts in "
-                                 f"one request ({limit})", param=_field(images[limit].param))
-        info = self._info.get(name)
-        try:
-            kind = info["kind"] if info else self.catalog.kind(name)
-        except (InvalidRequest, ModelNotFound, OSError, ValueError):
-            kind = None  # the load reports what is wrong with the name
-        if kind is not None and kind != "vision":
-            raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
-                                 "model)", param=_field(images[0].param))
-
-    @staticmethod
-    def _check_text_only_features(name: str, req: GenerateRequest) -> None:
-        """Tools and structured output need a text engine: never silently ignored."""
-        if req.constraint is not None:
-            raise InvalidRequest(f"model '{name}' does not support structured output yet",
-                                 param="response_format")
-        if req.tools and req.tool_choice != "none":
-            raise InvalidRequest(f"model '{name}' does not support tools yet", param="tools")
-
-    async def _vision_input(self, name: str, kind: str, req: GenerateRequest) -> p.VisionInput:
-        if kind != "vision":
-            raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
-                                 "model)", param=_field((req.images or [])[0].param))
-        from mlxd.runtime.images import image_bytes
-
-        vs = self.settings.vision
-        refs = req.images or []
-        data = [await asyncio.to_thread(image_bytes, ref, vs) for ref in refs]
-        return p.VisionInput(messages=req.messages, prompt=req.prompt,
-                             prompt_tokens=req.prompt_tokens, images=data,
-                             image_params=[r.param for r in refs],
-                             template_kwargs=req.template_kwargs)
-
-    @staticmethod
-    def _tokenize_and_prepare(proc: Any, req: GenerateRequest) -> tuple[list[int], Any]:
-        tokens = proc.tokenize(req)
-        return tokens, proc.prepare(req, tokens)
-
-    def _fit_to_context(self, info: dict[str, Any], req: GenerateRequest, n_prompt: int):
-        ctx = info["context_length"] or 4096
-        sp = req.sampling
-        if n_prompt >= ctx:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                f"{n_prompt} tokens.",
-                param="messages" if req.messages is not None else "prompt",
-            )
-        vocab = info["vocab_size"]
-        if sp.logit_bias and vocab and any(not 0 <= t < vocab for t in sp.logit_bias):
-            raise InvalidRequest("logit_bias names a token id outside the vocabulary",
-                                 param="logit_bias")
-        room = ctx - n_prompt
-        cap = self.settings.security.max_tokens_limit or room
-        if sp.max_tokens is None:
-            return replace(sp, max_tokens=min(self.settings.engine.default_max_tokens, room,
-                                              cap))
-        if sp.max_tokens < 0:  # "until the context is full"
-            return replace(sp, max_tokens=min(room, cap))
-        if sp.max_tokens > room:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{n_prompt + sp.max_tokens} tokens ({n_prompt} in the prompt, {sp.max_tokens} "
-                "for the completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
-        return sp
-
     async def count_tokens(self, req: GenerateRequest) -> tuple[str, int]:
         """(model name, prompt tokens) of ``req`` as it would be generated: templated with
         its tools; loads the model if it has to."""
@@ -380,6 +292,14 @@ class Runtime:
         proc = await self.processor(info)
         tokens = await asyncio.to_thread(proc.tokenize, req)
         return info["name"], len(tokens)
+
+    def _known_kind(self, name: str) -> str | None:
+        """The model's kind without loading it (None: unknown; the load will say)."""
+        info = self._info.get(name)
+        try:
+            return info["kind"] if info else self.catalog.kind(name)
+        except (InvalidRequest, ModelNotFound, OSError, ValueError):
+            return None
 
     # -- encoders (batched in the core) ------------------------------------------------------
     async def _encoder_call(self, method: str, **args: Any) -> Any:
@@ -424,63 +344,3 @@ class Runtime:
         note(model=r["model"])
         return TokenizeResult(r["model"], r["kind"], r["tokens"], r["context_length"],
                               r["token_strings"])
-
-    # -- the model catalogue (the store, read and written here) ------------------------------
-    async def pull(self, name: str, *, kind: str | None = None,
-                   progress: Callable[[dict], None] | None = None) -> dict:
-        """Pull into the store off the event loop; ``progress`` is called on the loop."""
-        from mlxd.store.pull import pull as store_pull
-        from mlxd.store.pull import resolve
-
-        # A name from the network never reaches a local path or a pip spec; aliases the
-        # operator configured still may.
-        resolve(name, self.settings.models, allow_local=False)
-        loop = asyncio.get_running_loop()
-
-        def cb(event: dict) -> None:
-            if progress is not None:
-                loop.call_soon_threadsafe(progress, dict(event))
-
-        return await asyncio.to_thread(store_pull, self.catalog.store, name,
-                                       self.settings.models, kind=kind, progress=cb)
-
-    async def delete(self, name: str) -> None:
-        from mlxd.store.pull import remove
-
-        await asyncio.to_thread(remove, self.catalog.store, name)
-        self.forget_model(name)
-        if self.client.alive:
-            await self.client.call("forget", name=name)
-
-    def describe(self, name: str) -> dict[str, Any]:
-        """What /api/show tells: manifest, config.json, chat template."""
-        name = self.catalog.resolve(name)
-        info = self._info.get(name)
-        path = Path(info["path"]) if info else self.catalog.path(name)
-        if path is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
-        config = _read_json(path / "config.json")
-        tok_cfg = _read_json(path / "tokenizer_config.json")
-        template = tok_cfg.get("chat_template")
-        if isinstance(template, list):
-            template = next((t.get("template") for t in template if t.get("name") == "default"),
-                            None)
-        if template is None and (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text()
-        manifest = self.catalog.store.manifest(name) or {"name": name, "kind": "chat",
-                                                         "source": str(path)}
-        return {"name": name, "path": str(path), "manifest": manifest, "config": config,
-                "chat_template": template or ""}
-
-
-def _field(param: str) -> str:
-    """``messages[0].content[1]`` -> ``messages[0].content``: the field, for 'wrong model'."""
-    return param[: param.rindex("[")] if param.endswith("]") and "[" in param else param
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -1,4 +1,4 @@
-"""Images in requests: where they may come from, fetching, decoding, and the vision prompt.
+"""Images in requests: where they may come from, fetching (front ends) and decoding (the core).
 
 Everything here blocks and runs in a thread (``asyncio.to_thread``): never on the event loop
 and never on the device worker.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import http.client
 import io
 import ipaddress
@@ -34,93 +33,15 @@ import time
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
-from mlxd.config import Settings, VisionSettings
-from mlxd.core.errors import InvalidRequest, MlxdError
-from mlxd.core.types import GenerateRequest, ImageInput
+from mlxd.config import VisionSettings
+from mlxd.core.errors import InvalidRequest
+from mlxd.core.types import ImageInput
 
 _BASE64_CHARS = re.compile(r"^[A-Za-z0-9+/=_\-\s]+$")
 _REDIRECTS = (301, 302, 303, 307, 308)
 # An oversized image is decoded whole before it is shrunk (JPEG excepted: it decodes at a
 # reduced scale); beyond this many pixels that costs too much memory, so it is refused.
 _MAX_DECODE_PIXELS = 64_000_000
-
-
-def _field(param: str) -> str:
-    """``messages[0].content[1]`` -> ``messages[0].content``: the field, for 'wrong model'."""
-    return param[: param.rindex("[")] if param.endswith("]") and "[" in param else param
-
-
-# -- before loading: is this request acceptable at all ---------------------------------------
-
-
-def check_images(runtime: Any, req: GenerateRequest) -> None:
-    """400 for too many images, or images to a model known not to take them (no load)."""
-    images = req.images or []
-    limit = runtime.settings.vision.max_images_per_request
-    if len(images) > limit:
-        raise InvalidRequest(f"{len(images)} images, more than this server accepts in one "
-                             f"request ({limit})", param=_field(images[limit].param))
-    kind = _known_kind(runtime, req.model)
-    if kind is not None and kind != "vision":
-        _reject(runtime.models.resolve(req.model), images)
-
-
-def _known_kind(runtime: Any, model: str | None) -> str | None:
-    try:
-        models = runtime.models
-        name = models.resolve(model)
-        lm = models.get_loaded(name)
-        if lm is not None:
-            return lm.kind
-        manifest = models.store.manifest(name)
-        if manifest and manifest.get("kind"):
-            return manifest["kind"]
-        path = models.model_path(name)
-        if path is not None:
-            from mlxd.store.inspect import infer_kind
-
-            return infer_kind(path)
-    except (MlxdError, OSError, ValueError):
-        return None  # the load reports what is wrong with the name
-    return None
-
-
-def _reject(model: str, images: list[ImageInput]) -> None:
-    raise InvalidRequest(f"model '{model}' does not accept images (it is not a vision model)",
-                         param=_field(images[0].param) if images else "messages")
-
-
-# -- the vision prompt (in a thread) ----------------------------------------------------------
-
-
-def vision_prompt(settings: Settings, engine: Any, req: GenerateRequest) -> Any:
-    """Fetch and decode the request's images, then template and process them with the
-    vision engine's processor: a ``VisionPrompt`` (token ids plus pixel arrays)."""
-    if getattr(engine, "kind", None) != "vision":
-        _reject(engine.name, req.images or [])
-    if getattr(req, "constraint", None) is not None:
-        raise InvalidRequest("structured output is not supported with vision models yet",
-                             param="response_format")
-    if getattr(req, "tools", None) and getattr(req, "tool_choice", "auto") != "none":
-        raise InvalidRequest("tools are not supported with vision models yet", param="tools")
-    from mlxd.engines.vlm import LoadedImage
-
-    images = [LoadedImage(img, digest, ref.param)
-              for ref in req.images or []
-              for img, digest in [load_image(ref, settings.vision)]]
-    if images:
-        from mlxd.observability import metrics
-
-        metrics.vision_images_total.labels(engine.name).inc(len(images))
-    return engine.encode_vision(
-        messages=req.messages, prompt=req.prompt, prompt_tokens=req.prompt_tokens,
-        images=images, template_kwargs=getattr(req, "template_kwargs", None))
-
-
-def load_image(ref: ImageInput, vs: VisionSettings) -> tuple[Any, str]:
-    """(decoded RGB PIL image, sha256 of its bytes) for one image reference."""
-    data = image_bytes(ref, vs)
-    return decode_image(data, ref.param, vs), hashlib.sha256(data).hexdigest()
 
 
 def image_bytes(ref: ImageInput, vs: VisionSettings) -> bytes:
