@@ -41,12 +41,8 @@ def loaded_view(entry: Any) -> dict[str, Any]:
         "max_batch_size_seen": engine.max_batch_seen,
         "context_length": engine.context_length,
     }
-    if hasattr(engine, "prefix_cache_stats"):
-        view["prefix_cache"] = engine.prefix_cache_stats()
-    if hasattr(engine, "feature_cache_stats"):
-        view["vision_feature_cache"] = engine.feature_cache_stats()
-    if hasattr(engine, "memory_bytes"):
-        view["cache_memory_bytes"] = engine.memory_bytes()
+    view.update(engine.stats())
+    view["cache_memory_bytes"] = engine.memory_bytes()
     adapter = getattr(engine, "adapter_path", None)
     view["adapter_path"] = str(adapter) if adapter else None
     options = getattr(engine, "_settings", None)

@@ -33,6 +33,9 @@ class Engine(Protocol):
     def step(self) -> list[tuple[Any, Any]]: ...
     def fail_all(self, exc: Exception) -> list[tuple[Any, Any]]: ...
     def close(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def memory_bytes(self) -> dict[str, int]: ...
+    def shrink(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -80,6 +83,19 @@ class DecodeEngine:
     # -- the worker's view ---------------------------------------------------------------
     def next_deadline(self) -> float | None:
         return None
+
+    # -- what /health and the memory budget read -------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The family's own figures for /health (prefix cache, image-feature cache...)."""
+        return {}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory held beyond the weights, by kind (KV cache, caches)."""
+        return {}
+
+    def shrink(self) -> int:
+        """Drop reusable caches (device thread); the bytes freed."""
+        return 0
 
     def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
                      grammar: Any = None, arm_after: tuple[int, ...] | None = None

@@ -76,6 +76,15 @@ class BatchingEncoder(abc.ABC):
     def cancel(self, job: EncodeJob) -> None:
         self._q.cancel(job)
 
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {}
+
+    def shrink(self) -> int:
+        return 0
+
     def has_work(self) -> bool:
         return self._q.has_work()
 

@@ -208,8 +208,8 @@ class LLMEngine(DecodeEngine):
                                                seq.arm_after))
         return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
-    def prefix_cache_stats(self) -> dict[str, int]:
-        return self.prefix_cache.stats()
+    def stats(self) -> dict[str, Any]:
+        return {"prefix_cache": self.prefix_cache.stats()}
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from

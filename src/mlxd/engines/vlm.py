@@ -342,6 +342,9 @@ class VisionEngine(DecodeEngine):
         self.features.cache.clear()
         return freed
 
+    def stats(self) -> dict[str, Any]:
+        return {"vision_feature_cache": self.feature_cache_stats()}
+
     def feature_cache_stats(self) -> dict[str, Any]:
         """For /health: the image-feature cache and how often the vision encoder ran."""
         cache = self.features.cache

@@ -120,17 +120,13 @@ class ModelManager:
     def dynamic_bytes(self) -> int:
         """Memory the loaded models hold beyond their weights: KV caches of running batches,
         prefix caches, image features. Counted against the budget with the weights."""
-        total = 0
-        for e in self._loaded.values():
-            probe = getattr(e.engine, "memory_bytes", None)
-            if probe is not None:
-                total += sum(probe().values())
-        return total
+        return sum(sum(e.engine.memory_bytes().values()) for e in self._loaded.values()
+                   if e.engine is not None)
 
     async def shrink(self) -> int:
         """Drop every model's reusable caches (prefix KV, image features), on the device
         thread; returns the bytes freed."""
-        engines = [e.engine for e in self._loaded.values() if hasattr(e.engine, "shrink")]
+        engines = [e.engine for e in self._loaded.values() if e.engine is not None]
         if not engines:
             return 0
         return await asyncio.wrap_future(self.worker.call(
@@ -289,6 +285,10 @@ class ModelManager:
             raise ModelLoadError(f"could not load model '{name}': {exc}") from exc
         finally:
             self._reserved -= need
+        from mlxd.engines.decode import Engine
+
+        if not isinstance(engine, Engine):  # what the worker relies on, checked once here
+            raise ModelLoadError(f"model '{name}': {type(engine).__name__} is not an Engine")
         self.worker.attach(engine)
         took = time.perf_counter() - t0
         entry = LoadedModel(
