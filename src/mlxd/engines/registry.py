@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import Settings
+from mlxd.config import Settings, resolve_kv_quant_scheme
 from mlxd.core.errors import ModelLoadError
 
 
@@ -66,8 +66,8 @@ def _model_options(name: str, settings: Settings) -> dict[str, Any]:
     """The engine's KV options and adapter for ``name``: models.options.<name> over engine.*;
     models.adapter_path belongs to the default model."""
     e, m = settings.engine, settings.models
-    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_group_size": e.kv_group_size,
-                           "max_kv_size": e.max_kv_size,
+    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_quant_scheme": e.kv_quant_scheme,
+                           "kv_group_size": e.kv_group_size, "max_kv_size": e.max_kv_size,
                            "prefill_step_size": e.prefill_step_size, "adapter_path": None}
     default = Path(m.default).expanduser()
     default_name = default.resolve().name if (
@@ -77,6 +77,7 @@ def _model_options(name: str, settings: Settings) -> dict[str, Any]:
     opts = m.options.get(name)
     if opts is not None:
         out.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
     return out
 
 
