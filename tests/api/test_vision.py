@@ -212,6 +212,22 @@ def test_resent_image_hits_the_feature_cache(vsrv):
     assert stats["encoder_runs"] == runs + 1
 
 
+def test_a_request_mixing_a_seen_and_a_new_image_encodes_only_the_new_one(vsrv):
+    """Qwen2-VL's cache is per image (README): the seen image comes from the cache, the
+    new one runs the encoder, in one request."""
+    seen, new = data_url(png(70, (56, 56))), data_url(png(71, (64, 56)))
+    with vsrv.client() as c:
+        assert c.post(CHAT, json=ask(image_part(seen))).status_code == 200
+        hits, misses = (metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
+                        metric(vsrv, "mlxd:vision_feature_cache_misses_total"))
+        runs = encoder_runs(vsrv)
+        mixed = c.post(CHAT, json=ask(image_part(seen), image_part(new)))
+    assert mixed.status_code == 200, mixed.text
+    assert metric(vsrv, "mlxd:vision_feature_cache_hits_total") == hits + 1
+    assert metric(vsrv, "mlxd:vision_feature_cache_misses_total") == misses + 1
+    assert encoder_runs(vsrv) == runs + 1
+
+
 def test_stop_strings_and_client_disconnect(vsrv):
     img = image_part(data_url(png(12)))
     with vsrv.client() as c:
