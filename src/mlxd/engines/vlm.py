@@ -86,6 +86,17 @@ class _RowSampler:
         return mx.where(hot, mx.array(0.0, mx.float32), mx.array(_NEG_INF, mx.float32))
 
 
+def _cache_nbytes(cache: Any) -> int:
+    """One layer's cache buffers. mlx-vlm 0.7.10's BatchQuantizedKVCache has no ``nbytes``
+    (it raises NotImplementedError): its packed keys and values, scales and biases are
+    counted from the arrays themselves."""
+    try:
+        return int(cache.nbytes)
+    except (NotImplementedError, AttributeError):
+        arrays = tree_flatten([getattr(cache, "keys", None), getattr(cache, "values", None)])
+        return sum(a.nbytes for _, a in arrays if isinstance(a, mx.array))
+
+
 def _argmax(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
@@ -355,7 +366,7 @@ class VisionEngine(DecodeEngine):
         try:
             for batch in (gen._generation_batch, gen._prompt_batch):
                 for c in (getattr(batch, "prompt_cache", None) or []):
-                    total += int(c.nbytes)
+                    total += _cache_nbytes(c)
         except Exception:  # noqa: BLE001 - the batch changed under the reading: next time
             return 0
         return total
