@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -34,6 +41,53 @@ def default_config_path() -> Path:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+KVQuantScheme = Literal["uniform", "turboquant"]
+UNIFORM_KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+
+
+def _kv_bits_value(v: Any) -> Any:
+    """4.0 -> 4 (uniform quantization takes integers), 3.5 stays 3.5 (TurboQuant)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def resolve_kv_quant_scheme(bits: float | None, scheme: str | None) -> str | None:
+    """The scheme mlx-vlm will actually use: the one named, else ``turboquant`` for
+    fractional bits and ``uniform`` for whole ones (mlx-vlm's own rule,
+    ``turboquant.turboquant_enabled``); None without bits."""
+    if bits is None:
+        return None
+    if scheme is not None:
+        return scheme
+    return "uniform" if float(bits).is_integer() else "turboquant"
+
+
+def kv_options_problem(bits: float | None, scheme: str | None,
+                       max_kv_size: int | None) -> str | None:
+    """Why the libraries would refuse (or quietly not apply) this KV-cache combination;
+    None when they take it. Checked at startup so that the operator reads it there, not in
+    a failed load or a warm-up traceback."""
+    if bits is None:
+        return None
+    effective = resolve_kv_quant_scheme(bits, scheme)
+    if effective == "uniform" and not float(bits).is_integer():
+        return (f"kv_bits {bits} is fractional, and uniform quantization takes whole bits "
+                f"{', '.join(map(str, UNIFORM_KV_BITS))}; fractional bits need "
+                "kv_quant_scheme turboquant")
+    if effective == "uniform" and int(bits) not in UNIFORM_KV_BITS:
+        return (f"kv_bits {bits}: uniform quantization (mx.quantize) packs "
+                f"{', '.join(map(str, UNIFORM_KV_BITS))} bits only")
+    if effective == "turboquant" and (bits < 1 or (bits * 2) % 1):
+        return (f"kv_bits {bits}: turboquant takes whole or half bits of at least 1 "
+                "(3, 3.5, 4...)")
+    if max_kv_size is not None:
+        return ("kv_bits and max_kv_size together: neither mlx-lm nor mlx-vlm quantizes a "
+                "rotating (bounded) KV cache (uniform raises, turboquant leaves it in full "
+                "precision); choose one")
+    return None
 
 
 class ServerSettings(_Section):
@@ -71,10 +125,18 @@ class ModelOptions(_Section):
     """Per-model overrides of the engine's KV-cache options (models.options.<name>)."""
 
     adapter_path: Path | None = Field(None, description="LoRA adapter directory.")
-    kv_bits: int | None = Field(None, ge=2, le=8, description="Quantize the KV cache.")
+    kv_bits: float | None = Field(
+        None, ge=1, le=8, description="Quantize the KV cache (vision models; 3.5: turboquant).")
+    kv_quant_scheme: KVQuantScheme | None = Field(
+        None, description="KV quantization scheme: uniform | turboquant (vision models).")
     kv_group_size: Literal[32, 64, 128] | None = Field(None, description="KV quantization group.")
     max_kv_size: int | None = Field(None, ge=16, description="Bound the KV cache (tokens).")
     prefill_step_size: int | None = Field(None, ge=16, description="Prefill chunk size.")
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, v: float | None) -> float | None:
+        return _kv_bits_value(v)
 
 
 class ModelSettings(_Section):
@@ -172,10 +234,11 @@ class ModelSettings(_Section):
     options: dict[str, ModelOptions] = Field(
         default_factory=dict,
         description=(
-            "Per-model overrides by model name: adapter_path, kv_bits, kv_group_size, "
-            "max_kv_size, prefill_step_size."
+            "Per-model overrides by model name: adapter_path, kv_bits, kv_quant_scheme, "
+            "kv_group_size, max_kv_size, prefill_step_size."
         ),
-        examples=[{"qwen2-vl-2b": {"kv_bits": 8, "max_kv_size": 8192}}],
+        examples=[{"qwen2-vl-2b": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
+                   "qwen2.5-7b-instruct": {"max_kv_size": 8192}}],
     )
 
 
@@ -214,25 +277,48 @@ class EngineSettings(_Section):
             "request shares its template's preamble)."
         ),
     )
-    kv_bits: int | None = Field(
+    kv_bits: float | None = Field(
         None,
-        ge=2,
+        ge=1,
         le=8,
         description=(
-            "Quantize the KV cache to this many bits (mlx-vlm generation: vision models); "
+            "Quantize the KV cache to this many bits (vision models, mlx-vlm): whole bits "
+            "2-6 or 8 with the uniform scheme, whole or half bits (3.5) with turboquant. "
+            "Text models refuse it at load (mlx-lm's batch cannot hold a quantized cache). "
             "null: full precision."
         ),
     )
+    kv_quant_scheme: KVQuantScheme | None = Field(
+        None,
+        description=(
+            "KV quantization scheme (vision models): 'uniform' (mx.quantize, groups of "
+            "kv_group_size) or 'turboquant' (mlx-vlm's rotated codebooks, fractional bits); "
+            "null: uniform for whole kv_bits, turboquant for fractional ones."
+        ),
+    )
     kv_group_size: Literal[32, 64, 128] = Field(
-        64, description="Group size of KV-cache quantization.")
+        64, description="Group size of uniform KV-cache quantization.")
     max_kv_size: int | None = Field(
         None,
         ge=16,
         description=(
-            "Bound the KV cache to this many tokens (a rotating cache; vision models then "
-            "run one request at a time, as mlx-vlm's batch cannot rotate); null: unbounded."
+            "Bound the KV cache to this many tokens per sequence (a rotating cache: older "
+            "tokens are dropped). Text models stay batched; vision models then run one "
+            "request at a time, as mlx-vlm's batch cannot rotate. null: unbounded."
         ),
     )
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _kv_bits(cls, v: float | None) -> float | None:
+        return _kv_bits_value(v)
+
+    @model_validator(mode="after")
+    def _kv_combination(self) -> EngineSettings:
+        problem = kv_options_problem(self.kv_bits, self.kv_quant_scheme, self.max_kv_size)
+        if problem:
+            raise ValueError(f"engine.kv_bits: {problem}")
+        return self
 
 
 class BatchSettings(_Section):
@@ -463,6 +549,19 @@ class Settings(BaseSettings):
     backend: BackendSettings = Field(default_factory=BackendSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     vision: VisionSettings = Field(default_factory=VisionSettings)
+
+    @model_validator(mode="after")
+    def _model_kv_combinations(self) -> Settings:
+        """Each models.options.<name> entry over engine.*, as the engine will see it."""
+        e = self.engine
+        for name, o in self.models.options.items():
+            bits = o.kv_bits if o.kv_bits is not None else e.kv_bits
+            scheme = o.kv_quant_scheme or e.kv_quant_scheme
+            size = o.max_kv_size if o.max_kv_size is not None else e.max_kv_size
+            problem = kv_options_problem(bits, scheme, size)
+            if problem:
+                raise ValueError(f"models.options.{name}.kv_bits: {problem}")
+        return self
 
     @property
     def home(self) -> Path:

@@ -212,6 +212,22 @@ def test_resent_image_hits_the_feature_cache(vsrv):
     assert stats["encoder_runs"] == runs + 1
 
 
+def test_a_request_mixing_a_seen_and_a_new_image_encodes_only_the_new_one(vsrv):
+    """Qwen2-VL's cache is per image (README): the seen image comes from the cache, the
+    new one runs the encoder, in one request."""
+    seen, new = data_url(png(70, (56, 56))), data_url(png(71, (64, 56)))
+    with vsrv.client() as c:
+        assert c.post(CHAT, json=ask(image_part(seen))).status_code == 200
+        hits, misses = (metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
+                        metric(vsrv, "mlxd:vision_feature_cache_misses_total"))
+        runs = encoder_runs(vsrv)
+        mixed = c.post(CHAT, json=ask(image_part(seen), image_part(new)))
+    assert mixed.status_code == 200, mixed.text
+    assert metric(vsrv, "mlxd:vision_feature_cache_hits_total") == hits + 1
+    assert metric(vsrv, "mlxd:vision_feature_cache_misses_total") == misses + 1
+    assert encoder_runs(vsrv) == runs + 1
+
+
 def test_stop_strings_and_client_disconnect(vsrv):
     img = image_part(data_url(png(12)))
     with vsrv.client() as c:
@@ -498,6 +514,58 @@ def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir,
         adapted.stop()
 
 
+def test_fractional_kv_bits_are_turboquant_and_stay_batched(private):
+    """models.options.<name>.kv_bits 3.5 (mlx-vlm's TurboQuant, the scheme taken from the
+    fractional bits) and an explicit kv_quant_scheme turboquant at whole bits: concurrent
+    image and text requests all complete, still in one batch."""
+    for opts in ({"kv_bits": 3.5}, {"kv_bits": 4, "kv_quant_scheme": "turboquant"}):
+        srv = private(models={"options": {VLM: opts}})
+        bodies = [ask(image_part(data_url(png(60 + i)))) for i in range(2)] + [
+            {"model": VLM, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}]
+        with srv.client() as c, ThreadPoolExecutor(3) as pool:
+            rs = list(pool.map(lambda b: c.post(CHAT, json=b), bodies))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        assert all(r.json()["usage"]["completion_tokens"] > 0 for r in rs)
+        eng = engine(srv)
+        assert eng["vision_feature_cache"]["batching"]
+        assert eng["options"]["kv_bits"] == opts["kv_bits"]
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, key, says", [
+    (["--kv-bits", "3.5", "--kv-quant-scheme", "uniform"], "engine.kv_bits",
+     "fractional bits need kv_quant_scheme turboquant"),
+    (["--kv-bits", "3.3", "--kv-quant-scheme", "turboquant"], "engine.kv_bits",
+     "whole or half bits"),
+    (["--kv-bits", "7"], "engine.kv_bits", "2, 3, 4, 5, 6, 8 bits only"),
+    (["--kv-bits", "4", "--max-kv-size", "512"], "engine.kv_bits", "rotating"),
+    (["--kv-quant-scheme", "affine"], "kv_quant_scheme", "'uniform' or 'turboquant'"),
+])
+def test_kv_combinations_the_library_refuses_stop_the_start(monkeypatch, tmp_path, flags,
+                                                            key, says):
+    """A KV combination mlx-vlm would refuse (or quietly not apply) is a configuration
+    error at `mlxd serve`, naming the key, before any model loads."""
+    from typer.testing import CliRunner
+
+    from mlxd.cli.main import app
+
+    monkeypatch.setenv("MLXD_HOME", str(tmp_path))
+    monkeypatch.setattr("mlxd.server.run", lambda s: pytest.fail("the server started"))
+    r = CliRunner().invoke(app, ["serve", "--model", "m", *flags])
+    assert r.exit_code == 2, r.output
+    assert key in r.output and says in r.output, r.output
+
+
+def test_kv_combination_per_model_is_checked_over_the_engine_defaults(tmp_path):
+    from mlxd.config import ConfigError, load_settings
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("engine: {max_kv_size: 1024}\n"
+                   f"models: {{options: {{{VLM}: {{kv_bits: 8}}}}}}\n")
+    with pytest.raises(ConfigError, match=rf"models\.options\.{VLM}\.kv_bits: .*rotating"):
+        load_settings(cfg)
+
+
 def test_serve_flags_reach_the_settings(monkeypatch, tmp_path):
     import typer.main
 
@@ -509,9 +577,14 @@ def test_serve_flags_reach_the_settings(monkeypatch, tmp_path):
     cmd = typer.main.get_command(app)
     with pytest.raises(SystemExit):
         cmd.main(["serve", "--model", "m", "--adapter", str(tmp_path), "--trust-remote-code",
-                  "--kv-bits", "4", "--kv-group-size", "32", "--max-kv-size", "1024"],
+                  "--kv-bits", "3.5", "--kv-quant-scheme", "turboquant", "--kv-group-size", "32"],
                  standalone_mode=True)
     s = seen["s"]
     assert s.models.adapter_path == tmp_path and s.models.trust_remote_code
-    assert (s.engine.kv_bits, s.engine.kv_group_size, s.engine.max_kv_size) == (4, 32, 1024)
+    assert (s.engine.kv_bits, s.engine.kv_quant_scheme, s.engine.kv_group_size) == (
+        3.5, "turboquant", 32)
+    seen.clear()
+    with pytest.raises(SystemExit):
+        cmd.main(["serve", "--model", "m", "--max-kv-size", "1024"], standalone_mode=True)
+    assert seen["s"].engine.max_kv_size == 1024
 

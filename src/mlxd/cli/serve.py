@@ -36,7 +36,10 @@ def serve(
     trust_remote_code: Annotated[Optional[bool], typer.Option(
         "--trust-remote-code", help="Let models run Python code they ship (only if asked).",
     )] = None,
-    kv_bits: Annotated[Optional[int], typer.Option(help="Quantize the KV cache (bits).")] = None,
+    kv_bits: Annotated[Optional[float], typer.Option(
+        help="Quantize the KV cache (bits; vision models; 3.5 with turboquant).")] = None,
+    kv_quant_scheme: Annotated[Optional[str], typer.Option(
+        help="KV quantization scheme: uniform | turboquant (vision models).")] = None,
     kv_group_size: Annotated[Optional[int], typer.Option(help="KV quantization group.")] = None,
     max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
                            ] = None,
@@ -54,6 +57,7 @@ def serve(
             "prefill_step_size": prefill_step_size,
             "max_queued_requests": max_queued_requests,
             "kv_bits": kv_bits,
+            "kv_quant_scheme": kv_quant_scheme,
             "kv_group_size": kv_group_size,
             "max_kv_size": max_kv_size,
         },

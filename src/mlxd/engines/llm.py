@@ -27,6 +27,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mlxd.core.errors import ModelLoadError
 from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
+from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.sampling import build_logits_processors, build_sampler
@@ -54,6 +55,7 @@ class LLMEngine(DecodeEngine):
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 0,
         adapter_path: str | Path | None = None,
+        max_kv_size: int | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -82,7 +84,11 @@ class LLMEngine(DecodeEngine):
             max_num_seqs=max_num_seqs,
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,
+            max_kv_size=max_kv_size,  # engines/bounded_kv.py
         )
+        if max_kv_size is not None and not can_bound(self.model):
+            raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
+                                 "keeps a plain KV cache that a bound could rotate")
         self._gen: Any = None  # built by bind(), on the device thread
         self._seqs: dict[int, Sequence] = {}
         self._pending: list[Sequence] = []
@@ -108,7 +114,8 @@ class LLMEngine(DecodeEngine):
         across threads on every step (mlx_lm.server avoids it the same way).
         """
         s = self._settings
-        return BatchGenerator(
+        bound = {} if s["max_kv_size"] is None else {"max_kv_size": s["max_kv_size"]}
+        return (BoundedBatchGenerator if bound else BatchGenerator)(
             self.model,
             stream=mx.default_stream(mx.default_device()),
             max_tokens=1,
@@ -116,6 +123,7 @@ class LLMEngine(DecodeEngine):
             completion_batch_size=s["max_num_seqs"],
             prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
             prefill_step_size=s["prefill_step_size"],
+            **bound,
         )
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------

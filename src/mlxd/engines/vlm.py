@@ -34,6 +34,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlxd.config import resolve_kv_quant_scheme
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
 from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
@@ -85,6 +86,17 @@ class _RowSampler:
         return mx.where(hot, mx.array(0.0, mx.float32), mx.array(_NEG_INF, mx.float32))
 
 
+def _cache_nbytes(cache: Any) -> int:
+    """One layer's cache buffers. mlx-vlm 0.7.10's BatchQuantizedKVCache has no ``nbytes``
+    (it raises NotImplementedError): its packed keys and values, scales and biases are
+    counted from the arrays themselves."""
+    try:
+        return int(cache.nbytes)
+    except (NotImplementedError, AttributeError):
+        arrays = tree_flatten([getattr(cache, "keys", None), getattr(cache, "values", None)])
+        return sum(a.nbytes for _, a in arrays if isinstance(a, mx.array))
+
+
 def _argmax(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
@@ -108,7 +120,8 @@ class VisionEngine(DecodeEngine):
         max_num_seqs: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
-        kv_bits: int | None = None,
+        kv_bits: float | None = None,
+        kv_quant_scheme: str | None = None,
         kv_group_size: int = 64,
         max_kv_size: int | None = None,
         adapter_path: str | Path | None = None,
@@ -159,6 +172,7 @@ class VisionEngine(DecodeEngine):
             prefill_batch_size=min(prefill_batch_size, max_num_seqs),
             prefill_step_size=prefill_step_size,
             kv_bits=kv_bits,
+            kv_quant_scheme=resolve_kv_quant_scheme(kv_bits, kv_quant_scheme),
             kv_group_size=kv_group_size,
             max_kv_size=max_kv_size,
         )
@@ -228,6 +242,10 @@ class VisionEngine(DecodeEngine):
             prefill_step_size=s["prefill_step_size"],
             kv_bits=s["kv_bits"],
             kv_group_size=s["kv_group_size"],
+            kv_quant_scheme=s["kv_quant_scheme"] or "uniform",
+            # mlx-vlm's default (5000) makes a batch whose prompts are shorter keep a
+            # full-precision cache for turboquant, for good: kv_bits would silently not apply
+            quantized_kv_start=0,
             compute_logprobs=False,
             stream=self._stream,
         )
@@ -334,8 +352,24 @@ class VisionEngine(DecodeEngine):
         return len(self._pending)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Memory beyond the weights that this engine holds: cached image features."""
-        return {"image_features": self.features.cache.nbytes}
+        """Memory beyond the weights that this engine holds: cached image features and the
+        batch's KV cache (what kv_bits / kv_quant_scheme shrink). Read from any thread; a
+        racing step can make one reading stale, never wrong for long. The sequential mode's
+        cache lives inside mlx-vlm's generate_step and is not counted."""
+        return {"image_features": self.features.cache.nbytes, "kv_cache": self._kv_nbytes()}
+
+    def _kv_nbytes(self) -> int:
+        gen = self._gen
+        if gen is None:
+            return 0
+        total = 0
+        try:
+            for batch in (gen._generation_batch, gen._prompt_batch):
+                for c in (getattr(batch, "prompt_cache", None) or []):
+                    total += _cache_nbytes(c)
+        except Exception:  # noqa: BLE001 - the batch changed under the reading: next time
+            return 0
+        return total
 
     def shrink(self) -> int:
         freed = self.features.cache.nbytes
@@ -491,7 +525,8 @@ class VisionEngine(DecodeEngine):
             max_tokens=seq.params.max_tokens, sampler=_argmax,
             logits_processors=self._processors(seq),
             prefill_step_size=s["prefill_step_size"], kv_bits=s["kv_bits"],
-            kv_group_size=s["kv_group_size"], quantized_kv_start=0,  # as the batch does
+            kv_group_size=s["kv_group_size"], kv_quant_scheme=s["kv_quant_scheme"] or "uniform",
+            quantized_kv_start=0,  # as the batch (see _new_generator)
             max_kv_size=s["max_kv_size"], **data)
 
     def _end_current(self) -> None:

@@ -11,10 +11,15 @@ them back as ``cached_image_features`` in ``get_input_embeddings``):
   images and ``image_grid_thw`` their grids; the vision tower attends within one image only,
   so each image is encoded alone and the features concatenated, which lets a request mix
   cached and new images.
-* per request (models with ``encode_images``/``encode_image``, as mlx-vlm's own generate
-  caches them): one entry for the request's ordered set of images.
-* other families: no cache; the model runs its encoder inside ``get_input_embeddings`` and
-  every image counts as a miss.
+* per request (models with ``encode_images``/``encode_image`` whose model code takes
+  ``cached_image_features`` back, as mlx-vlm's own generate caches them; in mlx-vlm 0.7.10:
+  deepseek_v4, gemma4, gemma4_unified, lfm2_vl, mimo_v2, minimax_m3_vl, muse_spark): one
+  entry for the request's ordered set of images, so a hit needs the very same images in
+  the same order.
+* other families (SmolVLM/Idefics3, PaliGemma, LLaVA, Gemma 3, Qwen3-VL...): no cache;
+  the model runs its encoder inside ``get_input_embeddings`` and every image counts as a
+  miss. deepseek_v41 has ``encode_images`` but ignores ``cached_image_features``: caching
+  for it would run the encoder twice per miss and still once per "hit", so it gets none.
 
 Runs on the device worker thread only.
 """
@@ -95,7 +100,8 @@ class FeatureEncoder:
         model_type = str(getattr(model.config, "model_type", ""))
         if model_type in _PER_IMAGE_GRID and hasattr(model, "vision_tower"):
             self.mode = "per_image"
-        elif hasattr(model, "encode_images") or hasattr(model, "encode_image"):
+        elif (hasattr(model, "encode_images") or hasattr(model, "encode_image")) and \
+                _takes_cached_features(model):
             self.mode = "per_request"
         else:
             self.mode = None
@@ -165,6 +171,18 @@ class FeatureEncoder:
             feats.append(f)
             start += n
         return (feats[0] if len(feats) == 1 else mx.concatenate(feats, axis=0)), hits, misses
+
+
+def _takes_cached_features(model: Any) -> bool:
+    """Whether the model's own code reads ``cached_image_features`` (mlx-vlm's families
+    that do read it in ``get_input_embeddings``; those that do not would re-encode)."""
+    import inspect
+
+    try:
+        source = inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return False
+    return "cached_image_features" in source
 
 
 def _request_key(digests: list[str]) -> str:

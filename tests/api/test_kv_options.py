@@ -1,0 +1,77 @@
+"""Text models' KV options through HTTP: ``max_kv_size`` bounds the KV cache of a batch
+(mlx-lm's rotating caches, engines/bounded_kv.py), and ``kv_bits``, which mlx-lm cannot
+batch, is a load error naming the key instead of a setting silently dropped."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import LiveServer, install_into_store, make_settings
+
+CHAT = "/v1/chat/completions"
+LONG = "the quick brown fox jumps over the lazy dog " * 6  # well over the bound in tokens
+BOUND = 32
+
+
+def _body(content: str, max_tokens: int, model: str = "tiny-llama") -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0}
+
+
+def _loaded(srv: LiveServer, name: str) -> dict:
+    return next(m for m in srv.health()["models"] if m["name"] == name)
+
+
+def test_max_kv_size_bounds_a_text_batch(start_server, tiny_llama):
+    """Prompts and generations past the bound run, batched, on a bounded server; a short
+    exchange that never reaches the bound answers exactly as an unbounded server does."""
+    bounded = start_server(tiny_llama, engine={"max_kv_size": BOUND, "max_num_seqs": 8})
+    plain = start_server(tiny_llama)
+    short = _body("Hi", 8)
+    with bounded.client() as c, ThreadPoolExecutor(4) as pool:
+        rs = list(pool.map(lambda b: c.post(CHAT, json=b),
+                           [_body(LONG, 40), _body(LONG + "again", 40), _body("Hello", 40),
+                            short]))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    long_usage = rs[0].json()["usage"]
+    assert long_usage["prompt_tokens"] > BOUND and long_usage["completion_tokens"] == 40
+    with plain.client() as c:
+        ref = c.post(CHAT, json=short)
+    assert ref.json()["usage"]["prompt_tokens"] + 8 <= BOUND  # the bound never rotated it
+    assert rs[3].json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+    view = _loaded(bounded, "tiny-llama")
+    assert view["options"]["max_kv_size"] == BOUND and view["max_batch_size_seen"] >= 2
+
+
+def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(start_server, tmp_path,
+                                                               tiny_llama, tiny_qwen2):
+    """Set per model: that model's load fails with a 500 that says why and where; the other
+    models serve on."""
+    install_into_store(tmp_path / "models", "tiny-qwen2", tiny_qwen2)
+    srv = start_server(tiny_llama, models={"options": {"tiny-qwen2": {"kv_bits": 4}}})
+    with srv.client() as c:
+        bad = c.post(CHAT, json=_body("Hi", 4, model="tiny-qwen2"))
+        good = c.post(CHAT, json=_body("Hi", 4))
+    assert bad.status_code == 500, bad.text
+    err = bad.json()["error"]
+    assert err["code"] == "model_load_failed"
+    assert "models.options.tiny-qwen2.kv_bits" in err["message"]
+    assert "cannot batch a quantized KV cache" in err["message"]
+    assert good.status_code == 200
+
+
+# uvicorn ends a failed start with sys.exit in its thread
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_engine_kv_bits_with_a_text_default_model_stops_the_start(tmp_path, tiny_llama,
+                                                                 caplog):
+    """engine.kv_bits applies to every model: a text default model cannot take it, and the
+    server refuses to start rather than serve it in full precision."""
+    srv = LiveServer(make_settings(tmp_path, tiny_llama, engine={"kv_bits": 4}))
+    try:
+        with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError):
+            srv.start()
+    finally:  # the failed start never ran the shutdown that ends the engine core
+        srv.runtime.supervisor.stop()
+    assert "engine.kv_bits is set, but 'tiny-llama' is a text model" in caplog.text
