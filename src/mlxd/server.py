@@ -89,9 +89,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(settings: Settings) -> int:
-    from mlxd import blas
-
-    info = blas.preload(settings.backend.blas)  # before anything imports MLX
+    # No BLAS preload here: front ends never compute; the engine core loads it (core.py).
     setup_logging(settings.log.level, settings.log.format)
     from mlxd import process
 
@@ -121,13 +119,9 @@ def run(settings: Settings) -> int:
     try:
         from mlxd.api.app import create_app
         from mlxd.api.metrics import start_metrics_port
-        from mlxd.engines.backend import backend_name
 
-        backend = backend_name()
-        if backend == "cpu":
-            (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
-        log.info("MLX backend: %s", backend)
-
+        # The serving process never computes (and must not touch the GPU): the engine core
+        # reports the MLX backend and the BLAS it loaded when it starts.
         if settings.server.api_workers > 1:
             return _run_workers(settings, host, port)
         try:
@@ -136,7 +130,7 @@ def run(settings: Settings) -> int:
             log.error("configuration error: %s", exc)
             return 2
         try:
-            start_metrics_port(settings)
+            start_metrics_port(settings, app.state.runtime)
         except OSError as exc:
             log.error("cannot serve metrics on port %s: %s", settings.metrics.port, exc)
             return 1

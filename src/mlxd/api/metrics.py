@@ -37,13 +37,49 @@ async def render(runtime) -> bytes:
     return merged_text(core.decode())
 
 
-def start_metrics_port(settings) -> object | None:
-    """Serve the registry on ``metrics.port`` from a daemon thread (prometheus-client's)."""
+class _WithCore:
+    """For prometheus-client's own metrics server (a thread of its own): the front end's
+    families and the engine core's, fetched through the front end's event loop."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self):
+        import asyncio
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from mlxd.observability.metrics import CORE_FAMILIES
+
+        rt = self.runtime
+        core = b""
+        loop = getattr(rt, "loop", None)
+        if loop is not None and rt.client.alive:
+            try:
+                core = asyncio.run_coroutine_threadsafe(rt.client.call("metrics"), loop
+                                                        ).result(5)
+            except Exception:  # noqa: BLE001 - a dead or busy core: the front end's still go
+                log.warning("could not read the engine core's metrics")
+        for family in REGISTRY.collect():
+            if family.name not in CORE_FAMILIES:
+                yield family
+        for family in text_string_to_metric_families(core.decode()):
+            if family.name in CORE_FAMILIES:
+                yield family
+
+
+def start_metrics_port(settings, runtime=None) -> object | None:
+    """Serve the metrics on ``metrics.port`` from a daemon thread (prometheus-client's),
+    the engine core's families included when ``runtime`` is given."""
     m = settings.metrics
     if not m.enabled or not m.port:
         return None
-    from prometheus_client import start_http_server
+    from prometheus_client import CollectorRegistry, start_http_server
 
-    server = start_http_server(m.port, addr=settings.server.host, registry=REGISTRY)
+    registry = REGISTRY
+    if runtime is not None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_WithCore(runtime))  # type: ignore[arg-type]
+    server = start_http_server(m.port, addr=settings.server.host, registry=registry)
     log.info("metrics on http://%s:%d/metrics", settings.server.host, m.port)
     return server

@@ -421,8 +421,14 @@ def main(run_dir: str, epoch: int) -> None:
     settings: Settings = pickle.loads((Path(run_dir) / "settings.pkl").read_bytes())
     from mlxd.observability.logs import setup_logging
 
-    blas.preload(settings.backend.blas)  # before anything imports MLX
+    info = blas.preload(settings.backend.blas)  # before anything imports MLX
     setup_logging(settings.log.level, settings.log.format)
+    from mlxd.dtype_policy import backend_name
+
+    backend = backend_name()
+    if backend == "cpu":
+        (log.info if info.loaded else log.warning)("BLAS: %s", info.describe())
+    log.info("MLX backend: %s", backend)
     # The parent decides when the core stops; Ctrl-C in a terminal reaches the whole process
     # group, and the front end's drain must not lose its core before it is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
