@@ -4,7 +4,6 @@ batch, is a load error naming the key instead of a setting silently dropped."""
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -62,16 +61,13 @@ def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(start_server, tm
     assert good.status_code == 200
 
 
-# uvicorn ends a failed start with sys.exit in its thread
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_engine_kv_bits_with_a_text_default_model_stops_the_start(tmp_path, tiny_llama,
-                                                                 caplog):
-    """engine.kv_bits applies to every model: a text default model cannot take it, and the
-    server refuses to start rather than serve it in full precision."""
-    srv = LiveServer(make_settings(tmp_path, tiny_llama, engine={"kv_bits": 4}))
-    try:
-        with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError):
-            srv.start()
-    finally:  # the failed start never ran the shutdown that ends the engine core
-        srv.runtime.supervisor.stop()
-    assert "engine.kv_bits is set, but 'tiny-llama' is a text model" in caplog.text
+def test_engine_kv_bits_refuses_a_text_model_and_says_where_it_was_set(tmp_path, tiny_llama):
+    """engine.kv_bits applies to every model: a text model cannot take it, and its load
+    fails (for the default model that is the start: the core's pinned loads stop it)."""
+    from mlxd.core.errors import ModelLoadError
+    from mlxd.engines.registry import create_engine
+
+    settings = make_settings(tmp_path, tiny_llama, engine={"kv_bits": 4})
+    with pytest.raises(ModelLoadError, match=r"engine\.kv_bits is set, but 'tiny-llama' is "
+                                             r"a text model"):
+        create_engine("chat", "tiny-llama", tiny_llama, settings)
