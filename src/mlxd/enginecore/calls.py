@@ -48,7 +48,7 @@ def loaded_view(entry: Any) -> dict[str, Any]:
     options = getattr(engine, "_settings", None)
     if isinstance(options, dict):
         view["options"] = {k: v for k, v in options.items()
-                           if k in ("kv_bits", "kv_group_size", "max_kv_size")}
+                           if k in ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")}
     return view
 
 
