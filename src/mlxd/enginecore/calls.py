@@ -45,10 +45,9 @@ def loaded_view(entry: Any) -> dict[str, Any]:
     view["cache_memory_bytes"] = engine.memory_bytes()
     adapter = getattr(engine, "adapter_path", None)
     view["adapter_path"] = str(adapter) if adapter else None
-    options = getattr(engine, "_settings", None)
-    if isinstance(options, dict):
-        view["options"] = {k: v for k, v in options.items()
-                           if k in ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")}
+    kv_options = getattr(engine, "kv_options", None)  # decode engines; encoders have none
+    if kv_options is not None:
+        view["options"] = kv_options()
     return view
 
 

@@ -97,6 +97,12 @@ class DecodeEngine:
         """Drop reusable caches (device thread); the bytes freed."""
         return 0
 
+    def kv_options(self) -> dict[str, Any]:
+        """The KV-cache options this engine runs with (for /health)."""
+        settings = getattr(self, "_settings", {})
+        return {k: v for k, v in settings.items()
+                if k in ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")}
+
     def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
                      grammar: Any = None, arm_after: tuple[int, ...] | None = None
                      ) -> Sequence:
