@@ -39,7 +39,6 @@ import zmq.asyncio
 
 from mlxd.config import Settings
 from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
-from mlxd.core.types import SamplingParams
 from mlxd.enginecore import protocol as p
 
 log = logging.getLogger(__name__)
@@ -244,7 +243,7 @@ class EngineCore:
             await self.models.check_headroom()
             lease = await self.models.acquire(m.model, m.keep_alive)
             engine = lease.engine
-            params = _sampling(m.sampling)
+            params = p.sampling_from_wire(m.sampling)
             if m.vision is not None or engine.kind == "vision":
                 prompt = await asyncio.to_thread(self._vision_prompt, engine, m)
             elif engine.kind != "chat":
@@ -402,14 +401,6 @@ def _freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
-
-
-def _sampling(s: p.Sampling) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        seed=s.seed, logit_bias=s.logit_bias, logprobs=s.logprobs, top_logprobs=s.top_logprobs)
 
 
 def main(run_dir: str, epoch: int) -> None:

@@ -42,6 +42,17 @@ class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     top_logprobs: int = 0
 
 
+def sampling_to_wire(params: Any) -> Sampling:
+    """core.types.SamplingParams -> the wire (its stop strings stay in the front end)."""
+    return Sampling(**{name: getattr(params, name) for name in Sampling.__struct_fields__})
+
+
+def sampling_from_wire(s: Sampling) -> Any:
+    from mlxd.core.types import SamplingParams
+
+    return SamplingParams(**msgspec.structs.asdict(s))
+
+
 class VisionInput(msgspec.Struct, array_like=True, gc=False):
     """A vision request as the core's vision adapter templates and processes it: the
     messages (images as ``{"type": "image"}`` parts) and the images' raw bytes in order."""

@@ -256,16 +256,10 @@ class Runtime:
         else:
             tokens, plan = await asyncio.to_thread(prompts.tokenize_and_prepare, proc, req)
             params = prompts.fit_to_context(self.settings, info, req, len(tokens))
-        sp = params
         add = p.Add(
             epoch=0, frontend=0, rid=new_rid(), model=name, keep_alive=req.keep_alive,
             prompt_tokens=tokens,
-            sampling=p.Sampling(
-                max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-                presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-                seed=sp.seed, logit_bias=sp.logit_bias, logprobs=sp.logprobs,
-                top_logprobs=sp.top_logprobs),
+            sampling=p.sampling_to_wire(params),
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
             vision=vision)
