@@ -11,6 +11,7 @@ the front ends (frontend/generation.py), off the device thread.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,7 +70,7 @@ class Sequence:
     extra: Any = field(default=None, repr=False)  # the family adapter's own state
 
 
-class DecodeEngine:
+class DecodeEngine(abc.ABC):
     """Shared bookkeeping of a decode engine; subclasses run their library's batch."""
 
     name: str
@@ -109,13 +110,13 @@ class DecodeEngine:
         return Sequence(prompt_tokens=prompt_tokens, params=params, grammar=grammar,
                         arm_after=arm_after)
 
+    @abc.abstractmethod
     def _sequences(self) -> list[Sequence]:
         """Every sequence the engine holds (waiting or running)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _reset(self) -> None:
         """Forget every sequence and start a clean batch (after a device fault)."""
-        raise NotImplementedError
 
     def fail_all(self, exc: Exception) -> list[tuple[Sequence, StepOutput]]:
         """After an exception inside a step: end every sequence, waiting ones included (a
