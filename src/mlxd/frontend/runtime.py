@@ -15,6 +15,7 @@ import asyncio
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -96,6 +97,9 @@ class Runtime:
         await self._warm_processors()
         gc.collect()
         gc.freeze()  # start-up objects out of the cyclic collector's walks (see enginecore)
+        # the event loop shares the GIL with ZeroMQ's reader: hand it over in 0.5 ms, not 5
+        # (measured with the engine core's same setting, docs/benchmarks.md)
+        sys.setswitchinterval(0.0005)
 
     async def _warm_processors(self) -> None:
         """Load the pinned models' tokenizers and render their chat templates once (jinja
