@@ -1,0 +1,216 @@
+"""Rate limits shared through a real redis-server: two live mlxd servers enforce one limit,
+atomically, in the caller's dialect; an unreachable Redis follows
+``security.rate_limit_store_failure`` (open: local limits + metric; closed: 503)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import LiveServer, free_port, make_settings
+
+BOB, CAROL, DAVE, ERIN = ("sk-bob-redis-0123", "sk-carol-redis-0123", "sk-dave-redis-0123",
+                          "sk-erin-redis-0123")
+KEYS = [
+    {"key": BOB, "name": "bob", "requests_per_minute": 3},
+    {"key": CAROL, "name": "carol", "tokens_per_minute": 30},
+    {"key": DAVE, "name": "dave", "requests_per_minute": 10},
+    {"key": ERIN, "name": "erin"},  # no limit
+]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None and not os.environ.get("CI"),
+    reason="redis-server missing (.ci/run installs Debian's redis-server; on CI its absence "
+           "fails these tests)")
+
+
+class RedisServer:
+    """A private redis-server on a free port, no persistence, in a temp dir."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.dir), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.time() + 15
+        while True:
+            try:
+                client.ping()
+                return self
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+def _replica(home: Path, model: Path, **security) -> LiveServer:
+    settings = make_settings(home, model, security={"api_keys": KEYS, **security})
+    return LiveServer(settings).start()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, tiny_llama, redis_server):
+    home = tmp_path_factory.mktemp("replicas")
+    a = _replica(home, tiny_llama, rate_limit_store=redis_server.url)
+    b = _replica(home, tiny_llama, rate_limit_store=redis_server.url)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_two_servers_share_one_request_limit(replicas, redis_server):
+    a, b = replicas
+    assert [httpx.get(s.url + "/v1/models", headers=_auth(BOB)).status_code
+            for s in (a, b, a)] == [200, 200, 200]
+    r = httpx.get(b.url + "/v1/models", headers=_auth(BOB))  # B never saw 3 requests itself
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 1
+    err = r.json()["error"]
+    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    assert "requests per minute" in err["message"] and "'bob'" in err["message"]
+    r = httpx.get(a.url + "/api/tags", headers=_auth(BOB))  # Ollama's dialect
+    assert r.status_code == 429 and isinstance(r.json()["error"], str)
+    assert r.headers["retry-after"]
+    r = httpx.post(a.url + "/v1/messages", headers=_auth(BOB),  # Anthropic's
+                   json={"model": "tiny-llama", "max_tokens": 2,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    # other keys and /health are not affected
+    assert httpx.get(b.url + "/v1/models", headers=_auth(ERIN)).status_code == 200
+    assert httpx.get(b.url + "/health").status_code == 200
+    # the buckets in Redis: named by digest (never the key), with a TTL (idle keys vanish)
+    rc = redis_server.client()
+    names = [k.decode() for k in rc.keys("mlxd:ratelimit:*")]
+    assert names and all(BOB not in n and "bob" not in n for n in names)
+    assert all(0 < rc.pttl(n) <= 61_000 for n in names)
+
+
+def test_the_shared_check_is_atomic_under_concurrency(replicas):
+    """30 requests at once, split over both servers, for a key allowed 10 a minute: exactly
+    10 pass (11 if a refill lands during the burst), not 10 per server."""
+    a, b = replicas
+
+    def one(i: int) -> int:
+        srv = (a, b)[i % 2]
+        return httpx.get(srv.url + "/v1/models", headers=_auth(DAVE), timeout=30).status_code
+
+    with ThreadPoolExecutor(12) as pool:
+        codes = list(pool.map(one, range(30)))
+    assert set(codes) == {200, 429}
+    assert 10 <= codes.count(200) <= 11, codes
+
+
+def test_tokens_used_on_one_server_hold_back_the_other(replicas):
+    a, b = replicas
+    r = httpx.post(a.url + "/v1/completions", headers=_auth(CAROL), timeout=60,
+                   json={"model": "tiny-llama", "prompt": "hello there", "max_tokens": 40})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] > 30
+    r = httpx.post(b.url + "/v1/completions", headers=_auth(CAROL), timeout=60,
+                   json={"model": "tiny-llama", "prompt": "again", "max_tokens": 2})
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) >= 2  # >10 tokens over at 0.5 token/s
+    assert "tokens per minute" in r.json()["error"]["message"]
+
+
+def _errors_metric(srv: LiveServer, policy: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics").text
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "mlxd:rate_limit_store_errors":
+            for s in fam.samples:
+                if s.name.endswith("_total") and s.labels.get("policy") == policy:
+                    return s.value
+    return 0.0
+
+
+def test_unreachable_redis_fails_open_to_local_limits(tmp_path, tiny_llama, caplog):
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with caplog.at_level(logging.WARNING, logger="mlxd.api.ratelimit"):
+        srv = _replica(tmp_path, tiny_llama, rate_limit_store=dead)
+        try:
+            before = _errors_metric(srv, "open")
+            codes = [httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code
+                     for _ in range(4)]
+            # served, and still limited: by this process's own buckets
+            assert codes == [200, 200, 200, 429]
+            assert _errors_metric(srv, "open") >= before + 1
+        finally:
+            srv.stop()
+    msgs = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(msgs) == 1 and "security.rate_limit_store_failure=open" in msgs[0]
+
+
+def test_fail_closed_gives_503_until_redis_is_back(tmp_path, tiny_llama):
+    redis = RedisServer(tmp_path).start()
+    srv = _replica(tmp_path, tiny_llama, rate_limit_store=redis.url,
+                   rate_limit_store_failure="closed")
+    try:
+        assert httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code == 200
+        redis.stop()
+        r = httpx.get(srv.url + "/v1/models", headers=_auth(BOB))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "rate_limit_store_unavailable"
+        r = httpx.get(srv.url + "/api/tags", headers=_auth(BOB))
+        assert r.status_code == 503 and "rate-limit store" in r.json()["error"]
+        # a key without limits needs no store; /health tells nothing false
+        assert httpx.get(srv.url + "/v1/models", headers=_auth(ERIN)).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert _errors_metric(srv, "closed") >= 2
+        redis.start()  # same port: after the back-off the shared limit is back
+        deadline = time.time() + 10
+        while True:
+            code = httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code
+            if code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.3)
+        assert code == 200
+        assert redis.client().keys("mlxd:ratelimit:*")
+    finally:
+        srv.stop()
+        redis.stop()
+
+
+def test_store_setting_is_validated(tmp_path):
+    from mlxd.config import Settings
+
+    with pytest.raises(ValueError, match="Redis URL"):
+        Settings(security={"rate_limit_store": "memcached://x:11211"})
+    assert Settings(security={"rate_limit_store": "rediss://h:6380/1"}
+                    ).security.rate_limit_store == "rediss://h:6380/1"
