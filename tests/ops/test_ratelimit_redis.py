@@ -214,3 +214,37 @@ def test_store_setting_is_validated(tmp_path):
         Settings(security={"rate_limit_store": "memcached://x:11211"})
     assert Settings(security={"rate_limit_store": "rediss://h:6380/1"}
                     ).security.rate_limit_store == "rediss://h:6380/1"
+
+
+def test_lua_buckets_refill_expire_and_go_negative(redis_server):
+    """The script's arithmetic, against the real Redis: the same as the in-memory buckets."""
+    import asyncio
+
+    from mlxd.api.ratelimit import MemoryLimits, RedisLimits
+
+    async def run() -> None:
+        store = RedisLimits(redis_server.url, "closed", 1.0)
+        mem = MemoryLimits()
+        try:
+            for lim in (store, mem):
+                # 120 a minute: 120 at once, then one more every half second
+                assert [await lim.admit(f"refill-{id(lim)}", 120, None)
+                        for _ in range(120)] == [(0.0, "")] * 120
+                wait, which = await lim.admit(f"refill-{id(lim)}", 120, None)
+                assert which == "requests per minute" and 0 < wait <= 0.5
+                await asyncio.sleep(wait + 0.05)
+                assert await lim.admit(f"refill-{id(lim)}", 120, None) == (0.0, "")
+                # post-paid tokens: 100 a minute, 160 used -> 60 below zero, 36s to wait
+                assert await lim.admit(f"tok-{id(lim)}", None, 100) == (0.0, "")
+                await lim.charge(f"tok-{id(lim)}", None, 100, 160)
+                wait, which = await lim.admit(f"tok-{id(lim)}", None, 100)
+                assert which == "tokens per minute" and 33 < wait <= 36.0
+            rc = redis_server.client()
+            key = f"mlxd:ratelimit:{{tok-{id(store)}}}:tokens"
+            # the key lives until the bucket would be full again: 160 tokens at 100/min
+            assert 94_000 < rc.pttl(key) <= 97_000
+            assert float(rc.hget(key, "level")) == pytest.approx(-60, abs=0.1)
+        finally:
+            await store.aclose()
+
+    asyncio.run(run())
