@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,6 +148,43 @@ def test_tokens_used_on_one_server_hold_back_the_other(replicas):
     assert r.status_code == 429
     assert int(r.headers["retry-after"]) >= 2  # >10 tokens over at 0.5 token/s
     assert "tokens per minute" in r.json()["error"]["message"]
+
+
+def test_api_workers_front_ends_share_one_limit(tmp_path, tiny_llama, redis_server):
+    """`mlxd serve --api-workers 2` with no keys and an anonymous limit of 4 a minute: the two
+    front-end processes each have their own store client but one set of buckets, so 4 of 12
+    requests pass (in memory each front end would allow 4)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
+               MLXD_SECURITY__ANONYMOUS_REQUESTS_PER_MINUTE="4",
+               MLXD_SECURITY__RATE_LIMIT_STORE=redis_server.url.replace("/0", "/1"))
+    p = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
+                          "--port", str(port), "--api-workers", "2"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    try:
+        frontends: set[int] = set()
+        deadline = time.time() + 120
+        while len(frontends) < 2 and time.time() < deadline:
+            assert p.poll() is None, "mlxd serve exited"
+            try:
+                with httpx.Client(timeout=10) as c:  # a new connection: any worker
+                    h = c.get(url + "/health")
+                if h.status_code == 200:
+                    frontends.add(h.json()["frontend_pid"])
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        assert len(frontends) == 2
+        codes = []
+        for _ in range(12):
+            with httpx.Client(timeout=30) as c:
+                codes.append(c.get(url + "/v1/models").status_code)
+        assert codes.count(200) == 4 and codes.count(429) == 8, codes
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
 
 
 def _errors_metric(srv: LiveServer, policy: str) -> float:
