@@ -502,8 +502,11 @@ class SecuritySettings(_Section):
         ),
     )
     rate_limit_store_timeout_s: float = Field(
-        0.25, gt=0, le=10,
-        description="How long a rate-limit check waits for Redis before the failure policy.",
+        1.0, gt=0, le=10,
+        description=(
+            "How long a rate-limit check waits for Redis (connect, and each reply) before "
+            "the failure policy applies."
+        ),
     )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."

@@ -289,6 +289,9 @@ def test_dockerfile_serves_what_the_manifests_expect():
     assert 'ENTRYPOINT ["tini", "--", "mlxd"]' in text
     assert re.search(r"pip install .*\.\[\$\{EXTRAS\}\]", text)
     assert "ARG EXTRAS=cpu,redis" in text
+    # the build context is the repository root: its ignore file lets through what is copied
+    ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().split()
+    assert "*" in ignore and {"!pyproject.toml", "!README.md", "!src/"} <= set(ignore)
     user = re.search(r"^USER (\d+)$", text, re.M).group(1)
     pod = _find("Deployment", "mlxd")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == int(user)

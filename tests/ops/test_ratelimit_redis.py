@@ -85,8 +85,11 @@ def _replica(home: Path, model: Path, **security) -> LiveServer:
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, tiny_llama, redis_server):
     home = tmp_path_factory.mktemp("replicas")
-    a = _replica(home, tiny_llama, rate_limit_store=redis_server.url)
-    b = _replica(home, tiny_llama, rate_limit_store=redis_server.url)
+    # a generous timeout: a loaded test machine must not look like a Redis outage here
+    a = _replica(home, tiny_llama, rate_limit_store=redis_server.url,
+                 rate_limit_store_timeout_s=5)
+    b = _replica(home, tiny_llama, rate_limit_store=redis_server.url,
+                 rate_limit_store_timeout_s=5)
     yield a, b
     a.stop()
     b.stop()
@@ -132,8 +135,10 @@ def test_the_shared_check_is_atomic_under_concurrency(replicas):
         srv = (a, b)[i % 2]
         return httpx.get(srv.url + "/v1/models", headers=_auth(DAVE), timeout=30).status_code
 
+    fallbacks = _errors_metric(a, "open")  # one registry: both servers run in this process
     with ThreadPoolExecutor(12) as pool:
         codes = list(pool.map(one, range(30)))
+    assert _errors_metric(a, "open") == fallbacks, "a check fell back to local buckets"
     assert set(codes) == {200, 429}
     assert 10 <= codes.count(200) <= 11, codes
 
@@ -200,7 +205,7 @@ def _errors_metric(srv: LiveServer, policy: str) -> float:
 
 
 def test_unreachable_redis_fails_open_to_local_limits(tmp_path, tiny_llama, caplog):
-    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    dead = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"  # nothing listens there
     with caplog.at_level(logging.WARNING, logger="mlxd.api.ratelimit"):
         srv = _replica(tmp_path, tiny_llama, rate_limit_store=dead)
         try:
@@ -214,6 +219,7 @@ def test_unreachable_redis_fails_open_to_local_limits(tmp_path, tiny_llama, capl
             srv.stop()
     msgs = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(msgs) == 1 and "security.rate_limit_store_failure=open" in msgs[0]
+    assert "s3cret-pw" not in msgs[0] and ":***@127.0.0.1" in msgs[0]  # no password in logs
 
 
 def test_fail_closed_gives_503_until_redis_is_back(tmp_path, tiny_llama):
