@@ -15,9 +15,10 @@ Redis (``security.rate_limit_store: redis://...``)
     script, so a check-and-take is atomic however many front ends call at once. The clock
     is Redis's own (``TIME``): replicas with skewed clocks still refill one bucket alike.
     A key expires when its bucket would be full again (a missing bucket *is* a full one),
-    so idle callers leave nothing behind. The two buckets of one caller share a hash tag
-    (``{id}``) and so a Redis Cluster slot. Callers are named by the SHA-256 of their API
-    key (never the key), or ``anonymous``.
+    so idle callers leave nothing behind. Callers are named by a hash of their API key
+    (never the key), or ``anonymous``. mlxd speaks to one Redis (``redis://``,
+    ``rediss://`` for TLS, ``unix://``); the two buckets of a caller share a hash tag
+    (``{id}``), one slot, so a cluster-aware proxy can run the script on a Redis Cluster.
 
     When Redis cannot be reached (``security.rate_limit_store_failure``):
 

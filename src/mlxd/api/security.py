@@ -245,9 +245,11 @@ class SecurityMiddleware:
         tpm = entry.tokens_per_minute or sec.default_tokens_per_minute
         if not rpm and not tpm:
             return None
-        # the caller's id in the store: the key's digest, never the key (nor its name,
-        # which two configurations may give different keys)
-        return Quota(entry.digest.hex(), rpm, tpm)
+        # the caller's id in a store that other programs may read: a hash of the key's
+        # digest under a label of its own (never the key, nor the digest compared at the
+        # door; nor the key's name, which two configurations may give to different keys)
+        caller = hashlib.sha256(b"mlxd-ratelimit:" + entry.digest).hexdigest()[:32]
+        return Quota(caller, rpm, tpm)
 
     @staticmethod
     def _credential(scope: Scope) -> str | None:
