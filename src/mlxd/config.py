@@ -445,6 +445,9 @@ def parse_key_item(item: Any) -> Any:
     return {"key": item}
 
 
+RATE_LIMIT_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 class SecuritySettings(_Section):
     """API keys, rate limits and request limits."""
 
@@ -480,6 +483,31 @@ class SecuritySettings(_Section):
         ge=1,
         description="With no keys configured: one token limit shared by all callers.",
     )
+    rate_limit_store: str = Field(
+        "memory",
+        description=(
+            "Where the rate-limit buckets live: 'memory' (this process; each replica and "
+            "each --api-workers front end limits on its own) or a Redis URL "
+            "(redis://[:password@]host:6379/0, rediss://..., unix:///path.sock) shared by "
+            "every replica, so that they enforce one limit together (needs mlxd[redis])."
+        ),
+        examples=["redis://redis:6379/0"],
+    )
+    rate_limit_store_failure: Literal["open", "closed"] = Field(
+        "open",
+        description=(
+            "When the Redis store cannot be reached: 'open' limits with this process's own "
+            "buckets meanwhile (a warning is logged and mlxd:rate_limit_store_errors "
+            "counts); 'closed' refuses limited requests with 503."
+        ),
+    )
+    rate_limit_store_timeout_s: float = Field(
+        1.0, gt=0, le=10,
+        description=(
+            "How long a rate-limit check waits for Redis (connect, and each reply) before "
+            "the failure policy applies."
+        ),
+    )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body; larger gets 413."
     )
@@ -504,6 +532,14 @@ class SecuritySettings(_Section):
         description="Browser origins allowed by CORS ('*' for any); empty: CORS off.",
         examples=[["http://localhost:3000"]],
     )
+
+    @field_validator("rate_limit_store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        v = v.strip()
+        if v != "memory" and not v.startswith(RATE_LIMIT_STORE_SCHEMES):
+            raise ValueError("'memory' or a Redis URL (redis://, rediss:// or unix://)")
+        return v
 
     @field_validator("api_keys", mode="before")
     @classmethod

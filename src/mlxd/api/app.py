@@ -28,6 +28,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
             yield
         finally:
             await rt.stop()
+            await app.state.rate_limits.aclose()
 
     app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan)
     app.state.runtime = rt

@@ -155,13 +155,17 @@ RequestIdMiddleware = AccessMiddleware  # the name this class had before it did 
 
 def install_middleware(app: Any, settings: Any) -> Lifecycle:
     """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
+    from mlxd.api.ratelimit import make_limits
     from mlxd.api.security import KeyRing, SecurityMiddleware
 
     lifecycle = Lifecycle()
     app.state.lifecycle = lifecycle
     keys = KeyRing(settings)  # now, so that a missing key file fails the start
     SecurityMiddleware.warn_if_open(settings, keys)
-    app.add_middleware(SecurityMiddleware, settings=settings, keys=keys)
+    # now too: a Redis store without its client fails the start; closed in the lifespan
+    app.state.rate_limits = make_limits(settings.security)
+    app.add_middleware(SecurityMiddleware, settings=settings, keys=keys,
+                       limits=app.state.rate_limits)
     origins = settings.security.cors_origins
     if origins:
         from starlette.middleware.cors import CORSMiddleware

@@ -31,6 +31,10 @@ Rate limits (token buckets, refilled continuously)
     Keys without their own limits use ``security.default_*_per_minute``. With no keys at all,
     ``security.anonymous_*_per_minute`` is one bucket shared by every caller.
 
+    The buckets live in this process or, with ``security.rate_limit_store: redis://...``,
+    in a Redis that every replica shares (api/ratelimit.py, also for what happens when
+    Redis is down).
+
 Body limit
     ``security.max_body_bytes``: a larger ``Content-Length`` is refused at once, and a body
     without one (chunked) is counted as it arrives; either way 413 before any handler runs.
@@ -51,11 +55,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.api.errors import anthropic_error, is_anthropic_path, ollama_error, openai_error
+from mlxd.api.ratelimit import RateLimits, StoreUnavailable, make_limits
 from mlxd.config import ConfigError, Settings, parse_key_item
 
 log = logging.getLogger(__name__)
@@ -158,61 +164,6 @@ class KeyRing:
 
 
 # --------------------------------------------------------------------------------------- #
-# Rate limits
-# --------------------------------------------------------------------------------------- #
-
-
-class TokenBucket:
-    """``per_minute`` capacity, refilled continuously at per_minute/60 per second."""
-
-    def __init__(self, per_minute: int) -> None:
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = float(per_minute)
-        self._t = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.level = min(self.capacity, self.level + (now - self._t) * self.rate)
-        self._t = now
-
-    def wait_for(self, need: float) -> float:
-        """Seconds until the bucket holds at least ``need`` (0: now)."""
-        self._refill()
-        return 0.0 if self.level >= need else (need - self.level) / self.rate
-
-    def take(self, n: float) -> None:
-        self._refill()
-        self.level -= n
-
-
-class Limiter:
-    """A key's request bucket and post-paid token bucket (either may be absent)."""
-
-    def __init__(self, rpm: int | None, tpm: int | None) -> None:
-        self.requests = TokenBucket(rpm) if rpm else None
-        self.tokens = TokenBucket(tpm) if tpm else None
-
-    def admit(self) -> tuple[float, str]:
-        """(0, '') when admitted (one request taken), else (seconds to wait, which limit)."""
-        if self.tokens is not None:
-            # post-paid: any positive balance admits; 1e-6 so "exactly 0" waits a little
-            wait = self.tokens.wait_for(1e-6)
-            if wait > 0:
-                return wait, "tokens per minute"
-        if self.requests is not None:
-            wait = self.requests.wait_for(1.0)
-            if wait > 0:
-                return wait, "requests per minute"
-            self.requests.take(1.0)
-        return 0.0, ""
-
-    def charge(self, tokens: int) -> None:
-        if self.tokens is not None and tokens > 0:
-            self.tokens.take(tokens)
-
-
-# --------------------------------------------------------------------------------------- #
 # The middleware
 # --------------------------------------------------------------------------------------- #
 
@@ -239,6 +190,14 @@ async def reject(scope: Scope, receive: Receive, send: Send, status: int, messag
     await resp(scope, receive, send)
 
 
+class Quota(NamedTuple):
+    """One caller's limits, as the rate-limit store takes them."""
+
+    caller: str
+    rpm: int | None
+    tpm: int | None
+
+
 class _BodyTooLarge(HTTPException):
     """Raised from ``receive`` while a handler reads a body without Content-Length.
 
@@ -254,20 +213,21 @@ def _too_large_message(limit: int) -> str:
 
 
 class SecurityMiddleware:
-    def __init__(self, app: ASGIApp, settings: Settings, keys: KeyRing | None = None) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, keys: KeyRing | None = None,
+                 limits: RateLimits | None = None) -> None:
         self.app = app
         self.settings = settings
         sec = settings.security
         self.keys = keys if keys is not None else KeyRing(settings)
+        self.limits = limits if limits is not None else make_limits(sec)
         self.public = set(ALWAYS_PUBLIC)
         if not settings.metrics.require_key:
             self.public.add("/metrics")
         self.max_body = sec.max_body_bytes
-        self._limiters: dict[bytes, Limiter] = {}  # by key, after it matched
-        self._anonymous: Limiter | None = None
+        self._anonymous: Quota | None = None
         if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
-            self._anonymous = Limiter(sec.anonymous_requests_per_minute,
-                                      sec.anonymous_tokens_per_minute)
+            self._anonymous = Quota("anonymous", sec.anonymous_requests_per_minute,
+                                    sec.anonymous_tokens_per_minute)
 
     @staticmethod
     def warn_if_open(settings: Settings, keys: KeyRing) -> bool:
@@ -279,16 +239,17 @@ class SecurityMiddleware:
             "127.0.0.1. !!!", settings.server.host)
         return True
 
-    def _limiter(self, entry: KeyEntry) -> Limiter | None:
-        lim = self._limiters.get(entry.digest)
-        if lim is None:
-            sec = self.settings.security
-            rpm = entry.requests_per_minute or sec.default_requests_per_minute
-            tpm = entry.tokens_per_minute or sec.default_tokens_per_minute
-            if not rpm and not tpm:
-                return None
-            lim = self._limiters[entry.digest] = Limiter(rpm, tpm)
-        return lim
+    def _quota(self, entry: KeyEntry) -> Quota | None:
+        sec = self.settings.security
+        rpm = entry.requests_per_minute or sec.default_requests_per_minute
+        tpm = entry.tokens_per_minute or sec.default_tokens_per_minute
+        if not rpm and not tpm:
+            return None
+        # the caller's id in a store that other programs may read: a hash of the key's
+        # digest under a label of its own (never the key, nor the digest compared at the
+        # door; nor the key's name, which two configurations may give to different keys)
+        caller = hashlib.sha256(b"mlxd-ratelimit:" + entry.digest).hexdigest()[:32]
+        return Quota(caller, rpm, tpm)
 
     @staticmethod
     def _credential(scope: Scope) -> str | None:
@@ -308,7 +269,7 @@ class SecurityMiddleware:
             return
         path = scope["path"]
         state = scope.setdefault("state", {})
-        limiter: Limiter | None = None
+        quota: Quota | None = None
         if path in self.public and self.keys.enabled:
             cred = self._credential(scope)
             entry = self.keys.match(cred) if cred else None
@@ -327,11 +288,18 @@ class SecurityMiddleware:
                                  headers={"WWW-Authenticate": "Bearer"})
                     return
                 state["key_name"] = entry.name
-                limiter = self._limiter(entry)
+                quota = self._quota(entry)
             else:
-                limiter = self._anonymous
-            if limiter is not None:
-                wait, which = limiter.admit()
+                quota = self._anonymous
+            if quota is not None:
+                try:
+                    wait, which = await self.limits.admit(*quota)
+                except StoreUnavailable:
+                    await reject(scope, receive, send, 503,
+                                 "the rate-limit store is unreachable; retry shortly",
+                                 code="rate_limit_store_unavailable", type_="server_error",
+                                 headers={"Retry-After": "1"})
+                    return
                 if wait > 0:
                     secs = max(1, math.ceil(wait))
                     who = f"key '{state['key_name']}'" if "key_name" in state else "this server"
@@ -379,8 +347,9 @@ class SecurityMiddleware:
                 raise
             await self._too_large(scope, receive, send)
         finally:
-            if limiter is not None:
-                limiter.charge(state.get("prompt_tokens", 0) + state.get("completion_tokens", 0))
+            if quota is not None and quota.tpm:
+                used = state.get("prompt_tokens", 0) + state.get("completion_tokens", 0)
+                await self.limits.charge(*quota, used)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         await reject(scope, receive, send, 413, _too_large_message(self.max_body),

@@ -122,6 +122,11 @@ http_request_duration = Histogram("mlxd:http_request_duration_seconds",
                                   "HTTP request latency by route.", ["method", "route"],
                                   buckets=_LATENCY, registry=REGISTRY)
 
+rate_limit_store_errors = Counter(
+    "mlxd:rate_limit_store_errors",
+    "Rate-limit checks the shared store (Redis) could not answer, by failure policy.",
+    ["policy"], registry=REGISTRY)
+
 # -- operations ------------------------------------------------------------------------------
 worker_restarts_total = Counter("mlxd:worker_restarts",
                                 "Times the device worker died and was restarted.",
