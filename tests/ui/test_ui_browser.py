@@ -198,7 +198,8 @@ def test_chat_streams_tokens_into_the_page(page, served):
     page.fill("input[name=temperature]", "0")
     # the reply's text, every time it changes: streaming shows it growing
     page.evaluate("""() => { window.__seen = [];
-        new MutationObserver(() => { const r = document.querySelector('[data-testid=reply] .content');
+        new MutationObserver(() => {
+          const r = document.querySelector('[data-testid=reply] .content');
           if (r) window.__seen.push(r.textContent); })
         .observe(document.querySelector('[data-testid=messages]'),
                  {subtree: true, childList: true, characterData: true}); }""")
@@ -330,8 +331,9 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     assert "/v1/chat/completions" in text and "tiny-llama" in text and "ui-tester" in text
     assert "/ui/api/" not in text  # the page's own polling is left out
     page.select_option("select[name=status]", "4xx")
-    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=requests] tr[data-rid]')]"
-                           ".every(r => r.innerText.includes('\\t4'))")
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('[data-testid=requests] tr[data-rid]')]"
+        ".every(r => r.innerText.includes('\\t4'))")
     page.select_option("select[name=status]", "all")
     page.fill("input[name=filter]", VLM)
     page.wait_for_function("() => document.querySelectorAll('[data-testid=requests] tr[data-rid]')"
