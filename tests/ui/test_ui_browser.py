@@ -331,9 +331,10 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     assert "/v1/chat/completions" in text and "tiny-llama" in text and "ui-tester" in text
     assert "/ui/api/" not in text  # the page's own polling is left out
     page.select_option("select[name=status]", "4xx")
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('[data-testid=requests] tr[data-rid]')]"
-        ".every(r => r.innerText.includes('\\t4'))")
+    page.wait_for_function(  # the status column (the first number) of every row shown
+        "() => { const rows = [...document.querySelectorAll("
+        "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
+        "rows.every(r => r.querySelector('td.num').innerText.startsWith('4')); }")
     page.select_option("select[name=status]", "all")
     page.fill("input[name=filter]", VLM)
     page.wait_for_function("() => document.querySelectorAll('[data-testid=requests] tr[data-rid]')"

@@ -313,7 +313,8 @@ class SecurityMiddleware:
         path = scope["path"]
         state = scope.setdefault("state", {})
         limiter: Limiter | None = None
-        public = path in self.public or (self.ui_public and is_public_ui_path(path))
+        public = path in self.public or (self.ui_public and scope["method"] in ("GET", "HEAD")
+                                         and is_public_ui_path(path))
         if public and self.keys.enabled:
             cred = self._credential(scope)
             entry = self.keys.match(cred) if cred else None
