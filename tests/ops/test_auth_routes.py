@@ -47,7 +47,7 @@ def _public(require_key: bool) -> dict[tuple[str, str], int]:
         out |= {("GET", "/metrics"): 200, ("HEAD", "/metrics"): 200}
     for m in ("GET", "HEAD"):  # the web UI: the page, and a file it does not have
         out |= {(m, "/"): 200, (m, "/ui/"): 200, (m, "/ui"): 307,
-                (m, "/ui/static/anything"): 404}
+                (m, "/ui/static/{path:path}"): 404}
     return out
 
 

@@ -42,6 +42,9 @@ if CHROMIUM is None and not os.environ.get("CI"):
 KEY = "ui-secret-key"
 HUB_REPO = "acme/tiny-chat"
 VLM = "tiny-qwen2-vl"
+EMBED = "tiny-embed"
+RERANK = "tiny-ce"
+SLOW = "long-llama"
 
 
 def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -77,17 +80,24 @@ def hub(tmp_path_factory) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_llama, hub) -> Iterator[Served]:
+def served(tmp_path_factory, tiny_llama, long_llama, hub) -> Iterator[Served]:
     pytest.importorskip("mlx_vlm")
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
     base = tmp_path_factory.mktemp("ui")
+    from fixtures.tiny_encoders import make_tiny_bert_embedder, make_tiny_cross_encoder
+
     from mlxd.config import ModelSettings
     from mlxd.store.local import ModelStore
     from mlxd.store.pull import pull
 
-    models = base / "home" / "models"  # the vision model in the store, as `mlxd pull DIR`
-    pull(ModelStore(models), str(make_tiny_qwen2_vl(base / VLM)), ModelSettings(dir=models))
+    models = base / "home" / "models"  # into the store, as `mlxd pull DIR` puts them
+    for name, make in ((VLM, make_tiny_qwen2_vl), (EMBED, make_tiny_bert_embedder),
+                       (RERANK, make_tiny_cross_encoder)):
+        pull(ModelStore(models), str(make(base / name)), ModelSettings(dir=models),
+             as_name=name)
+    # a slower model: its tokens come over a second or more, so the page shows them arrive
+    pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
     port = free_port()
     env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
                HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
@@ -193,7 +203,7 @@ def test_overview_loads_without_console_errors(page, served):
 
 def test_chat_streams_tokens_into_the_page(page, served):
     page.goto(served.url + "/#playground")
-    page.select_option("select[name=model]", "tiny-llama")
+    page.select_option("select[name=model]", SLOW)
     page.fill("input[name=max_tokens]", "120")
     page.fill("input[name=temperature]", "0")
     # the reply's text, every time it changes: streaming shows it growing
@@ -214,7 +224,7 @@ def test_chat_streams_tokens_into_the_page(page, served):
     stats = page.inner_text("[data-testid=reply-stats]")
     assert "+ 120 completion tokens" in stats and "tok/s" in stats, stats
     seen = [s for s in page.evaluate("window.__seen") if s]
-    assert len(set(seen)) >= 3, seen  # the text arrived in pieces
+    assert len(set(seen)) >= 5, seen  # the text arrived in pieces
     final = page.inner_text("[data-testid=reply] .content")
     assert all(final.startswith(s) for s in seen)
     shot(page, "playground")
@@ -226,7 +236,7 @@ def test_copy_as_snippets(page, served):
     snippet = page.locator("[data-testid=snippet] pre")
     page.click("button:text-is('curl')")
     expect(snippet).to_contain_text("/v1/chat/completions")
-    assert "$MLXD_API_KEY" in snippet.inner_text() and "tiny-llama" in snippet.inner_text()
+    assert "$MLXD_API_KEY" in snippet.inner_text() and SLOW in snippet.inner_text()
     page.click("button:text-is('Python')")
     expect(snippet).to_contain_text("from openai import OpenAI")
     assert "max_tokens=120" in snippet.inner_text()
@@ -329,7 +339,8 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     rows = table.locator("tr[data-rid]")
     text = table.inner_text()
     assert "/v1/chat/completions" in text and "tiny-llama" in text and "ui-tester" in text
-    assert "/ui/api/" not in text  # the page's own polling is left out
+    # the page itself, its files and its own polling are left out
+    assert "/ui/" not in text and "unmatched" not in text
     page.select_option("select[name=status]", "4xx")
     page.wait_for_function(  # the status column (the first number) of every row shown
         "() => { const rows = [...document.querySelectorAll("
@@ -348,4 +359,34 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     assert f"rid={rid}" in line and "key=ui-tester" in line
     assert page.url.endswith(f"#requests/{rid}")
     shot(page, "requests")
+    assert page.errors == []
+
+
+def test_embeddings_similarity_matrix_and_rerank(page, served):
+    page.goto(served.url + "/#playground")
+    page.click("[data-tab=embed]")
+    page.select_option("select[name=embed-model]", EMBED)
+    page.fill("textarea[name=sentences]", "a cat\na kitten\nthe stock market")
+    page.click("button[name=run-embed]")
+    page.locator("[data-testid=similarity], .card .err").first.wait_for()
+    assert page.locator(".card .err").count() == 0, page.inner_text(".card .err")
+    matrix = page.locator("[data-testid=similarity]")
+    cells = [[float(td.inner_text()) for td in row.locator("td").all()]
+             for row in matrix.locator("tr").all()[1:]]
+    assert len(cells) == 3 and all(len(r) == 3 for r in cells)
+    assert all(abs(cells[i][i] - 1) < 1e-3 for i in range(3))  # cosine of itself
+    assert all(abs(cells[i][j] - cells[j][i]) < 1e-3 for i in range(3) for j in range(3))
+    page.click("[data-tab=rerank]")
+    page.select_option("select[name=rerank-model]", RERANK)
+    page.click("button[name=run-rerank]")
+    page.locator("[data-testid=rerank], .card .err").first.wait_for()
+    assert page.locator(".card .err").count() == 0, page.inner_text(".card .err")
+    table = page.locator("[data-testid=rerank]")
+    scores = [float(r.locator("td").first.inner_text()) for r in table.locator("tr").all()[1:]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    shot(page, "rerank")
+    page.click("[data-tab=embed]")
+    page.click("button[name=run-embed]")
+    matrix.wait_for()
+    shot(page, "embeddings")
     assert page.errors == []

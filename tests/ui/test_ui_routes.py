@@ -57,7 +57,7 @@ def test_the_data_needs_the_key(srv):
 
 def test_overview(srv):
     o = httpx.get(srv.url + "/ui/api/overview", headers=auth()).json()
-    assert o["version"] and o["backend"] == "cpu" and o["blas"]
+    assert o["version"] and o["backend"] == "cpu" and o["blas"] not in ("", "unknown")
     assert o["health"]["status"] == "ok" and o["health"]["memory"]["budget_bytes"] > 0
     assert [m["name"] for m in o["health"]["models"]] == ["tiny-llama"]
     assert o["key_name"] == "route-tester"

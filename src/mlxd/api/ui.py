@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from mlxd import __version__, blas
+from mlxd import __version__
 from mlxd.api.common import runtime
 from mlxd.observability.history import StatsSampler
 from mlxd.ui import STATIC_DIR, is_ui_route
 
 router = APIRouter(include_in_schema=False)
+# Starlette's file serving (safe paths, ETag, conditional GET) behind a route rather than a
+# mount: a route has a template, which the metrics and the access history label it by
+_files = StaticFiles(directory=STATIC_DIR)
 
 # The page loads nothing from elsewhere: a CDN or an injected script would be refused.
 _CSP = ("default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
@@ -47,18 +50,22 @@ async def ui_page() -> FileResponse:
     return _page()
 
 
+@router.get("/ui/static/{path:path}")
+async def static_file(path: str, request: Request) -> Response:
+    return await _files.get_response(path, request.scope)
+
+
 @router.get("/ui/api/overview")
 async def overview(request: Request) -> dict[str, Any]:
     """What the overview shows that /health does not: version, backend, BLAS, the store."""
     rt = runtime(request)
-    info = blas.current()
     store = [{"name": m["name"], "kind": m.get("kind", "chat"), "size": m.get("size") or 0,
               "source": m.get("source", ""), "format": m.get("format", "mlx"),
               "created": m.get("created")} for m in rt.models.installed()]
     return {
         "version": __version__,
         "backend": rt.backend,
-        "blas": info.describe() if info is not None else "none (MLX's bundled BLAS)",
+        "blas": rt.blas,
         "health": await rt.status(),
         "store": store,
         "key_name": getattr(request.state, "key_name", None),
@@ -79,8 +86,7 @@ async def requests(request: Request, limit: int = Query(200, ge=1, le=100_000)
 
 
 def install_ui(app: FastAPI) -> StatsSampler:
-    """Routes, files and the stats sampler (started and stopped by the app's lifespan)."""
+    """Routes and the stats sampler (started and stopped by the app's lifespan)."""
     app.state.ui_stats = sampler = StatsSampler(is_ui_route)
     app.include_router(router)
-    app.mount("/ui/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
     return sampler

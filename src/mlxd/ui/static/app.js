@@ -84,4 +84,6 @@ function Header({ view, info }) {
   </header>`;
 }
 
-render(html`<${App} />`, document.getElementById("app"));
+const root = document.getElementById("app");
+root.textContent = "";  // the "Loading…" placeholder
+render(html`<${App} />`, root);

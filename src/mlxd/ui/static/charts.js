@@ -27,7 +27,7 @@ function Chart({ spec, points }) {
     plot.current = new window.uPlot({
       width, height: 160,
       scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, Math.max(hi || 0, 1)] } },
-      axes: [{ stroke: "#888" }, { stroke: "#888", size: 45 }],
+      axes: [{ stroke: "#888" }, { stroke: "#888", size: 60 }],
       series: [{}, ...spec.series.map((label, i) => ({ label, stroke: COLORS[i], width: 1.5, spanGaps: true }))],
       legend: { show: true },
     }, data, el.current);

@@ -5,7 +5,14 @@ import { html, useState, useRef, useEffect } from "./vendor/preact-htm.module.js
 import { call, streamSSE, NeedKey, getKey, copyText } from "./api.js";
 import { asCurl, asPython, asOllama } from "./snippets.js";
 
-const byKind = (info, kinds) => (info ? info.store.filter((m) => kinds.includes(m.kind)) : []);
+// The models a picker offers: the store's, and loaded ones the store does not list (a
+// directory given to `mlxd serve --model`).
+function byKind(info, kinds) {
+  if (!info) return [];
+  const seen = new Set(info.store.map((m) => m.name));
+  const loaded = (info.health.models || []).filter((m) => !seen.has(m.name));
+  return [...info.store, ...loaded].filter((m) => kinds.includes(m.kind));
+}
 
 function ModelPicker({ models, value, onChange, name }) {
   return html`<select name=${name} value=${value} onChange=${(e) => onChange(e.target.value)}>
@@ -202,7 +209,7 @@ function cosine(a, b) {
 }
 
 function Embeddings({ info, onAuthError }) {
-  const models = byKind(info, ["embed"]);
+  const models = byKind(info, ["embedding"]);
   const [model, setModel] = useState("");
   const [text, setText] = useState("The cat sat on the mat.\nA kitten rests on a rug.\nStock markets fell today.");
   const [out, setOut] = useState(null);
@@ -219,7 +226,7 @@ function Embeddings({ info, onAuthError }) {
     ${models.length ? html`<${ModelPicker} name="embed-model" models=${models} value=${current} onChange=${setModel} />`
       : html`<p class="muted">No embedding model in the store.</p>`}
     <label><span>One sentence a line</span><textarea name="sentences" rows="4" value=${text} onInput=${(e) => setText(e.target.value)}></textarea></label>
-    <button class="primary" onClick=${run} disabled=${!current}>Embed</button>
+    <button class="primary" name="run-embed" onClick=${run} disabled=${!current}>Embed</button>
     ${out && out.error && html`<p class="err">${out.error}</p>`}
     ${out && out.m && html`<p class="muted">${out.dim} dimensions, cosine similarity</p>
       <table class="matrix" data-testid="similarity"><tr><th></th>${out.inputs.map((_, i) => html`<th>#${i + 1}</th>`)}</tr>
@@ -229,12 +236,12 @@ function Embeddings({ info, onAuthError }) {
 }
 
 function Rerank({ info, onAuthError }) {
-  const models = byKind(info, ["rerank", "chat"]);
+  const models = byKind(info, ["reranker", "chat"]);
   const [model, setModel] = useState("");
   const [query, setQuery] = useState("What do cats like?");
   const [docs, setDocs] = useState("Cats like to sleep in the sun.\nThe stock market closed higher.\nKittens chase balls of yarn.");
   const [out, setOut] = useState(null);
-  const current = model || ((models.find((m) => m.kind === "rerank") || models[0] || {}).name) || "";
+  const current = model || ((models.find((m) => m.kind === "reranker") || models[0] || {}).name) || "";
   const run = async () => {
     const documents = docs.split("\n").map((s) => s.trim()).filter(Boolean);
     try {
@@ -247,7 +254,7 @@ function Rerank({ info, onAuthError }) {
       : html`<p class="muted">No reranker in the store.</p>`}
     <label><span>Query</span><input name="query" value=${query} onInput=${(e) => setQuery(e.target.value)} style="width:100%" /></label>
     <label><span>Documents, one a line</span><textarea name="documents" rows="4" value=${docs} onInput=${(e) => setDocs(e.target.value)}></textarea></label>
-    <button class="primary" onClick=${run} disabled=${!current}>Rerank</button>
+    <button class="primary" name="run-rerank" onClick=${run} disabled=${!current}>Rank</button>
     ${out && out.error && html`<p class="err">${out.error}</p>`}
     ${out && out.results && html`<table data-testid="rerank"><tr><th class="num">Score</th><th>Document</th></tr>
       ${out.results.map((r) => html`<tr><td class="num">${r.relevance_score.toFixed(4)}</td><td>${r.document ? r.document.text : "#" + r.index}</td></tr>`)}</table>`}
