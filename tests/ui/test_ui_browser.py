@@ -45,6 +45,7 @@ VLM = "tiny-qwen2-vl"
 EMBED = "tiny-embed"
 RERANK = "tiny-ce"
 SLOW = "long-llama"
+TOOLS = "tool-qwen2"
 
 
 def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -80,7 +81,7 @@ def hub(tmp_path_factory) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_llama, long_llama, hub) -> Iterator[Served]:
+def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, hub) -> Iterator[Served]:
     pytest.importorskip("mlx_vlm")
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
@@ -98,6 +99,8 @@ def served(tmp_path_factory, tiny_llama, long_llama, hub) -> Iterator[Served]:
              as_name=name)
     # a slower model: its tokens come over a second or more, so the page shows them arrive
     pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
+    # a template that speaks tools (Qwen2.5's syntax)
+    pull(ModelStore(models), str(tool_qwen2), ModelSettings(dir=models), as_name=TOOLS)
     port = free_port()
     env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
                HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
@@ -204,13 +207,13 @@ def test_overview_loads_without_console_errors(page, served):
 def test_chat_streams_tokens_into_the_page(page, served):
     page.goto(served.url + "/#playground")
     page.select_option("select[name=model]", SLOW)
-    page.fill("input[name=max_tokens]", "120")
+    page.fill("input[name=max_tokens]", "400")
     page.fill("input[name=temperature]", "0")
     # the reply's text, every time it changes: streaming shows it growing
     page.evaluate("""() => { window.__seen = [];
         new MutationObserver(() => {
           const r = document.querySelector('[data-testid=reply] .content');
-          if (r) window.__seen.push(r.textContent); })
+          if (r) window.__seen.push([performance.now(), r.textContent]); })
         .observe(document.querySelector('[data-testid=messages]'),
                  {subtree: true, childList: true, characterData: true}); }""")
     box = page.locator("textarea[name=prompt]")
@@ -222,11 +225,16 @@ def test_chat_streams_tokens_into_the_page(page, served):
     box.press("Enter")
     page.locator("[data-testid=reply-stats]").wait_for()
     stats = page.inner_text("[data-testid=reply-stats]")
-    assert "+ 120 completion tokens" in stats and "tok/s" in stats, stats
-    seen = [s for s in page.evaluate("window.__seen") if s]
-    assert len(set(seen)) >= 5, seen  # the text arrived in pieces
+    assert "+ 400 completion tokens" in stats and "tok/s" in stats, stats
+    seen = [(t, s) for t, s in page.evaluate("window.__seen") if s]
     final = page.inner_text("[data-testid=reply] .content")
-    assert all(final.startswith(s) for s in seen)
+    assert all(final.startswith(s) for _, s in seen)
+    # the text arrived in pieces: a part of it was on the page well before all of it
+    # (400 tokens of the slow model take more than a second)
+    first_part = next(t for t, s in seen if s != final)
+    all_of_it = next(t for t, s in seen if s == final)
+    assert all_of_it - first_part > 300, seen
+    assert len({s for _, s in seen}) >= 3, seen
     shot(page, "playground")
 
 
@@ -239,10 +247,10 @@ def test_copy_as_snippets(page, served):
     assert "$MLXD_API_KEY" in snippet.inner_text() and SLOW in snippet.inner_text()
     page.click("button:text-is('Python')")
     expect(snippet).to_contain_text("from openai import OpenAI")
-    assert "max_tokens=120" in snippet.inner_text()
+    assert "max_tokens=400" in snippet.inner_text()
     page.click("button:text-is('Ollama')")
     expect(snippet).to_contain_text("/api/chat")
-    assert '"num_predict": 120' in snippet.inner_text()
+    assert '"num_predict": 400' in snippet.inner_text()
 
 
 def test_json_schema_mode_constrains_the_reply(page, served):
@@ -259,6 +267,31 @@ def test_json_schema_mode_constrains_the_reply(page, served):
     # random weights, and still the schema's JSON: the grammar held while decoding
     assert json.loads(page.inner_text("[data-testid=reply] .content"))["answer"] in ("yes", "no")
     page.uncheck("input[name=schema-on]")
+
+
+def test_tool_calls_are_shown_apart_from_the_answer(page, served):
+    page.click("text=Clear")
+    page.select_option("select[name=model]", TOOLS)
+    page.fill("input[name=max_tokens]", "64")
+    page.check("input[name=tools-on]")
+    page.fill("textarea[name=tools]", json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "required": ["city"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}]))
+    page.select_option("select[name=tool-choice]", "required")  # the grammar writes a call
+    page.uncheck("input[name=parallel-tools]")  # one, then the reply ends
+    page.fill("textarea[name=prompt]", "Weather in Paris?")
+    page.press("textarea[name=prompt]", "Enter")
+    page.locator("[data-testid=reply-stats]").wait_for()
+    assert page.locator("[data-testid=tool-calls]").count() == 1, page.inner_text(
+        "[data-testid=reply]")
+    calls = page.inner_text("[data-testid=tool-calls]")
+    assert calls.startswith("tool call: get_weather(")
+    args = json.loads(calls.removeprefix("tool call: get_weather(")[:-1])
+    assert args["city"] in ("Paris", "Rome")
+    assert "<tool_call>" not in page.inner_text("[data-testid=reply] .content")
+    assert "tool_calls" in page.inner_text("[data-testid=reply-stats]")  # finish reason
+    page.uncheck("input[name=tools-on]")
 
 
 def test_an_image_reaches_the_vision_model(page, served, tmp_path):

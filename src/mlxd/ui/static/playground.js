@@ -50,6 +50,8 @@ function Chat({ info, onAuthError }) {
   const [schemaOn, setSchemaOn] = useState(false);
   const [schema, setSchema] = useState('{\n  "type": "object",\n  "properties": {"answer": {"type": "string"}},\n  "required": ["answer"]\n}');
   const [toolsOn, setToolsOn] = useState(false);
+  const [toolChoice, setToolChoice] = useState("auto");
+  const [parallel, setParallel] = useState(true);
   const [tools, setTools] = useState('[{"type": "function", "function": {"name": "get_weather",\n  "description": "Weather for a city",\n  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]');
   const [messages, setMessages] = useState([]);
   const [input, setInput] = useState("");
@@ -86,7 +88,11 @@ function Chat({ info, onAuthError }) {
     const stops = stop.split("\n").filter((s) => s.length);
     if (stops.length) body.stop = stops;
     if (schemaOn) body.response_format = { type: "json_schema", json_schema: { name: "output", schema: JSON.parse(schema) } };
-    if (toolsOn) body.tools = JSON.parse(tools);
+    if (toolsOn) {
+      body.tools = JSON.parse(tools);
+      body.tool_choice = toolChoice;
+      if (!parallel) body.parallel_tool_calls = false;
+    }
     return body;
   };
 
@@ -130,10 +136,14 @@ function Chat({ info, onAuthError }) {
     }
     const t1 = performance.now();
     const n = usage ? usage.completion_tokens : chunks;
+    // decode speed: tokens after the first over the time after it; when the server held
+    // the text back (a tool call is sent once parsed) that span says nothing, so the
+    // whole request's time counts instead
     const genS = tFirst != null ? (t1 - tFirst) / 1000 : 0;
+    const speed = genS > 0.05 && n > 1 ? (n - 1) / genS : n / ((t1 - t0) / 1000);
     reply.stats = { prompt_tokens: usage && usage.prompt_tokens, completion_tokens: usage ? usage.completion_tokens : null,
       ttft_ms: tFirst != null ? Math.round(tFirst - t0) : "–",
-      tok_s: genS > 0 && n > 1 ? ((n - 1) / genS).toFixed(1) : "–", finish };
+      tok_s: n > 0 ? speed.toFixed(1) : "–", finish };
     if (!reply.tool_calls.length) delete reply.tool_calls;
     update(); setBusy(false); abort.current = null;
   };
@@ -170,7 +180,10 @@ function Chat({ info, onAuthError }) {
       <label class="row"><input type="checkbox" name="schema-on" checked=${schemaOn} onChange=${(e) => setSchemaOn(e.target.checked)} /> JSON schema</label>
       ${schemaOn && html`<textarea name="schema" rows="6" value=${schema} onInput=${(e) => setSchema(e.target.value)}></textarea>`}
       <label class="row"><input type="checkbox" name="tools-on" checked=${toolsOn} onChange=${(e) => setToolsOn(e.target.checked)} /> Tools</label>
-      ${toolsOn && html`<textarea name="tools" rows="6" value=${tools} onInput=${(e) => setTools(e.target.value)}></textarea>`}
+      ${toolsOn && html`<textarea name="tools" rows="6" value=${tools} onInput=${(e) => setTools(e.target.value)}></textarea>
+        <label><span>tool_choice</span><select name="tool-choice" value=${toolChoice} onChange=${(e) => setToolChoice(e.target.value)}>
+          ${["auto", "required", "none"].map((c) => html`<option value=${c}>${c}</option>`)}</select></label>
+        <label class="row"><input type="checkbox" name="parallel-tools" checked=${parallel} onChange=${(e) => setParallel(e.target.checked)} /> parallel tool calls</label>`}
       <p class="row"><span class="muted">Copy as</span>
         <button onClick=${() => showSnippet("curl")}>curl</button>
         <button onClick=${() => showSnippet("python")}>Python</button>

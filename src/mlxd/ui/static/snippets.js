@@ -49,7 +49,7 @@ export function asOllama(origin, body, hasKey) {
   const req = { model: body.model, messages, stream: true };
   if (Object.keys(options).length) req.options = options;
   if (body.response_format && body.response_format.json_schema) req.format = body.response_format.json_schema.schema;
-  if (body.tools) req.tools = body.tools;
+  if (body.tools) req.tools = body.tools;  // Ollama has no tool_choice
   const auth = hasKey ? ` \\\n  -H "Authorization: Bearer $MLXD_API_KEY"` : "";
   const json = JSON.stringify(req, null, 2).replace(/'/g, "'\\''");
   return `curl ${origin}/api/chat${auth} \\\n  -d '${json}'`;
