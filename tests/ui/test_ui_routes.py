@@ -43,6 +43,14 @@ def test_the_page_and_its_files_load_without_a_key(srv):
     for f in ("app.js", "style.css", "vendor/uPlot.iife.min.js"):
         assert httpx.get(f"{srv.url}/ui/static/{f}").status_code == 200
     assert httpx.get(srv.url + "/ui/static/nope.js").status_code == 404
+    # nothing outside the static folder (the package's Python files are next to it)
+    for escape in ("%2e%2e/__init__.py", "..%2f__init__.py", "%2e%2e%2f%2e%2e%2fconfig.py"):
+        r = httpx.get(f"{srv.url}/ui/static/{escape}")
+        assert r.status_code == 404 and "STATIC_DIR" not in r.text, escape
+    js = httpx.get(srv.url + "/ui/static/app.js")
+    assert js.headers["cache-control"] == "no-cache" and js.headers["etag"]
+    assert httpx.get(srv.url + "/ui/static/app.js",
+                     headers={"If-None-Match": js.headers["etag"]}).status_code == 304
 
 
 def test_the_data_needs_the_key(srv):

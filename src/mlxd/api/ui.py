@@ -52,7 +52,10 @@ async def ui_page() -> FileResponse:
 
 @router.get("/ui/static/{path:path}")
 async def static_file(path: str, request: Request) -> Response:
-    return await _files.get_response(path, request.scope)
+    response = await _files.get_response(path, request.scope)
+    # revalidate (ETag) on every load: after an upgrade the page never mixes old modules
+    response.headers["Cache-Control"] = "no-cache"
+    return response
 
 
 @router.get("/ui/api/overview")

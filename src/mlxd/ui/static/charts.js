@@ -64,6 +64,6 @@ export function Charts({ onAuthError }) {
     let timer = setTimeout(tick, 0);
     return () => { stop = true; clearTimeout(timer); };
   }, []);
-  return html`<div class="grid" data-testid="charts">
+  return html`<div class="grid charts" data-testid="charts">
     ${CHARTS.map((c) => html`<${Chart} key=${c.id} spec=${c} points=${points} />`)}</div>`;
 }
