@@ -119,6 +119,18 @@ class ServerSettings(_Section):
             "and GET/DELETE /v1/responses/{id} (oldest out first); 0 stores none."
         ),
     )
+    ui: bool = Field(
+        True,
+        description=(
+            "Serve the web dashboard and playground at / and /ui/ (its data endpoints "
+            "/ui/api/* need an API key when keys are configured); false: 404 there."
+        ),
+    )
+    ui_recent_requests: int = Field(
+        500, ge=1, le=100_000,
+        description="How many finished requests the web UI's request list keeps (per front "
+                    "end, in memory).",
+    )
 
 
 class ModelOptions(_Section):

@@ -8,6 +8,9 @@ public set (api/security.py, README "Security"):
 * ``GET``/``HEAD /health``: always public (a caller without a key sees only the status);
 * ``/metrics``: public while ``metrics.require_key`` is false (the default, so a Prometheus
   scraper needs no secret), behind the key when it is true. Both settings run here.
+* ``GET``/``HEAD`` of the web UI's page (``/``, ``/ui``, ``/ui/``) and its files
+  (``/ui/static/...``): they hold no data; the page asks for a key before it reads any
+  (its data, ``/ui/api/*``, is behind the key like everything else).
 
 Anything else answering without a key is a failure of this test, and so is a route the walk
 cannot see (the OpenAPI document is cross-checked against it).
@@ -36,11 +39,15 @@ WRONG_CREDENTIALS: dict[str, dict[str, str]] = {
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def _public(require_key: bool) -> set[tuple[str, str]]:
-    """(method, path) pairs served without a key, exactly as the design says."""
-    out = {("GET", "/health"), ("HEAD", "/health")}
+def _public(require_key: bool) -> dict[tuple[str, str], int]:
+    """(method, path) pairs served without a key, exactly as the design says, with the
+    status each answers."""
+    out = {("GET", "/health"): 200, ("HEAD", "/health"): 200}
     if not require_key:
-        out |= {("GET", "/metrics"), ("HEAD", "/metrics")}
+        out |= {("GET", "/metrics"): 200, ("HEAD", "/metrics"): 200}
+    for m in ("GET", "HEAD"):  # the web UI: the page, and a file it does not have
+        out |= {(m, "/"): 200, (m, "/ui/"): 200, (m, "/ui"): 307,
+                (m, "/ui/static/{path:path}"): 404}
     return out
 
 
@@ -125,7 +132,8 @@ def test_every_route_refuses_a_missing_or_wrong_key(keyed) -> None:
             kw = _minimal(method, template)
             if (method, template) in public:
                 r = c.request(method, path, **kw)
-                assert r.status_code == 200, (method, template, r.status_code)
+                assert r.status_code == public[method, template], (method, template,
+                                                                   r.status_code)
                 continue
             for what, headers in WRONG_CREDENTIALS.items():
                 r = c.request(method, path, headers=headers, **kw)
@@ -137,7 +145,7 @@ def test_every_route_refuses_a_missing_or_wrong_key(keyed) -> None:
             ok2 = c.request(method, path, headers={"x-api-key": KEY}, **kw)
             assert ok2.status_code == ok.status_code, (method, template)
             checked += 1
-    assert checked == len(routes) - len(public & set(routes))
+    assert checked == len(routes) - len(public.keys() & set(routes))
 
 
 def test_paths_no_route_serves_are_refused_before_routing(keyed) -> None:
@@ -148,7 +156,9 @@ def test_paths_no_route_serves_are_refused_before_routing(keyed) -> None:
         for method, path in [("GET", "/no/such/route"), ("GET", "/v1/chat/completions"),
                              ("PUT", "/v1/models"), ("GET", "/health/"), ("GET", "/Health"),
                              ("GET", "/metrics/"), ("GET", "/api/nothing"),
-                             ("DELETE", "/v1/messages/x")]:
+                             ("DELETE", "/v1/messages/x"), ("POST", "/"),
+                             ("POST", "/ui/static/app.js"), ("GET", "/ui/api/nothing"),
+                             ("GET", "/uix"), ("GET", "/ui/apix")]:
             r = c.request(method, path)
             assert r.status_code == 401, (method, path, r.status_code)
             _assert_dialect(method, path, r)

@@ -173,8 +173,11 @@ def dists(tmp_path_factory) -> dict[str, Path]:
 
 
 def _modules() -> set[str]:
+    """Every module, and every file the web UI serves (package data)."""
     src = ROOT / "src"
-    return {f.relative_to(src).as_posix() for f in (src / "mlxd").rglob("*.py")}
+    return ({f.relative_to(src).as_posix() for f in (src / "mlxd").rglob("*.py")}
+            | {f.relative_to(src).as_posix()
+               for f in (src / "mlxd" / "ui" / "static").rglob("*") if f.is_file()})
 
 
 def test_sdist_and_wheel_carry_every_module(dists):
@@ -265,6 +268,12 @@ def test_installed_wheel_serves(wheel_venv, tmp_path, tiny_llama):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # the web UI's page and files come from the installed package
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
+        assert page.status_code == 200 and "/ui/static/app.js" in page.text
+        js = httpx.get(f"http://127.0.0.1:{port}/ui/static/vendor/preact-htm.module.js",
+                       timeout=10)
+        assert js.status_code == 200 and "export" in js.text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

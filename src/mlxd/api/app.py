@@ -21,12 +21,18 @@ from mlxd.frontend.runtime import Runtime
 def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     rt = runtime or Runtime(settings)
 
+    sampler = None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await rt.start()
+        if sampler is not None:
+            sampler.start()
         try:
             yield
         finally:
+            if sampler is not None:
+                await sampler.stop()
             await rt.stop()
             await app.state.rate_limits.aclose()
 
@@ -48,4 +54,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(encoders.router)  # /v1/embeddings, /v1/rerank, /v1/tokenize
     app.include_router(ollama_embed.router)  # /api/embed, /api/embeddings
     app.include_router(metrics.router)
+    if settings.server.ui:
+        from mlxd.api.ui import install_ui
+
+        sampler = install_ui(app)  # /, /ui/, /ui/static/, /ui/api/*
     return app

@@ -24,7 +24,9 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.observability import context, metrics
+from mlxd.observability.history import RequestLog
 from mlxd.observability.logs import log_value
+from mlxd.ui import is_ui_route
 
 log = logging.getLogger("mlxd.access")
 
@@ -78,10 +80,11 @@ class AccessMiddleware:
     """Request id, drain gate, HTTP metrics and the access log."""
 
     def __init__(self, app: ASGIApp, lifecycle: Lifecycle | None = None,
-                 router: Any = None) -> None:
+                 router: Any = None, recent: RequestLog | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle or Lifecycle()
         self.router = router
+        self.recent = recent  # the web UI's request list (the UI's own requests left out)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,9 +148,11 @@ class AccessMiddleware:
                          if k in fields)
         if "prompt_tokens" in fields:
             extra += f" tokens={fields['prompt_tokens']}+{fields.get('completion_tokens', 0)}"
-        log.info("%s %s %s %.1fms rid=%s%s", method, log_value(scope["path"]), status,
-                 seconds * 1000, log_value(rid), " " + extra if extra else "",
-                 extra={"fields": fields})
+        line = (f"{method} {log_value(scope['path'])} {status} {seconds * 1000:.1f}ms "
+                f"rid={log_value(rid)}{' ' + extra if extra else ''}")
+        log.info("%s", line, extra={"fields": fields})
+        if self.recent is not None and not is_ui_route(route):
+            self.recent.add(fields, line)
 
 
 RequestIdMiddleware = AccessMiddleware  # the name this class had before it did more
@@ -173,5 +178,7 @@ def install_middleware(app: Any, settings: Any) -> Lifecycle:
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
                            max_age=600)
-    app.add_middleware(AccessMiddleware, lifecycle=lifecycle, router=app.router)
+    app.state.recent_requests = RequestLog(settings.server.ui_recent_requests)
+    app.add_middleware(AccessMiddleware, lifecycle=lifecycle, router=app.router,
+                       recent=app.state.recent_requests)
     return lifecycle

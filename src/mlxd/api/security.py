@@ -63,6 +63,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mlxd.api.errors import anthropic_error, is_anthropic_path, ollama_error, openai_error
 from mlxd.api.ratelimit import RateLimits, StoreUnavailable, make_limits
 from mlxd.config import ConfigError, Settings, parse_key_item
+from mlxd.ui import is_public_ui_path
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,9 @@ class SecurityMiddleware:
         self.public = set(ALWAYS_PUBLIC)
         if not settings.metrics.require_key:
             self.public.add("/metrics")
+        # the web UI's page and files hold no data: they load without a key, and the page
+        # asks for one before it reads anything (its /ui/api/* data needs the key)
+        self.ui_public = settings.server.ui
         self.max_body = sec.max_body_bytes
         self._anonymous: Quota | None = None
         if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
@@ -270,14 +274,16 @@ class SecurityMiddleware:
         path = scope["path"]
         state = scope.setdefault("state", {})
         quota: Quota | None = None
-        if path in self.public and self.keys.enabled:
+        public = path in self.public or (self.ui_public and scope["method"] in ("GET", "HEAD")
+                                         and is_public_ui_path(path))
+        if public and self.keys.enabled:
             cred = self._credential(scope)
             entry = self.keys.match(cred) if cred else None
             if entry is None:
                 state["anonymous"] = True  # served, but only what anyone may see
             else:
                 state["key_name"] = entry.name
-        elif path not in self.public:
+        elif not public:
             if self.keys.enabled:
                 cred = self._credential(scope)
                 entry = self.keys.match(cred) if cred else None

@@ -81,11 +81,14 @@ async def forget(core: Any, name: str) -> None:
 
 
 async def status(core: Any) -> dict[str, Any]:
+    from mlxd import blas
     from mlxd.engines.backend import backend_name
 
     m = core.models
+    loaded_blas = blas.current()
     return {
         "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
+        "blas": loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
         "uptime_s": round(time.time() - core.started_at, 3),
         "requests_in_flight": core._inflight,
         "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,

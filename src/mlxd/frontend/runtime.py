@@ -75,6 +75,7 @@ class Runtime:
         self._info: dict[str, dict[str, Any]] = {}
         self._info_epoch = 0
         self.backend = "unknown"
+        self.blas = "unknown"  # the BLAS the engine core loaded (it runs the matmuls)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,7 +92,9 @@ class Runtime:
             await self.stop()  # a failed start leaves no engine core behind
             raise
         try:
-            self.backend = (await self.client.call("status"))["backend"]
+            core = await self.client.call("status")
+            self.backend = core["backend"]
+            self.blas = core.get("blas", self.blas)
         except Exception:  # noqa: BLE001 - only informative
             log.exception("could not ask the engine core for its backend")
         await self._warm_processors()

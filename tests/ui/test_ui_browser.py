@@ -1,0 +1,441 @@
+"""The web UI in a real browser: Playwright driving Debian's Chromium against a real
+``mlxd serve`` (a subprocess, API keys configured) with the tiny fixtures.
+
+One server and one browser for the module; the tests run in order and build on each
+other's traffic (the chat feeds the charts and the request list). The browser download
+hosts are unreachable here, so Playwright drives the system's Chromium
+(``executable_path``); .ci/run installs it, and on CI its absence fails these tests.
+
+``MLXD_UI_SCREENSHOTS=DIR`` also saves a screenshot of each view there (docs/ui/ holds the
+README's).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+pytest.importorskip("playwright")
+
+from conftest import free_port  # noqa: E402
+from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
+from store.fake_hub import FakeHub  # noqa: E402
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None and not os.environ.get("CI"):
+    pytest.skip("Debian's chromium is not installed (apt-get install chromium; on CI its "
+                "absence fails these tests)", allow_module_level=True)
+
+KEY = "ui-secret-key"
+HUB_REPO = "acme/tiny-chat"
+VLM = "tiny-qwen2-vl"
+EMBED = "tiny-embed"
+RERANK = "tiny-ce"
+SLOW = "long-llama"
+TOOLS = "tool-qwen2"
+
+
+def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    arr = rng.randint(0, 255, size=(size[1], size[0], 3)).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class Served:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url, self.proc, self.log = url, proc, log
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60,
+                            headers={"Authorization": f"Bearer {KEY}"})
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory) -> Iterator[FakeHub]:
+    # ~22 MB of weights: huggingface_hub reads downloads in 10 MB chunks, so a bigger file
+    # is what makes it report progress between "nothing" and "all"
+    model = make_tiny_chat_model(tmp_path_factory.mktemp("hub") / "tiny-chat", "llama",
+                                 hidden_size=384, num_layers=3, seed=3)
+    h = FakeHub().start()
+    h.add_dir(HUB_REPO, model)
+    h.slow = 0.0002  # per 4 KiB: a second or two for the weights
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, hub) -> Iterator[Served]:
+    pytest.importorskip("mlx_vlm")
+    from fixtures.tiny_vlm import make_tiny_qwen2_vl
+
+    base = tmp_path_factory.mktemp("ui")
+    from fixtures.tiny_encoders import make_tiny_bert_embedder, make_tiny_cross_encoder
+
+    from mlxd.config import ModelSettings
+    from mlxd.store.local import ModelStore
+    from mlxd.store.pull import pull
+
+    models = base / "home" / "models"  # into the store, as `mlxd pull DIR` puts them
+    for name, make in ((VLM, make_tiny_qwen2_vl), (EMBED, make_tiny_bert_embedder),
+                       (RERANK, make_tiny_cross_encoder)):
+        pull(ModelStore(models), str(make(base / name)), ModelSettings(dir=models),
+             as_name=name)
+    # a slower model: its tokens come over a second or more, so the page shows them arrive
+    pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
+    # a template that speaks tools (Qwen2.5's syntax)
+    pull(ModelStore(models), str(tool_qwen2), ModelSettings(dir=models), as_name=TOOLS)
+    port = free_port()
+    env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
+               HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
+               HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("HF_HUB_OFFLINE", None)
+    log = base / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
+                                 "--port", str(port)], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    srv = Served(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, "no healthy server after 120 s"
+            time.sleep(0.2)
+        yield srv
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM, "chromium is not installed (.ci/run installs Debian's chromium)"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, served):
+    """One tab with the key in its session storage (as the key form leaves it), every
+    console error and page error recorded."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    ctx.add_init_script(f"sessionStorage.setItem('mlxd-api-key', {json.dumps(KEY)})")
+    pg = ctx.new_page()
+    pg.errors = []
+    pg.on("console", lambda m: m.type == "error" and pg.errors.append(m.text))
+    pg.on("pageerror", lambda e: pg.errors.append(f"page error: {e}"))
+    pg.set_default_timeout(30_000)
+    yield pg
+    ctx.close()
+
+
+def shot(page, name: str) -> None:
+    out = os.environ.get("MLXD_UI_SCREENSHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+
+
+def test_without_a_key_the_page_asks_for_one_and_shows_nothing(browser, served):
+    ctx = browser.new_context()
+    pg = ctx.new_page()
+    try:
+        pg.goto(served.url + "/")
+        pg.get_by_text("API key needed").wait_for()
+        assert pg.locator("[data-testid=facts]").count() == 0  # no server data shown
+        assert httpx.get(served.url + "/ui/api/overview").status_code == 401
+        pg.fill("input[name=api-key]", "not-the-key")
+        pg.click("text=Use key")
+        pg.locator("[data-testid=key-error]").wait_for()
+        assert "refused" in pg.inner_text("[data-testid=key-error]")
+        assert pg.locator("[data-testid=facts]").count() == 0
+        pg.fill("input[name=api-key]", KEY)
+        pg.click("text=Use key")
+        pg.locator("[data-testid=facts]").wait_for()
+        # kept for this tab's session only
+        assert pg.evaluate("sessionStorage.getItem('mlxd-api-key')") == KEY
+        assert pg.evaluate("localStorage.length") == 0
+    finally:
+        ctx.close()
+
+
+def test_overview_loads_without_console_errors(page, served):
+    page.goto(served.url + "/")
+    facts = page.locator("[data-testid=facts]")
+    facts.wait_for()
+    assert re.search(r"v\d+\.\d+", facts.inner_text())
+    assert "backend cpu" in facts.inner_text()
+    page.locator("[data-testid=loaded] tr[data-model=tiny-llama]").wait_for()
+    row = page.inner_text("[data-testid=loaded] tr[data-model=tiny-llama]")
+    assert "chat" in row and "yes" in row  # the default model is pinned
+    page.locator(f"[data-testid=store] tr[data-model={VLM}]").wait_for()
+    assert "budget" in page.inner_text("[data-testid=memory]")
+    page.goto(served.url + "/ui/")  # the same page at /ui/
+    page.locator("[data-testid=facts]").wait_for()
+    assert page.errors == []
+
+
+def test_chat_streams_tokens_into_the_page(page, served):
+    page.goto(served.url + "/#playground")
+    page.select_option("select[name=model]", SLOW)
+    page.fill("input[name=max_tokens]", "400")
+    page.fill("input[name=temperature]", "0")
+    # the reply's text, every time it changes: streaming shows it growing
+    page.evaluate("""() => { window.__seen = [];
+        new MutationObserver(() => {
+          const r = document.querySelector('[data-testid=reply] .content');
+          if (r) window.__seen.push([performance.now(), r.textContent]); })
+        .observe(document.querySelector('[data-testid=messages]'),
+                 {subtree: true, childList: true, characterData: true}); }""")
+    box = page.locator("textarea[name=prompt]")
+    box.fill("hello")
+    box.press("Shift+Enter")  # a new line, not a send
+    box.type("there")
+    assert page.locator("[data-testid=reply]").count() == 0
+    assert box.input_value() == "hello\nthere"
+    box.press("Enter")
+    page.locator("[data-testid=reply-stats]").wait_for()
+    stats = page.inner_text("[data-testid=reply-stats]")
+    assert "+ 400 completion tokens" in stats and "tok/s" in stats, stats
+    seen = [(t, s) for t, s in page.evaluate("window.__seen") if s]
+    final = page.inner_text("[data-testid=reply] .content")
+    assert all(final.startswith(s) for _, s in seen)
+    # the text arrived in pieces: a part of it was on the page well before all of it
+    # (400 tokens of the slow model take more than a second)
+    first_part = next(t for t, s in seen if s != final)
+    all_of_it = next(t for t, s in seen if s == final)
+    assert all_of_it - first_part > 300, seen
+    assert len({s for _, s in seen}) >= 3, seen
+    shot(page, "playground")
+
+
+def test_copy_as_snippets(page, served):
+    from playwright.sync_api import expect
+
+    snippet = page.locator("[data-testid=snippet] pre")
+    page.click("button:text-is('curl')")
+    expect(snippet).to_contain_text("/v1/chat/completions")
+    assert "$MLXD_API_KEY" in snippet.inner_text() and SLOW in snippet.inner_text()
+    page.click("button:text-is('Python')")
+    expect(snippet).to_contain_text("from openai import OpenAI")
+    assert "max_tokens=400" in snippet.inner_text()
+    page.click("button:text-is('Ollama')")
+    expect(snippet).to_contain_text("/api/chat")
+    assert '"num_predict": 400' in snippet.inner_text()
+
+
+def test_json_schema_mode_constrains_the_reply(page, served):
+    page.click("text=Clear")
+    page.select_option("select[name=model]", "tiny-llama")
+    page.fill("input[name=max_tokens]", "48")
+    page.check("input[name=schema-on]")
+    page.fill("textarea[name=schema]", json.dumps({
+        "type": "object", "additionalProperties": False, "required": ["answer"],
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}}))
+    page.fill("textarea[name=prompt]", "Is the sky blue?")
+    page.press("textarea[name=prompt]", "Enter")
+    page.locator("[data-testid=reply-stats]").wait_for()
+    # random weights, and still the schema's JSON: the grammar held while decoding
+    assert json.loads(page.inner_text("[data-testid=reply] .content"))["answer"] in ("yes", "no")
+    page.uncheck("input[name=schema-on]")
+
+
+def test_tool_calls_are_shown_apart_from_the_answer(page, served):
+    page.click("text=Clear")
+    page.select_option("select[name=model]", TOOLS)
+    page.fill("input[name=max_tokens]", "64")
+    page.check("input[name=tools-on]")
+    page.fill("textarea[name=tools]", json.dumps([{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "required": ["city"], "additionalProperties": False,
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}]))
+    page.select_option("select[name=tool-choice]", "required")  # the grammar writes a call
+    page.uncheck("input[name=parallel-tools]")  # one, then the reply ends
+    page.fill("textarea[name=prompt]", "Weather in Paris?")
+    page.press("textarea[name=prompt]", "Enter")
+    page.locator("[data-testid=reply-stats]").wait_for()
+    assert page.locator("[data-testid=tool-calls]").count() == 1, page.inner_text(
+        "[data-testid=reply]")
+    calls = page.inner_text("[data-testid=tool-calls]")
+    assert calls.startswith("tool call: get_weather(")
+    args = json.loads(calls.removeprefix("tool call: get_weather(")[:-1])
+    assert args["city"] in ("Paris", "Rome")
+    assert "<tool_call>" not in page.inner_text("[data-testid=reply] .content")
+    assert "tool_calls" in page.inner_text("[data-testid=reply-stats]")  # finish reason
+    page.uncheck("input[name=tools-on]")
+
+
+def test_an_image_reaches_the_vision_model(page, served, tmp_path):
+    def images_seen() -> float:
+        text = httpx.get(served.url + "/metrics", timeout=10).text
+        m = re.search(rf'^mlxd:vision_images_total\{{model="{VLM}"\}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = images_seen()
+    page.click("text=Clear")
+    page.select_option("select[name=model]", VLM)
+    # drag and drop, and paste, each attach an image
+    page.evaluate("""async (b64) => {
+        const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+        const file = () => new File([bytes], 'x.png', {type: 'image/png'});
+        const dt = new DataTransfer(); dt.items.add(file());
+        document.querySelector('.composer').dispatchEvent(
+            new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));
+        const dt2 = new DataTransfer(); dt2.items.add(file());
+        document.querySelector('textarea[name=prompt]').dispatchEvent(
+            new ClipboardEvent('paste', {clipboardData: dt2, bubbles: true, cancelable: true}));
+    }""", __import__("base64").b64encode(png(1)).decode())
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 2")
+    page.locator("[data-testid=attached] img").first.click()  # a click removes one
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 1")
+    f = tmp_path / "pic.png"
+    f.write_bytes(png(2))
+    page.set_input_files("input[name=image]", str(f))  # and the file picker adds one
+    page.wait_for_function(
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 2")
+    page.fill("input[name=max_tokens]", "4")
+    page.fill("textarea[name=prompt]", "What is in the pictures?")
+    page.press("textarea[name=prompt]", "Enter")
+    page.locator("[data-testid=reply-stats]").wait_for(timeout=120_000)
+    assert page.locator("[data-testid=reply] .err").count() == 0
+    assert page.locator(".msg.user img").count() == 2
+    assert images_seen() == before + 2
+    assert page.errors == []
+
+
+def test_pull_shows_progress_and_the_model_appears(page, served, hub):
+    page.goto(served.url + "/#overview")
+    # every text the progress display shows, as the page changes it
+    page.evaluate("""() => { window.__pull = [];
+        new MutationObserver(() => {
+          const el = document.querySelector('[data-testid=pull-progress]');
+          const t = el && el.innerText;
+          if (t && t !== window.__pull[window.__pull.length - 1]) window.__pull.push(t);
+        }).observe(document.body, {subtree: true, childList: true, characterData: true}); }""")
+    page.fill("input[name=pull]", HUB_REPO)
+    page.click("button:text-is('Pull')")
+    page.wait_for_function(
+        "() => document.querySelector('[data-testid=pull-progress]').innerText"
+        ".startsWith('success')",
+        timeout=120_000)
+    seen = page.evaluate("window.__pull")
+    firsts = [t.split()[0] for t in seen]
+    assert "pulling" in firsts and firsts[-1] == "success", seen
+    assert "downloading" in firsts and "verifying" in firsts, seen
+    # bytes done of the total, shown part-way ("10.0 MB / 21.6 MB")
+    parts = [re.search(r"([\d.]+) (\w+) / ([\d.]+) (\w+)", t) for t in seen]
+    partial = [m.group(0) for m in parts if m and m.group(1, 2) != m.group(3, 4)
+               and float(m.group(1)) > 0]
+    assert partial, seen
+    page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']").wait_for()
+    shot(page, "overview")
+    assert page.errors == []
+
+
+def test_charts_update_after_traffic(page, served):
+    with served.client() as c:  # traffic from outside the page counts too
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json={
+                "model": "tiny-llama", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+        assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
+                      ).status_code in (400, 404)
+    peak = "() => parseFloat(document.querySelector('[data-chart={}] [data-series=\"{}\"]')" \
+           ".dataset.peak)"
+    page.wait_for_function(peak.format("tokens", "generated") + " > 0")
+    page.wait_for_function(peak.format("ttft", "mean TTFT") + " > 0")
+    page.wait_for_function(peak.format("status", "2xx") + " >= 1")
+    page.wait_for_function(peak.format("status", "4xx") + " >= 1")
+    assert int(page.get_attribute("[data-chart=tokens]", "data-points")) >= 2
+
+
+def test_requests_view_lists_filters_and_links_the_log_line(page, served):
+    page.goto(served.url + "/#requests")
+    table = page.locator("[data-testid=requests]")
+    table.locator("tr[data-rid]").first.wait_for()
+    rows = table.locator("tr[data-rid]")
+    text = table.inner_text()
+    assert "/v1/chat/completions" in text and "tiny-llama" in text and "ui-tester" in text
+    # the page itself, its files and its own polling are left out
+    assert "/ui/" not in text and "unmatched" not in text
+    page.select_option("select[name=status]", "4xx")
+    page.wait_for_function(  # the status column (the first number) of every row shown
+        "() => { const rows = [...document.querySelectorAll("
+        "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
+        "rows.every(r => r.querySelector('td.num').innerText.startsWith('4')); }")
+    page.select_option("select[name=status]", "all")
+    page.fill("input[name=filter]", VLM)
+    page.wait_for_function("() => document.querySelectorAll('[data-testid=requests] tr[data-rid]')"
+                           ".length >= 1")
+    assert all(VLM in rows.nth(i).inner_text() for i in range(rows.count()))
+    page.fill("input[name=filter]", "")
+    first = rows.first
+    rid = first.get_attribute("data-rid")
+    first.locator("a").click()
+    line = page.inner_text("[data-testid=log-line]")
+    assert f"rid={rid}" in line and "key=ui-tester" in line
+    assert page.url.endswith(f"#requests/{rid}")
+    shot(page, "requests")
+    assert page.errors == []
+
+
+def test_embeddings_similarity_matrix_and_rerank(page, served):
+    page.goto(served.url + "/#playground")
+    page.click("[data-tab=embed]")
+    page.select_option("select[name=embed-model]", EMBED)
+    page.fill("textarea[name=sentences]", "a cat\na kitten\nthe stock market")
+    page.click("button[name=run-embed]")
+    page.locator("[data-testid=similarity], .card .err").first.wait_for()
+    assert page.locator(".card .err").count() == 0, page.inner_text(".card .err")
+    matrix = page.locator("[data-testid=similarity]")
+    cells = [[float(td.inner_text()) for td in row.locator("td").all()]
+             for row in matrix.locator("tr").all()[1:]]
+    assert len(cells) == 3 and all(len(r) == 3 for r in cells)
+    assert all(abs(cells[i][i] - 1) < 1e-3 for i in range(3))  # cosine of itself
+    assert all(abs(cells[i][j] - cells[j][i]) < 1e-3 for i in range(3) for j in range(3))
+    page.click("[data-tab=rerank]")
+    page.select_option("select[name=rerank-model]", RERANK)
+    page.click("button[name=run-rerank]")
+    page.locator("[data-testid=rerank], .card .err").first.wait_for()
+    assert page.locator(".card .err").count() == 0, page.inner_text(".card .err")
+    table = page.locator("[data-testid=rerank]")
+    scores = [float(r.locator("td").first.inner_text()) for r in table.locator("tr").all()[1:]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    shot(page, "rerank")
+    page.click("[data-tab=embed]")
+    page.click("button[name=run-embed]")
+    matrix.wait_for()
+    shot(page, "embeddings")
+    assert page.errors == []
