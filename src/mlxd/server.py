@@ -122,9 +122,9 @@ def run(settings: Settings) -> int:
 
         # The serving process never computes (and must not touch the GPU): the engine core
         # reports the MLX backend and the BLAS it loaded when it starts.
-        if settings.server.api_workers > 1:
-            return _run_workers(settings, host, port)
         try:
+            if settings.server.api_workers > 1:
+                return _run_workers(settings, host, port)
             app = create_app(settings)
         except ConfigError as exc:
             log.error("configuration error: %s", exc)

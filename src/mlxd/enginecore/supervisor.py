@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from mlxd.config import Settings
+from mlxd.config import ConfigError, Settings
 from mlxd.core.devices import DEFAULT, Device, resolve
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,13 @@ class CoreSupervisor:
 
 
 def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
-    """One supervisor per device of ``engine.devices`` (not started yet)."""
-    devices = resolve(settings.engine.devices, gpu_count,
-                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+    """One supervisor per device of ``engine.devices`` (not started yet); ConfigError for
+    devices this host does not have."""
+    try:
+        devices = resolve(settings.engine.devices, gpu_count,
+                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
 
 
