@@ -59,6 +59,12 @@ def test_health_api_ps_and_mlxd_ps_show_every_core(dp, tmp_path):
     # each core loaded its own copy; the model is listed once, naming both cores
     assert h["model_loads"] == {"tiny-llama": 2}
     assert [(m["name"], m["engine_cores"]) for m in h["models"]] == [("tiny-llama", [0, 1])]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(
+        httpx.get(dp.url + "/metrics").text)}
+    loaded = [s for s in families["mlxd:models_loaded"].samples if s.labels["kind"] == "chat"]
+    assert sorted((s.labels["engine_core"], s.value) for s in loaded) == [("0", 1), ("1", 1)]
     ps = httpx.get(dp.url + "/api/ps").json()
     assert [m["name"] for m in ps["models"]] == ["tiny-llama"]
     assert ps["models"][0]["engine_cores"] == [0, 1]
