@@ -15,12 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import LiveServer, make_settings
+from conftest import LiveServer, install_into_store, make_settings
 
 
 @pytest.fixture(scope="module")
-def dp(tmp_path_factory, tiny_llama):
+def dp(tmp_path_factory, tiny_llama, tiny_qwen2):
     home = tmp_path_factory.mktemp("dp")
+    install_into_store(home / "models", "spare", tiny_qwen2)
     srv = LiveServer(make_settings(home, tiny_llama, engine={
         "devices": "cpu:2", "prefix_cache_min_tokens": 32})).start()
     yield srv
@@ -109,6 +110,27 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(dp):
         assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         first_cores.append(core)
     assert set(first_cores) == {0, 1}  # new conversations still spread over the cores
+
+
+def _holders(srv, model: str) -> list[int]:
+    return next((m["engine_cores"] for m in srv.health()["models"] if m["name"] == model), [])
+
+
+def test_model_management_reaches_every_core(dp):
+    """A request's model loads on the core that serves it (once); unload reaches every
+    core; Ollama's load without a prompt loads it on every core."""
+    before = _totals(dp)
+    _chat(dp, [{"role": "user", "content": "hi"}], model="spare")
+    served = [a - b for a, b in zip(_totals(dp), before, strict=True)].index(1)
+    assert _holders(dp, "spare") == [served]
+    assert dp.health()["model_loads"]["spare"] == 1
+    r = httpx.post(dp.url + "/api/generate", json={"model": "spare"}, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "load"
+    assert _holders(dp, "spare") == [0, 1]
+    r = httpx.post(dp.url + "/unload", json={"model": "spare"}, timeout=60)
+    assert r.status_code == 200 and r.json()["unloaded"] == ["spare"]
+    assert _holders(dp, "spare") == []
+    assert all(c["models"] == ["tiny-llama"] for c in dp.health()["engine_cores"])
 
 
 def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:

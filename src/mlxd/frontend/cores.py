@@ -91,10 +91,12 @@ class CorePool:
         return self.clients[self.router.choose(loads, hashes)]
 
     def least_busy(self) -> CoreClient:
-        serving = self.serving
-        if not serving:
+        """For calls (encoders, tokenizing, a request's model lookup) that have no prefix
+        to follow: the core a generation without one would get."""
+        loads = [c.load if c.serving else None for c in self.clients]
+        if all(load is None for load in loads):
             raise _unavailable()
-        return min(serving, key=lambda c: c.load)
+        return self.clients[self.router.least(loads)]
 
     # -- calls -------------------------------------------------------------------------------
     async def call(self, method: str, **args: Any) -> Any:
@@ -117,9 +119,10 @@ class CorePool:
         return list(zip(live, results, strict=True))
 
     async def values_all(self, method: str, **args: Any) -> list[tuple[CoreClient, Any]]:
-        """:meth:`call_all`, raising the first core's error if any core failed."""
+        """:meth:`call_all`'s values; a core that died meanwhile is left out as a dead one
+        is, any other failure is raised (the first core's)."""
         results = await self.call_all(method, **args)
-        for _, r in results:
-            if isinstance(r, BaseException):
+        for c, r in results:
+            if isinstance(r, BaseException) and c.alive:
                 raise r
-        return results
+        return [(c, r) for c, r in results if not isinstance(r, BaseException)]

@@ -55,20 +55,26 @@ class PrefixRouter:
     def choose(self, loads: Sequence[int | None], hashes: list[int]) -> int:
         """The core for a request: ``loads[i]`` is core i's requests in flight, None for a
         core that cannot serve now (at least one must). Remembers the choice."""
-        live = [i for i, load in enumerate(loads) if load is not None]
-        if not live:
-            raise ValueError("no engine core can serve")
-        n = len(loads)
-        least = min(live, key=lambda i: (loads[i], (i - self._turn) % n))
+        least = self.least(loads)
         preferred = self.preferred(hashes)
         if preferred is not None and loads[preferred] is not None and \
                 loads[preferred] <= loads[least] + self.slack:  # type: ignore[operator]
             pick = preferred
         else:
             pick = least
-            self._turn = (least + 1) % n  # the next tie goes to the core after this one
+            self._turn = (least + 1) % len(loads)  # the next tie: the core after this one
         self.remember(hashes, pick)
         return pick
+
+    def least(self, loads: Sequence[int | None]) -> int:
+        """The least busy core that can serve; among equals, the next in turn (what
+        :meth:`choose` picks for a prompt without a known prefix, so a model's first load
+        and its first request land on the same core)."""
+        live = [i for i, load in enumerate(loads) if load is not None]
+        if not live:
+            raise ValueError("no engine core can serve")
+        n = len(loads)
+        return min(live, key=lambda i: (loads[i], (i - self._turn) % n))
 
     def remember(self, hashes: list[int], core: int) -> None:
         where = self._where

@@ -202,7 +202,7 @@ class Runtime:
                     raise Unavailable("the engine core is not running (restarting); retry "
                                       "shortly", headers={"Retry-After": "2"})
                 info = replies[0][1]
-            else:  # a request's model: it loads where the request runs
+            else:  # a request's model: on the core its first request will get
                 info = await self.cores.call("touch", model=name, keep_alive=keep_alive)
             self._info[name] = self._info[info["name"]] = info
         return info
