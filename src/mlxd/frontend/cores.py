@@ -51,8 +51,8 @@ class CorePool:
     @property
     def startup_error(self) -> str | None:
         errors = [f"core {c.index}: {c.startup_error}" if len(self.clients) > 1
-                  else c.startup_error for c in self.clients if c.startup_error]
-        return "; ".join(errors) or None  # type: ignore[arg-type]
+                  else str(c.startup_error) for c in self.clients if c.startup_error]
+        return "; ".join(errors) if errors else None
 
     async def close(self) -> None:
         for c in self.clients:
