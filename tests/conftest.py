@@ -71,24 +71,28 @@ class LiveServer:
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
 
-    def core(self, method: str, **args):
-        """A call to this server's engine core (status, loaded, fault drills...)."""
+    def core(self, method: str, *, index: int = 0, **args):
+        """A call to one of this server's engine cores (status, loaded, fault drills...)."""
         import asyncio
 
         rt = self.runtime
-        return asyncio.run_coroutine_threadsafe(rt.client.call(method, **args),
+        return asyncio.run_coroutine_threadsafe(rt.cores.clients[index].call(method, **args),
                                                 rt.loop).result(60)
 
-    def fault(self, kind: str, **args) -> None:
-        """A failure drill in the engine core (enginecore/calls.py ``fault``)."""
+    def fault(self, kind: str, *, index: int = 0, **args) -> None:
+        """A failure drill in an engine core (enginecore/calls.py ``fault``)."""
         import contextlib
 
         with contextlib.suppress(Exception):  # "kill" and "abort" never answer
-            self.core("fault", kind=kind, **args)
+            self.core("fault", kind=kind, index=index, **args)
 
     @property
     def core_pid(self) -> int:
-        return self.runtime.client.core_pid
+        return self.runtime.cores.clients[0].core_pid
+
+    @property
+    def core_pids(self) -> list[int]:
+        return [c.core_pid for c in self.runtime.cores.clients]
 
 
 def make_settings(home: Path, model: str | Path, **sections):

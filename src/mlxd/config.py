@@ -255,6 +255,24 @@ class ModelSettings(_Section):
 
 
 class EngineSettings(_Section):
+    devices: str | None = Field(
+        None,
+        description=(
+            "Engine cores (data parallel, one per device, each with its own copy of the "
+            "models; requests are routed by load and prefix affinity): unset: one core on "
+            "the default device; 'all': one per GPU; '0,1': those GPUs (on CUDA each core "
+            "sees only its own); 'cpu' or 'cpu:N': N cores on the CPU."
+        ),
+    )
+    affinity_slack: int = Field(
+        8,
+        ge=0,
+        description=(
+            "With several engine cores: a request whose prompt prefix one core has cached "
+            "goes there unless that core has more than this many requests in flight beyond "
+            "the least busy core's; then the least busy core takes it."
+        ),
+    )
     max_num_seqs: int = Field(
         32, ge=1, description="Sequences decoded together in one batch (per model)."
     )
@@ -324,6 +342,13 @@ class EngineSettings(_Section):
     @classmethod
     def _kv_bits(cls, v: float | None) -> float | None:
         return _kv_bits_value(v)
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: str | None) -> str | None:
+        from mlxd.core.devices import check
+
+        return check(v)
 
     @model_validator(mode="after")
     def _kv_combination(self) -> EngineSettings:

@@ -122,9 +122,9 @@ def run(settings: Settings) -> int:
 
         # The serving process never computes (and must not touch the GPU): the engine core
         # reports the MLX backend and the BLAS it loaded when it starts.
-        if settings.server.api_workers > 1:
-            return _run_workers(settings, host, port)
         try:
+            if settings.server.api_workers > 1:
+                return _run_workers(settings, host, port)
             app = create_app(settings)
         except ConfigError as exc:
             log.error("configuration error: %s", exc)
@@ -152,16 +152,18 @@ def run(settings: Settings) -> int:
 
 
 def _run_workers(settings: Settings, host: str, port: int) -> int:
-    """``--api-workers N``: one engine core, N front-end processes on one listening socket
-    (uvicorn's process manager); each front end drains on SIGTERM as uvicorn does."""
+    """``--api-workers N``: the engine cores (one per device), N front-end processes on one
+    listening socket (uvicorn's process manager), each connected to every core; each front
+    end drains on SIGTERM as uvicorn does."""
     from uvicorn.supervisors import Multiprocess
 
-    from mlxd.enginecore.supervisor import CoreSupervisor
+    from mlxd.enginecore.supervisor import supervisors_for
     from mlxd.frontend.runtime import CORE_DIR_ENV
 
-    supervisor = CoreSupervisor(settings)
-    supervisor.start()
-    os.environ[CORE_DIR_ENV] = str(supervisor.run_dir)
+    supervisors = supervisors_for(settings)
+    for sup in supervisors:
+        sup.start()
+    os.environ[CORE_DIR_ENV] = os.pathsep.join(str(s.run_dir) for s in supervisors)
     try:
         config = uvicorn.Config(
             "mlxd.frontend.workers:app_factory", factory=True, host=host, port=port,
@@ -175,4 +177,5 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
         Multiprocess(config, sockets=[sock]).run()
         return 0
     finally:
-        supervisor.stop()
+        for sup in supervisors:
+            sup.stop()

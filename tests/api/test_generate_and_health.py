@@ -88,7 +88,7 @@ def test_request_id_round_trips(server):
 def test_health_is_503_while_the_engine_core_is_down(start_server, tiny_llama):
     srv = start_server(tiny_llama)
     assert httpx.get(srv.url + "/health").status_code == 200
-    srv.runtime.supervisor.first_delay = 3.0  # keep it down long enough to look
+    srv.runtime.supervisors[0].first_delay = 3.0  # keep it down long enough to look
     srv.fault("kill")
     r = httpx.get(srv.url + "/health")
     assert r.status_code == 503 and r.json()["status"] in ("unavailable", "restarting")

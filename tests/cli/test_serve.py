@@ -121,3 +121,51 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
     while core_pid is not None and _alive(core_pid) and time.time() < deadline:
         time.sleep(0.1)
     assert core_pid is None or not _alive(core_pid)
+
+
+def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
+    for spec, message in [("3", "no GPU 3 (MLX sees 0 GPU(s)); on the CPU use cpu or cpu:N"),
+                          ("gpu:x", "expected all, a list of GPU indices")]:
+        p = _mlxd("serve", "--devices", spec, "--port", str(free_port()), env=_env(tmp_path))
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 2, out
+        assert message in out and "Traceback" not in out
+
+
+def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):
+    """`--devices cpu:2 --api-workers 2`: both front ends talk to both cores (one copy of
+    the model per core), and SIGTERM takes the cores down too."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
+              "--devices", "cpu:2", env=_env(tmp_path), start_new_session=True)
+    core_pids: set[int] = set()
+    try:
+        _wait_healthy(url, p)
+        seen: dict[int, list[int]] = {}
+        deadline = time.time() + 30
+        while len(seen) < 2 and time.time() < deadline:
+            with httpx.Client(timeout=10) as c:  # a new connection each time
+                h = c.get(url + "/health")
+                if h.status_code == 200:
+                    seen[h.json()["frontend_pid"]] = [
+                        c["pid"] for c in h.json()["engine_cores"]]
+        assert len(seen) == 2
+        views = list(seen.values())
+        assert views[0] == views[1] and len(set(views[0])) == 2
+        core_pids = set(views[0])
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for _ in range(4):
+            with httpx.Client(timeout=30) as c:
+                r = c.post(url + "/v1/chat/completions", json=chat)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        h = httpx.get(url + "/health").json()
+        assert h["model_loads"] == {"tiny-llama": 2}
+        assert sum(c["requests_total"] for c in h["engine_cores"]) == 4
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    deadline = time.time() + 10
+    while any(_alive(pid) for pid in core_pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in core_pids)

@@ -221,7 +221,7 @@ class GenerateResponse(_Doc):
 
 
 class Health(_Doc):
-    status: Literal["ok", "draining", "restarting", "unavailable"] = Field(
+    status: Literal["ok", "degraded", "draining", "restarting", "unavailable"] = Field(
         description="With API keys configured and no valid key, the only field.")
 
 

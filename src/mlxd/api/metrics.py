@@ -12,7 +12,7 @@ import logging
 from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from mlxd.observability.metrics import REGISTRY, merged_text
+from mlxd.observability.metrics import REGISTRY, MergedCollector, merged_text
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +26,21 @@ async def metrics(request: Request) -> Response:
     return Response(await render(request.app.state.runtime), media_type=CONTENT_TYPE_LATEST)
 
 
+async def core_texts(runtime) -> list[str]:
+    """Each engine core's exposition, in core order ("" for a dead or busy core: the
+    front end's own families and the other cores' still go out)."""
+    texts = []
+    for client, reply in await runtime.cores.call_all("metrics"):
+        if isinstance(reply, BaseException):
+            log.warning("could not read engine core %d's metrics", client.index)
+            reply = b""
+        texts.append(reply.decode())
+    return texts or [""]
+
+
 async def render(runtime) -> bytes:
-    """The front end's families and the engine core's, in one exposition."""
-    core = b""
-    if runtime.client.alive:
-        try:
-            core = await runtime.client.call("metrics")
-        except Exception:  # noqa: BLE001 - a dead or busy core: the front end's own still go
-            log.warning("could not read the engine core's metrics")
-    return merged_text(core.decode())
+    """The front end's families and the engine cores', in one exposition."""
+    return merged_text(await core_texts(runtime))
 
 
 class _WithCore:
@@ -47,25 +53,15 @@ class _WithCore:
     def collect(self):
         import asyncio
 
-        from prometheus_client.parser import text_string_to_metric_families
-
-        from mlxd.observability.metrics import CORE_FAMILIES
-
         rt = self.runtime
-        core = b""
+        texts = [""]
         loop = getattr(rt, "loop", None)
-        if loop is not None and rt.client.alive:
+        if loop is not None:
             try:
-                core = asyncio.run_coroutine_threadsafe(rt.client.call("metrics"), loop
-                                                        ).result(5)
-            except Exception:  # noqa: BLE001 - a dead or busy core: the front end's still go
-                log.warning("could not read the engine core's metrics")
-        for family in REGISTRY.collect():
-            if family.name not in CORE_FAMILIES:
-                yield family
-        for family in text_string_to_metric_families(core.decode()):
-            if family.name in CORE_FAMILIES:
-                yield family
+                texts = asyncio.run_coroutine_threadsafe(core_texts(rt), loop).result(5)
+            except Exception:  # noqa: BLE001 - busy cores: the front end's own still go
+                log.warning("could not read the engine cores' metrics")
+        yield from MergedCollector(texts).collect()
 
 
 def start_metrics_port(settings, runtime=None) -> object | None:

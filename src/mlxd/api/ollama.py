@@ -430,5 +430,8 @@ async def ps(request: Request):
             "expires_at": _now_iso(min(expires, _FAR_FUTURE)),
             "size_vram": lm.size if rt.backend != "cpu" else 0,
             "context_length": lm.context_length,
+            "engine_cores": lm.stats.get("engine_cores", []),  # mlxd: the cores holding it
         })
-    return {"models": out}
+    # mlxd's addition (Ollama clients ignore it): every engine core, one per device
+    status = await rt.status()
+    return {"models": out, "engine_cores": status["engine_cores"]}

@@ -348,7 +348,8 @@ def ps(
     json_output: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Show what a running server has loaded and until when."""
+    """Show what a running server has loaded and until when (with several engine cores,
+    each core: device, pid, state, requests, models)."""
     import urllib.error
     import urllib.request
 
@@ -388,6 +389,17 @@ def ps(
                       _processor(size, int(m.get("size_vram") or 0)),
                       _until(m.get("expires_at")))
     _print(table)
+    cores = data.get("engine_cores") or []
+    if len(cores) > 1:  # one engine core per device (engine.devices)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for col in ("CORE", "DEVICE", "PID", "STATE", "REQUESTS", "RESTARTS", "MODELS"):
+            table.add_column(col, no_wrap=True)
+        for c in cores:
+            table.add_row(str(c.get("index")), str(c.get("device")), str(c.get("pid") or "-"),
+                          str(c.get("state")), str(c.get("requests_in_flight", 0)),
+                          str(c.get("restarts", 0)), ", ".join(c.get("models") or []) or "-")
+        typer.echo("")
+        _print(table)
 
 
 def _aliases_epilog() -> str:

@@ -44,7 +44,11 @@ def serve(
     max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
                            ] = None,
     api_workers: Annotated[Optional[int], typer.Option(
-        help="Front-end processes (HTTP, tokenizing, streaming) sharing one engine core.",
+        help="Front-end processes (HTTP, tokenizing, streaming) sharing the engine cores.",
+    )] = None,
+    devices: Annotated[Optional[str], typer.Option(
+        help="One engine core per device: all | 0,1 (GPU indices) | cpu:N (N cores on the "
+             "CPU). Default: one core on the default device.",
     )] = None,
 ) -> None:
     """Run the server in the foreground."""
@@ -53,6 +57,7 @@ def serve(
         "models": {"default": model, "preload": preload or None, "dtype": dtype,
                    "adapter_path": adapter, "trust_remote_code": trust_remote_code},
         "engine": {
+            "devices": devices,
             "max_num_seqs": max_num_seqs,
             "prefill_step_size": prefill_step_size,
             "max_queued_requests": max_queued_requests,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 
@@ -89,8 +90,9 @@ async def status(core: Any) -> dict[str, Any]:
     return {
         "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
         "blas": loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
+        "device": os.environ.get(DEVICE_ENV) or "default",
         "uptime_s": round(time.time() - core.started_at, 3),
-        "requests_in_flight": core._inflight,
+        "requests_in_flight": core._inflight, "requests_total": core.admitted_total,
         "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
                    "caches_bytes": m.dynamic_bytes()},
         "model_loads": dict(m.load_counts), "model_evictions": m.evictions,

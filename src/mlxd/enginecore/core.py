@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from mlxd.config import Settings
+from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
 from mlxd.enginecore import protocol as p
 
@@ -113,6 +114,7 @@ class EngineCore:
         self.ready = False
         self.startup_error: str | None = None
         self._inflight = 0
+        self.admitted_total = 0  # generations admitted since start (per-core load, /health)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._aborted: deque[str] = deque(maxlen=4096)  # aborts that beat their Add
@@ -275,6 +277,7 @@ class EngineCore:
             channel = self._channels[fe] = FrontendChannel(self, fe)
         seq.handle = (channel, (m.rid, seq))
         self._live[m.rid] = _Live(lease, engine, seq, fe)
+        self.admitted_total += 1
         self.out.put((fe, p.Outputs(self.epoch, [p.SeqOut(
             m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))])))
         self.worker.submit(engine, seq)
@@ -353,7 +356,8 @@ class EngineCore:
         last_beat = 0.0
 
         def beat(targets: list[zmq.Socket]) -> None:
-            msg = enc.encode(p.Heartbeat(self.epoch, pid, self.ready, self.startup_error))
+            msg = enc.encode(p.Heartbeat(self.epoch, pid, self.ready, self.startup_error,
+                                         self._inflight))
             for s in targets:
                 with contextlib.suppress(zmq.Again):
                     s.send(msg, zmq.NOBLOCK)
@@ -405,6 +409,18 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _use_device(device: str) -> None:
+    """A core placed on the CPU (``engine.devices: cpu:N``) computes there even where MLX
+    has a GPU; a GPU core needs nothing here: its process sees only its own GPU
+    (``CUDA_VISIBLE_DEVICES``, set by the supervisor), which MLX takes by default."""
+    if device.startswith("cpu"):
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)
+    if device:
+        log.info("engine core device: %s", device)
+
+
 def main(run_dir: str, epoch: int) -> None:
     """The process entry (``python -m mlxd.enginecore RUN_DIR EPOCH``)."""
     import pickle
@@ -416,6 +432,7 @@ def main(run_dir: str, epoch: int) -> None:
 
     info = blas.preload(settings.backend.blas)  # before anything imports MLX
     setup_logging(settings.log.level, settings.log.format)
+    _use_device(os.environ.get(DEVICE_ENV, ""))
     from mlxd.dtype_policy import backend_name
 
     backend = backend_name()

@@ -162,6 +162,7 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
     pid: int
     ready: bool
     error: str | None = None  # the pinned models could not be loaded at start
+    load: int = 0  # requests in flight in this core (all front ends'): routing reads it
 
 
 ToFrontend = Outputs | Reply | Heartbeat

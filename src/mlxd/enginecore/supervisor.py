@@ -7,6 +7,10 @@ from a pickle in the run directory. Each start gets a new ``epoch``; front ends
 learn it from the core's heartbeat and drop anything meant for an older one. A core that
 keeps dying is restarted with a growing delay (doubling up to ``max_delay``), reset once
 it has stayed up for ``stable_after`` seconds.
+
+With ``engine.devices`` naming several devices there is one supervisor per device
+(:func:`supervisors_for`), each with its own run directory (sockets), epochs and restart
+delays: one core's death and restarts never touch another's.
 """
 
 from __future__ import annotations
@@ -22,16 +26,20 @@ import threading
 import time
 from pathlib import Path
 
-from mlxd.config import Settings
+from mlxd.config import ConfigError, Settings
+from mlxd.core.devices import DEFAULT, Device, resolve
 
 log = logging.getLogger(__name__)
 
 
 class CoreSupervisor:
-    def __init__(self, settings: Settings, *, first_delay: float = 0.2,
-                 max_delay: float = 30.0, stable_after: float = 60.0) -> None:
+    def __init__(self, settings: Settings, *, device: Device = DEFAULT, index: int = 0,
+                 first_delay: float = 0.2, max_delay: float = 30.0,
+                 stable_after: float = 60.0) -> None:
         self.settings = settings
-        self.run_dir = Path(tempfile.mkdtemp(prefix="mlxd-"))
+        self.device = device
+        self.index = index  # this core's place among the host's engine cores
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"mlxd-core{index}-"))
         self.epoch = 0
         self.restarts = 0
         self.first_delay = first_delay
@@ -58,9 +66,11 @@ class CoreSupervisor:
         settings_file.write_bytes(pickle.dumps(self.settings))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir), str(self.epoch)],
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.device.env, "PYTHONUNBUFFERED": "1"})
         self._started = time.monotonic()
-        log.info("engine core %d started (pid %d)", self.epoch, self._proc.pid)
+        log.info("engine core %d on %s: epoch %d started (pid %d)", self.index,
+                 self.device.name, self.epoch, self._proc.pid)
 
     def _watch(self) -> None:
         quick_deaths = 0  # in a row, each within stable_after of its start
@@ -73,8 +83,9 @@ class CoreSupervisor:
             quick_deaths = 0 if time.monotonic() - self._started > self.stable_after \
                 else quick_deaths + 1
             delay = min(self.first_delay * 2 ** max(quick_deaths - 1, 0), self.max_delay)
-            log.error("engine core %d (pid %s) died with exit code %s; starting a new one in "
-                      "%.1fs", self.epoch, proc.pid, code, delay)
+            log.error("engine core %d on %s (epoch %d, pid %s) died with exit code %s; "
+                      "starting a new one in %.1fs", self.index, self.device.name, self.epoch,
+                      proc.pid, code, delay)
             for cb in list(self.on_death):
                 try:
                     cb(code)
@@ -99,3 +110,28 @@ class CoreSupervisor:
                 proc.kill()
                 proc.wait(5)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
+    """One supervisor per device of ``engine.devices`` (not started yet); ConfigError for
+    devices this host does not have."""
+    try:
+        devices = resolve(settings.engine.devices, gpu_count,
+                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
+
+
+def gpu_count() -> int:
+    """The GPUs MLX sees, asked of a throwaway interpreter: this process (a front end)
+    never initialises MLX, whose Metal/CUDA state the cores must not inherit."""
+    probe = ("import mlx.core as mx; "
+             "print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        return int(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
+        log.warning("could not count the GPUs (%s); assuming none", exc)
+        return 0

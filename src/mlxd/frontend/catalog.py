@@ -39,8 +39,7 @@ class ModelCatalogOps:
 
         await asyncio.to_thread(remove, self._rt.catalog.store, name)
         self._rt.forget_model(name)
-        if self._rt.client.alive:
-            await self._rt.client.call("forget", name=name)
+        await self._rt.cores.values_all("forget", name=name)  # every core that is up
 
     def describe(self, name: str) -> dict[str, Any]:
         """What /api/show tells: manifest, config.json, chat template."""

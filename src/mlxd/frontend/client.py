@@ -47,8 +47,13 @@ def _died() -> p.WireError:
 
 
 class CoreClient:
-    def __init__(self, run_dir: str | Path, *, dead_after: float = 3.0) -> None:
+    """One engine core's connection (frontend/cores.py's CorePool holds one per device)."""
+
+    def __init__(self, run_dir: str | Path, *, dead_after: float = 3.0, index: int = 0,
+                 device: str | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.index = index  # among this host's engine cores
+        self.device = device  # as the supervisor placed it (None: ask the core's status)
         self.frontend = os.getpid() * 1000 + next(_instances) % 1000
         self.address = f"ipc://{self.run_dir / f'fe-{self.frontend}'}"
         self.dead_after = dead_after
@@ -59,6 +64,7 @@ class CoreClient:
         self.startup_error: str | None = None
         self.deaths = 0
         self._last_beat = 0.0
+        self.core_load = 0  # the core's requests in flight, all front ends', per heartbeat
         self._streams: dict[str, asyncio.Queue] = {}
         self._orphans: list[str] = []  # failed on a stall; aborted if the same core returns
         self._calls: dict[int, asyncio.Future] = {}
@@ -92,6 +98,21 @@ class CoreClient:
         self._pull.close(0)
         self._ctx.term()
         self._ctx = None
+
+    @property
+    def started(self) -> bool:
+        return self._ctx is not None
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready
+
+    @property
+    def load(self) -> int:
+        """How busy the core is, for routing: its last heartbeat's count (every front
+        end's requests, up to 200 ms old) or this front end's own streams and calls there
+        (exact, so a burst spreads before the next heartbeat), whichever is larger."""
+        return max(self.core_load, len(self._streams) + len(self._calls))
 
     # -- sending -----------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
@@ -174,7 +195,8 @@ class CoreClient:
                 self._declare_dead()
             self.epoch, self.core_pid, self.alive = hb.epoch, hb.pid, True
             self._orphans = []
-            log.info("connected to engine core %d (pid %d)", hb.epoch, hb.pid)
+            log.info("connected to engine core %d (epoch %d, pid %d)", self.index, hb.epoch,
+                     hb.pid)
         elif not self.alive:
             # The same core, silent for a while (a stall: swap, a starved CPU) and back.
             # What we failed when we gave up on it may still run there: abort it, then
@@ -188,6 +210,7 @@ class CoreClient:
             self._orphans = []
         self.ready = hb.ready
         self.startup_error = hb.error
+        self.core_load = hb.load
         if hb.ready:
             self._ready_event.set()
 
@@ -205,8 +228,9 @@ class CoreClient:
                     self._send(p.Hello(self.frontend, self.address))
 
     def _declare_dead(self) -> None:
-        log.error("engine core %d (pid %s) is gone or stalled; failing %d request(s) in "
-                  "flight", self.epoch, self.core_pid, len(self._streams))
+        log.error("engine core %d (epoch %d, pid %s) is gone or stalled; failing %d "
+                  "request(s) in flight", self.index, self.epoch, self.core_pid,
+                  len(self._streams))
         self._orphans = list(self._streams)
         self.alive = self.ready = False
         self.deaths += 1

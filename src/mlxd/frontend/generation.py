@@ -30,10 +30,10 @@ def _finite(x: float) -> float:
 class Generation:
     """Iterate for events; leaving early (or :meth:`close`) cancels it in the core."""
 
-    def __init__(self, runtime: Any, model: str, processor: Any, tokens: list[int] | None,
-                 params: Any, plan: Any, add: p.Add) -> None:
+    def __init__(self, runtime: Any, client: Any, model: str, processor: Any,
+                 tokens: list[int] | None, params: Any, plan: Any, add: p.Add) -> None:
         self._runtime = runtime
-        self._client = runtime.client
+        self._client = client  # the engine core chosen for it (frontend/cores.py)
         self.model = model
         self._proc = processor
         self.prompt_tokens: Any = tokens if tokens is not None else []

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxd.frontend.health import merge_models
+
 
 @dataclass
 class LoadedModel:
@@ -58,9 +60,10 @@ class ModelsView:
         return self._rt.catalog.installed()
 
     async def loaded(self) -> list[LoadedModel]:
-        if not self._rt.client.alive:
-            return []
-        return [LoadedModel.from_view(v) for v in await self._rt.client.call("loaded")]
+        """Every core's loaded models, one entry per model (see frontend/health.py)."""
+        replies = await self._rt.cores.values_all("loaded")
+        views = merge_models([(c.index, v) for c, v in replies])
+        return [LoadedModel.from_view(v) for v in views]
 
     async def get_loaded(self, name: str | None) -> LoadedModel | None:
         name = self.resolve(name)
@@ -76,8 +79,16 @@ class ModelsView:
                            context_length=info["context_length"])
 
     async def unload(self, name: str | None = None) -> dict[str, Any]:
-        result = await self._rt.client.call("unload", model=None if name is None
-                                            else self.resolve(name))
-        for n in result.get("unloaded", []):
+        """Unload from every core that is up; the names any of them unloaded or deferred."""
+        model = None if name is None else self.resolve(name)
+        replies = await self._rt.cores.values_all("unload", model=model)
+        result: dict[str, Any] = {"unloaded": [], "deferred": []}
+        for _, r in replies:
+            for key, value in r.items():
+                if isinstance(value, list):
+                    result[key] = list(dict.fromkeys([*result.get(key, []), *value]))
+                elif key not in result:
+                    result[key] = value  # the first core's (memory)
+        for n in result["unloaded"]:
             self._rt.forget_model(n)
         return result

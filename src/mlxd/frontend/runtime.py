@@ -41,10 +41,11 @@ from mlxd.core.types import (
     TokenizeResult,
 )
 from mlxd.enginecore import protocol as p
-from mlxd.enginecore.supervisor import CoreSupervisor
-from mlxd.frontend import prompts
+from mlxd.enginecore.supervisor import supervisors_for
+from mlxd.frontend import health, prompts
 from mlxd.frontend.catalog import ModelCatalogOps
 from mlxd.frontend.client import CoreClient
+from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.observability.context import add_usage, note
@@ -52,17 +53,24 @@ from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
 
-CORE_DIR_ENV = "MLXD_CORE_DIR"  # a front end of `--api-workers N`: the core is elsewhere
+# A front end of `--api-workers N`: the cores are elsewhere; their run directories,
+# os.pathsep-separated, in core order.
+CORE_DIR_ENV = "MLXD_CORE_DIR"
 
 
 class Runtime:
-    def __init__(self, settings: Settings, *, core_dir: str | Path | None = None,
+    def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
                  startup_timeout: float = 3600.0) -> None:
         self.settings = settings
         self.catalog = ModelCatalog.from_settings(settings)
-        self.supervisor = None if core_dir is not None else CoreSupervisor(settings)
-        run_dir = core_dir if core_dir is not None else self.supervisor.run_dir  # type: ignore
-        self.client = CoreClient(run_dir)
+        # this process supervises the cores, or (core_dirs given) another process does
+        self.supervisors = supervisors_for(settings) if core_dirs is None else []
+        e = settings.engine
+        self.cores = CorePool(
+            core_dirs if core_dirs is not None else [s.run_dir for s in self.supervisors],
+            devices=[s.device.name for s in self.supervisors] or None,
+            affinity_slack=e.affinity_slack,
+            affinity_min_tokens=max(e.prefix_cache_min_tokens, 1))
         self.models = ModelsView(self)
         self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
         self.startup_timeout = startup_timeout
@@ -73,26 +81,26 @@ class Runtime:
         self._processors: dict[tuple[str, str], Any] = {}
         self._loading: dict[tuple[str, str], asyncio.Future] = {}
         self._info: dict[str, dict[str, Any]] = {}
-        self._info_epoch = 0
+        self._info_epoch: tuple[int, ...] = ()
         self.backend = "unknown"
         self.blas = "unknown"  # the BLAS the engine core loaded (it runs the matmuls)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        if self.supervisor is not None:
-            self.supervisor.start()
         try:
-            await self.client.start()
-            await self.client.wait_ready(self.startup_timeout)
-            if self.client.startup_error:
+            for sup in self.supervisors:
+                sup.start()
+            await self.cores.start()
+            await self.cores.wait_ready(self.startup_timeout)
+            if self.cores.startup_error:
                 raise RuntimeError(f"the engine core could not load the pinned models: "
-                                   f"{self.client.startup_error}")
+                                   f"{self.cores.startup_error}")
         except BaseException:
             await self.stop()  # a failed start leaves no engine core behind
             raise
         try:
-            core = await self.client.call("status")
+            core = await self.cores.call("status")
             self.backend = core["backend"]
             self.blas = core.get("blas", self.blas)
         except Exception:  # noqa: BLE001 - only informative
@@ -120,60 +128,66 @@ class Runtime:
                 log.warning("could not prepare the tokenizer of %s", name, exc_info=True)
 
     async def stop(self) -> None:
-        if getattr(self.client, "_ctx", None) is not None:
-            await self.client.close()
-        if self.supervisor is not None:
-            await asyncio.to_thread(self.supervisor.stop)
+        await self.cores.close()
+        for sup in self.supervisors:
+            await asyncio.to_thread(sup.stop)
 
     # -- status ------------------------------------------------------------------------------
     @property
     def healthy(self) -> bool:
         """Able to serve: a core that is up with its pinned models loaded, no drain."""
-        return self.client.alive and self.client.ready and not self.draining
+        return bool(self.cores.serving) and not self.draining
 
     @property
     def restarts(self) -> int:
-        return self.supervisor.restarts if self.supervisor is not None else self.client.deaths
+        if self.supervisors:
+            return sum(s.restarts for s in self.supervisors)
+        return self.cores.deaths
 
     @property
     def admission_limit(self) -> int:
         e = self.settings.engine
-        return e.max_num_seqs + e.max_queued_requests
+        return (e.max_num_seqs + e.max_queued_requests) * len(self.cores)
 
     @property
     def state(self) -> str:
-        """ok | draining | restarting (no core, or its pinned models still loading)."""
+        """ok | degraded (some cores restarting, the others serve) | draining | restarting
+        (no core serving: none up, or their pinned models still loading)."""
         if self.healthy:
-            return "ok"
+            return "ok" if len(self.cores.serving) == len(self.cores) else "degraded"
         return "draining" if self.draining else "restarting"
 
     async def status(self) -> dict[str, Any]:
-        core: dict[str, Any] = {}
-        if self.client.alive:
-            try:
-                core = await asyncio.wait_for(self.client.call("status"), 5)
-            except Exception:  # noqa: BLE001 - /health must answer whatever the core does
-                core = {}
+        replies = await self.cores.call_all("status", timeout=5)
+        found = {c.index: r for c, r in replies if isinstance(r, dict)}
+        cores = [health.core_view(c, found.get(c.index), self._restarts_of(c))
+                 for c in self.cores.clients]
+        merged = health.merge_status(sorted(found.items()))
+        first = cores[0]
         return {
             "status": self.state,
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
-            "engine_core": {"pid": self.client.core_pid, "epoch": self.client.epoch,
-                            "alive": self.client.alive, "ready": self.client.ready},
-            "model_loaded": bool(core.get("models")),
+            "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")},
+            "engine_cores": cores,
+            "model_loaded": bool(merged["models"]),
             "default_model": self.catalog.default_name,
             "uptime_s": round(time.time() - self.started_at, 3),
-            "requests_in_flight": core.get("requests_in_flight", 0),
-            "memory": core.get("memory", {}),
-            "model_loads": core.get("model_loads", {}),
-            "model_evictions": core.get("model_evictions", 0),
-            "models": core.get("models", []),
+            **merged,
         }
 
+    def _restarts_of(self, client: CoreClient) -> int:
+        for s in self.supervisors:
+            if s.index == client.index:
+                return s.restarts
+        return client.deaths
+
     async def memory(self) -> dict[str, int]:
-        return (await self.client.call("status"))["memory"]
+        replies = await self.cores.values_all("status")
+        return health.merge_status([(c.index, r) for c, r in replies])["memory"]
 
     def _check_serving(self) -> None:
+        """Some core serves (a core that died fails only its own requests)."""
         if self.draining:
             raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
         if not self.healthy:
@@ -184,11 +198,19 @@ class Runtime:
     async def model_info(self, name: str, keep_alive: Any = None, *, fresh: bool = False
                          ) -> dict[str, Any]:
         """What the core knows of a model, loading it if needed (cached per core)."""
-        if self._info_epoch != self.client.epoch:
-            self._info, self._info_epoch = {}, self.client.epoch
+        if self._info_epoch != self.cores.epochs:
+            self._info, self._info_epoch = {}, self.cores.epochs
         info = None if fresh else self._info.get(name)
         if info is None:
-            info = await self.client.call("touch", model=name, keep_alive=keep_alive)
+            if fresh:  # a load without a request (Ollama's empty prompt): every core
+                replies = await self.cores.values_all("touch", model=name,
+                                                      keep_alive=keep_alive)
+                if not replies:
+                    raise Unavailable("the engine core is not running (restarting); retry "
+                                      "shortly", headers={"Retry-After": "2"})
+                info = replies[0][1]
+            else:  # a request's model: on the core its first request will get
+                info = await self.cores.call("touch", model=name, keep_alive=keep_alive)
             self._info[name] = self._info[info["name"]] = info
         return info
 
@@ -270,8 +292,9 @@ class Runtime:
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
             vision=vision)
-        gen = Generation(self, name, proc, tokens if vision is None else None, params, plan,
-                         add)
+        core = self.cores.pick(name, tokens)
+        gen = Generation(self, core, name, proc, tokens if vision is None else None, params,
+                         plan, add)
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         await gen.start()
         return gen
@@ -310,7 +333,7 @@ class Runtime:
                             headers={"Retry-After": "1"})
         self._admitted += 1
         try:
-            return await self.client.call(method, **args)
+            return await self.cores.call(method, **args)
         finally:
             self._admitted -= 1
 

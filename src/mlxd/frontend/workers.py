@@ -1,8 +1,8 @@
 """The app of one front-end process among ``--api-workers N`` (uvicorn's worker processes).
 
-The ``mlxd serve`` process starts the engine core and uvicorn's process manager; each
-worker builds its app here from the settings the core was started with and connects to
-that core (``MLXD_CORE_DIR``) instead of starting one of its own.
+The ``mlxd serve`` process starts the engine cores and uvicorn's process manager; each
+worker builds its app here from the settings the cores were started with and connects to
+every core (``MLXD_CORE_DIR``: their run directories) instead of starting its own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def app_factory() -> FastAPI:
     from mlxd.api.app import create_app
     from mlxd.observability.logs import setup_logging
 
-    run_dir = Path(os.environ[CORE_DIR_ENV])
-    settings = pickle.loads((run_dir / "settings.pkl").read_bytes())
+    run_dirs = [Path(d) for d in os.environ[CORE_DIR_ENV].split(os.pathsep)]
+    settings = pickle.loads((run_dirs[0] / "settings.pkl").read_bytes())
     setup_logging(settings.log.level, settings.log.format)
-    return create_app(settings, Runtime(settings, core_dir=run_dir))
+    return create_app(settings, Runtime(settings, core_dirs=run_dirs))

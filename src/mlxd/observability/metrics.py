@@ -26,28 +26,51 @@ CORE_FAMILIES = frozenset({
 })
 
 
-class MergedCollector:
-    """This process's families plus the engine core's (parsed from its text format)."""
+def core_families(core_texts: list[str]) -> Any:
+    """The engine cores' families (parsed from their text format). With several cores
+    (one per device) each sample gets an ``engine_core`` label, its core's index, and each
+    family is exposed once with every core's samples."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
 
-    def __init__(self, core_text: str) -> None:
-        self.core_text = core_text
+    if len(core_texts) == 1:
+        for family in text_string_to_metric_families(core_texts[0]):
+            if family.name in CORE_FAMILIES:
+                yield family
+        return
+    merged: dict[str, Metric] = {}
+    for index, text in enumerate(core_texts):
+        for family in text_string_to_metric_families(text):
+            if family.name not in CORE_FAMILIES:
+                continue
+            m = merged.get(family.name)
+            if m is None:
+                m = merged[family.name] = Metric(family.name, family.documentation,
+                                                 family.type, family.unit)
+            m.samples.extend(s._replace(labels={**s.labels, "engine_core": str(index)})
+                             for s in family.samples)
+    yield from merged.values()
+
+
+class MergedCollector:
+    """This process's families plus the engine cores' (``core_texts``: one per core, in
+    core order; a core that did not answer: an empty text)."""
+
+    def __init__(self, core_texts: list[str]) -> None:
+        self.core_texts = core_texts
 
     def collect(self) -> Any:
-        from prometheus_client.parser import text_string_to_metric_families
-
         for family in REGISTRY.collect():
             if family.name not in CORE_FAMILIES:
                 yield family
-        for family in text_string_to_metric_families(self.core_text):
-            if family.name in CORE_FAMILIES:
-                yield family
+        yield from core_families(self.core_texts)
 
 
-def merged_text(core_text: str) -> bytes:
+def merged_text(core_texts: list[str]) -> bytes:
     from prometheus_client import generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(MergedCollector(core_text))  # type: ignore[arg-type]
+    registry.register(MergedCollector(core_texts))  # type: ignore[arg-type]
     return generate_latest(registry)
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -1,0 +1,77 @@
+"""/health's and the model views' answers from several engine cores: per core, and merged.
+
+Each core reports its own models, requests and memory (enginecore/calls.py ``status`` and
+``loaded``); a host with one core per device shows each core (``engine_cores``: device,
+pid, state, loaded models, requests) and totals over the cores that answered, with a model
+loaded on several cores listed once, naming the cores that hold it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SUMMED = ("active_requests", "running", "waiting")
+
+
+def core_state(client: Any) -> str:
+    if client.serving:
+        return "ok"
+    return "loading" if client.alive else "restarting"
+
+
+def core_view(client: Any, status: dict[str, Any] | None, restarts: int) -> dict[str, Any]:
+    """One core as /health and /api/ps show it (``status``: its status call, None when it
+    did not answer)."""
+    st = status or {}
+    return {
+        "index": client.index,
+        "device": st.get("device") or client.device or "default",
+        "pid": client.core_pid, "epoch": client.epoch,
+        "alive": client.alive, "ready": client.ready, "state": core_state(client),
+        "restarts": restarts,
+        "requests_in_flight": st.get("requests_in_flight", 0),
+        "requests_total": st.get("requests_total", 0),
+        "models": [m["name"] for m in st.get("models", [])],
+        "memory": st.get("memory", {}),
+    }
+
+
+def merge_models(per_core: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """Loaded-model views (enginecore/calls.py ``loaded_view``) of each core, one per model:
+    request counts summed, the latest expiry, and ``engine_cores`` (the cores holding it)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for index, views in per_core:
+        for v in views:
+            m = merged.get(v["name"])
+            if m is None:
+                merged[v["name"]] = {**v, "engine_cores": [index]}
+                continue
+            m["engine_cores"].append(index)
+            for key in _SUMMED:
+                if isinstance(v.get(key), int):
+                    m[key] = (m.get(key) or 0) + v[key]
+            a, b = m.get("expires_at"), v.get("expires_at")
+            m["expires_at"] = None if a is None or b is None else max(a, b)
+            m["pinned"] = bool(m.get("pinned")) or bool(v.get("pinned"))
+    return list(merged.values())
+
+
+def merge_status(per_core: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Totals of several cores' status calls, (core index, status) each (one core: its own
+    figures)."""
+    statuses = [st for _, st in per_core]
+    memory: dict[str, int] = {}
+    loads: dict[str, int] = {}
+    for st in statuses:
+        for k, v in st.get("memory", {}).items():
+            if isinstance(v, int):
+                memory[k] = memory.get(k, 0) + v
+        for k, v in st.get("model_loads", {}).items():
+            loads[k] = loads.get(k, 0) + v
+    return {
+        "requests_in_flight": sum(st.get("requests_in_flight", 0) for st in statuses),
+        "memory": memory,
+        "model_loads": loads,
+        "model_evictions": sum(st.get("model_evictions", 0) for st in statuses),
+        "models": merge_models([(i, st.get("models", [])) for i, st in per_core]),
+    }
