@@ -242,7 +242,48 @@ class ModelSettings(_Section):
     )
 
 
+class DistributedSettings(_Section):
+    """How the ranks of a tensor-parallel engine core reach each other (MLX's own
+    ``mx.distributed``): see engine.tensor_parallel."""
+
+    backend: Literal["auto", "ring", "nccl"] = Field(
+        "auto",
+        description=(
+            "mx.distributed backend of the rank group: 'ring' (TCP, any machine), 'nccl' "
+            "(NVIDIA GPUs), 'auto': nccl when MLX sees CUDA, else ring."
+        ),
+    )
+    hosts: Path | None = Field(
+        None,
+        description=(
+            "An mlx.launch hostfile (JSON: a list of {\"ssh\": host, \"ips\": [ip]}) to span "
+            "hosts: rank 0 (this host, the first entry) serves HTTP and schedules; rank i runs "
+            "on entry i, started over ssh, with mlxd installed and the model at the same "
+            "path there. null: every rank on this host (loopback)."
+        ),
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "First TCP port of the group (ring: one per rank; nccl: the coordinator's). "
+            "0: free ports picked at each start (single host only)."
+        ),
+    )
+
+
 class EngineSettings(_Section):
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks one model is sharded over (mlx-lm tensor parallelism over mx.distributed): "
+            "the engine core becomes a group of this many processes that step in lockstep; "
+            "rank 0 schedules. Text models only; 1: one process, no sharding."
+        ),
+    )
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
     max_num_seqs: int = Field(
         32, ge=1, description="Sequences decoded together in one batch (per model)."
     )

@@ -46,6 +46,9 @@ def serve(
     api_workers: Annotated[Optional[int], typer.Option(
         help="Front-end processes (HTTP, tokenizing, streaming) sharing one engine core.",
     )] = None,
+    tensor_parallel: Annotated[Optional[int], typer.Option(
+        help="Shard the text model over N ranks (mx.distributed: ring on CPU, NCCL on CUDA).",
+    )] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
@@ -60,6 +63,7 @@ def serve(
             "kv_quant_scheme": kv_quant_scheme,
             "kv_group_size": kv_group_size,
             "max_kv_size": max_kv_size,
+            "tensor_parallel": tensor_parallel,
         },
         "log": {"level": log_level, "format": log_format},
     }

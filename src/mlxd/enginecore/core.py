@@ -424,5 +424,9 @@ def main(run_dir: str, epoch: int) -> None:
     # group, and the front end's drain must not lose its core before it is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if settings.engine.tensor_parallel > 1:
+        from mlxd.enginecore import group
+
+        group.lead(settings)  # rank 0 of a tensor-parallel group (enginecore/group.py)
     core = EngineCore(settings, run_dir, epoch)
     asyncio.run(core.run())

@@ -21,8 +21,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxd.config import Settings
+
+if TYPE_CHECKING:
+    from mlxd.enginecore import group
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class CoreSupervisor:
         self.first_delay = first_delay
         self.max_delay = max_delay
         self.stable_after = stable_after
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | group.RankGroup | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_death: list = []  # callables(exitcode), run on the supervisor thread
@@ -56,9 +60,15 @@ class CoreSupervisor:
         self.epoch += 1
         settings_file = self.run_dir / "settings.pkl"
         settings_file.write_bytes(pickle.dumps(self.settings))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir), str(self.epoch)],
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.settings.engine.tensor_parallel > 1:  # a group of rank processes
+            from mlxd.enginecore import group
+
+            self._proc = group.spawn(self.settings, self.run_dir, self.epoch, env)
+        else:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir),
+                 str(self.epoch)], stdin=subprocess.DEVNULL, env=env)
         self._started = time.monotonic()
         log.info("engine core %d started (pid %d)", self.epoch, self._proc.pid)
 
