@@ -69,8 +69,9 @@ def main(run_dir: str, epoch: int, bind: str) -> None:
     threading.Thread(target=read, name="mlxd-tp-read", daemon=True).start()
     threading.Thread(target=watch_parent, name="mlxd-tp-parent", daemon=True).start()
 
-    from mlxd.engines import tensor_parallel
+    from mlxd.engines import llm, tensor_parallel  # imported now: the first load is sooner
 
+    del llm
     group = init_rank(settings)
     tensor_parallel.setup(group, None)
     replay = tensor_parallel.Replayer()

@@ -152,7 +152,9 @@ class Runtime:
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
             "engine_core": {"pid": self.client.core_pid, "epoch": self.client.epoch,
-                            "alive": self.client.alive, "ready": self.client.ready},
+                            "alive": self.client.alive, "ready": self.client.ready} | (
+                {"tensor_parallel": core["tensor_parallel"]} if core.get("tensor_parallel")
+                else {}),
             "model_loaded": bool(core.get("models")),
             "default_model": self.catalog.default_name,
             "uptime_s": round(time.time() - self.started_at, 3),

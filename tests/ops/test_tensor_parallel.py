@@ -1,0 +1,146 @@
+"""engine.tensor_parallel: 2 ranks on loopback (mx.distributed's ring backend, CPU) serve
+the tiny model sharded, with the tokens one process gives; a rank killed -> the group's
+requests end with 503, the group restarts with its model, and serves again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import LiveServer, make_settings
+
+MODEL = "tiny-llama"
+PROMPTS = ["hello there", "the quick brown fox", "1 2 3 4 5 6 7", "a"]
+
+
+def _wait(pred, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _ready(srv: LiveServer) -> LiveServer:
+    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, tiny_llama):
+    srv = _ready(LiveServer(make_settings(tmp_path_factory.mktemp("tp1"), tiny_llama)).start())
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory, tiny_llama):
+    srv = _ready(LiveServer(make_settings(tmp_path_factory.mktemp("tp2"), tiny_llama,
+                                          engine={"tensor_parallel": 2})).start())
+    yield srv
+    srv.stop()
+
+
+def _requests() -> list[dict]:
+    """Greedy rows of different lengths in one batch (they join and leave it at different
+    steps), a seeded sampled row, and a grammar-constrained row (processors on rank 0)."""
+    reqs = [{"prompt": p, "max_tokens": 6 + 3 * i, "temperature": 0}
+            for i, p in enumerate(PROMPTS)]
+    reqs.append({"prompt": "once upon", "max_tokens": 10, "temperature": 0.9, "seed": 7})
+    reqs.append({"messages": [{"role": "user", "content": "json please"}], "max_tokens": 12,
+                 "temperature": 0, "response_format": {"type": "json_object"}})
+    return reqs
+
+
+def _run(srv: LiveServer) -> list[tuple[str, int]]:
+    def one(body: dict) -> tuple[str, int]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(srv.url + path, json={"model": MODEL, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return text, r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(len(_requests())) as pool:
+        return list(pool.map(one, _requests()))
+
+
+def test_two_ranks_give_the_tokens_of_one_process(one, tp):
+    h = tp.health()
+    group = h["engine_core"]["tensor_parallel"]
+    assert group["size"] == 2 and group["backend"] == "ring"
+    assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
+    assert "tensor_parallel" not in one.health()["engine_core"]
+    expected = _run(one)
+    assert [n for _, n in expected[:4]] == [6, 9, 12, 15]
+    assert _run(tp) == expected
+    # a stream whose client leaves mid-way: rank 0 removes the row, the followers too,
+    # and the batch stays in step for the next requests
+    with httpx.stream("POST", tp.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break
+    assert _run(tp) == expected
+
+
+def _stream(url: str, out: list, started: threading.Event) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 200, "stream": True}
+    text = ""
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                    text += line
+                    if line == "data: [DONE]":
+                        break
+        out.append((r.status_code, text))
+    except httpx.HTTPError as exc:
+        out.append((0, repr(exc)))
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_rank_fails_the_groups_requests_and_the_group_restarts(one, tp, rank):
+    before = tp.health()
+    pids = before["engine_core"]["tensor_parallel"]["rank_pids"]
+    tp.fault("slow_steps", model=MODEL, seconds=0.02)
+    results: list = []
+    started = [threading.Event() for _ in range(4)]
+    threads = [threading.Thread(target=_stream, args=(tp.url, results, ev)) for ev in started]
+    for t in threads:
+        t.start()
+    assert all(ev.wait(20) for ev in started)
+    os.kill(pids[rank], signal.SIGKILL)  # kill -9 of one rank, from outside
+    assert _wait(lambda: httpx.get(tp.url + "/health").status_code == 503, 5)
+    r = httpx.post(tp.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers["retry-after"]
+    for t in threads:
+        t.join(30)
+    assert len(results) == 4
+    for status, text in results:
+        assert status == 200 and "service_unavailable" in text, text[-300:]
+        assert text.endswith("data: [DONE]")
+    # every rank of the old group is gone; a new group loaded the pinned model
+    assert _wait(lambda: not any(_alive(p) for p in pids), 10)
+    assert _wait(lambda: httpx.get(tp.url + "/health").status_code == 200, 90)
+    h = tp.health()
+    new = h["engine_core"]["tensor_parallel"]["rank_pids"]
+    assert not set(new) & set(pids) and h["worker_restarts"] == before["worker_restarts"] + 1
+    assert MODEL in [m["name"] for m in h["models"]]
+    assert _run(tp) == _run(one)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
