@@ -47,19 +47,27 @@ def group_size(settings: Settings) -> int:
     return settings.engine.tensor_parallel
 
 
+_has_cuda: list[bool] = []  # asked once per process
+
+
 def backend(settings: Settings) -> str:
     b = settings.engine.distributed.backend
     if b != "auto":
         return b
-    import importlib.util
+    if not _has_cuda:
+        # asked in a child: importing mlx here would put MLX state into the serving process
+        out = subprocess.run([sys.executable, "-c", "import mlx.core as mx; "
+                              "print(int(mx.cuda.is_available()))"],
+                             capture_output=True, text=True, timeout=120)
+        _has_cuda.append(out.stdout.strip() == "1")
+    return "nccl" if _has_cuda[0] else "ring"
 
-    if importlib.util.find_spec("mlx") is None:
-        return "ring"
-    # asked in a child: importing mlx here would put MLX state into the serving process
-    out = subprocess.run([sys.executable, "-c", "import mlx.core as mx; "
-                          "print(int(mx.cuda.is_available()))"],
-                         capture_output=True, text=True, timeout=120)
-    return "nccl" if out.stdout.strip() == "1" else "ring"
+
+def _gpu(local: int, env: dict[str, str]) -> str:
+    """The GPU of a host's ``local``-th rank: the local-th of those the server may use
+    (CUDA_VISIBLE_DEVICES, when the operator narrowed them), else GPU ``local``."""
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[local] if local < len(visible) else str(local)
 
 
 def command_address(run_dir: Path, epoch: int, rank: int, host: str | None = None,
@@ -189,8 +197,9 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
                                         None if h["ssh"] is None else h["ip"], ports[n + rank])
         addresses.append(connect)
         renv = {**common, "MLX_RANK": str(rank)}
-        if be == "nccl":
-            renv["CUDA_VISIBLE_DEVICES"] = str(rank)
+        if be == "nccl":  # one GPU per rank, counted per host
+            local = sum(1 for o in hosts[:rank] if o["ssh"] == h["ssh"])
+            renv["CUDA_VISIBLE_DEVICES"] = _gpu(local, env if h["ssh"] is None else {})
         argv = [sys.executable, "-m", "mlxd.enginecore.follower", str(run_dir), str(epoch),
                 bind]
         if h["ssh"] is None:
@@ -201,7 +210,7 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     renv = {**common, "MLX_RANK": "0", RANK_PIDS_ENV: ",".join(str(p.pid) for p in followers),
             "MLXD_TP_FOLLOWERS": json.dumps(addresses)}
     if be == "nccl":
-        renv["CUDA_VISIBLE_DEVICES"] = "0"
+        renv["CUDA_VISIBLE_DEVICES"] = _gpu(0, env)
     rank0 = subprocess.Popen(
         [sys.executable, "-m", "mlxd.enginecore", str(run_dir), str(epoch)],
         stdin=subprocess.DEVNULL, env={**env, **renv})

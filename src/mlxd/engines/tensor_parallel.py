@@ -111,7 +111,8 @@ def share_tokens(gen: Any) -> None:
     if g is None or not len(batch) or tokens is None:
         return
     with mx.stream(gen.stream):
-        mine = tokens if g.rank() == 0 else mx.zeros_like(tokens)
+        # int32: a type every backend sums (NCCL has no unsigned 32-bit sum everywhere)
+        mine = tokens.astype(mx.int32) if g.rank() == 0 else mx.zeros(tokens.shape, mx.int32)
         batch._next_tokens = mx.distributed.all_sum(mine, group=g).astype(tokens.dtype)
 
 
