@@ -144,3 +144,30 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama, monkeypatch):
+    """engine.distributed.hosts: rank 1 is started the way it is on another host (over ssh,
+    its hostfile and settings written there, commands over TCP). The ``ssh`` here is a
+    stand-in that runs the remote command on this machine, over loopback."""
+    from conftest import free_port
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ssh"
+    fake.write_text('#!/bin/sh\nfor last; do :; done\necho "$@" > "$0.args"\n'
+                    'exec /bin/bash -c "$last"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[{"ssh": "head", "ips": ["127.0.0.1"]}, '
+                     '{"ssh": "peer", "ips": ["127.0.0.1"]}]')
+    srv = _ready(LiveServer(make_settings(
+        tmp_path / "home", tiny_llama, engine={"tensor_parallel": 2, "distributed": {
+            "backend": "ring", "hosts": str(hosts), "port": free_port()}})).start())
+    try:
+        assert "peer" in (bin_dir / "ssh.args").read_text()
+        assert srv.health()["engine_core"]["tensor_parallel"]["size"] == 2
+        assert _run(srv) == _run(one)
+    finally:
+        srv.stop()
