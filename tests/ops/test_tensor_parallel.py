@@ -88,6 +88,13 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
             if i > 3:
                 break
     assert _run(tp) == expected
+    # unloaded (Ollama's keep_alive 0) and loaded again: every rank drops its shard and
+    # loads it again, and the new batch is in step too
+    r = httpx.post(tp.url + "/api/generate", json={"model": MODEL, "keep_alive": 0})
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+    assert MODEL not in [m["name"] for m in tp.health()["models"]]
+    assert _run(tp) == expected
+    assert tp.health()["model_loads"][MODEL] == 2
 
 
 def _stream(url: str, out: list, started: threading.Event) -> None:

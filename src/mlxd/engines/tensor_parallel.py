@@ -30,9 +30,10 @@ rank 0's engine core installs; engines read them through :func:`group` and :func
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,38 @@ def publish(cmd: tuple) -> None:
     fn = _state["publish"]
     if fn is not None:
         fn(cmd)
+
+
+@contextlib.contextmanager
+def loading(eid: int) -> Iterator[None]:
+    """Around rank 0's load: if it fails, the followers (told to load first) drop theirs."""
+    try:
+        yield
+    except BaseException:
+        if eid:
+            publish(("close", eid))
+        raise
+
+
+def check_loaded(eid: int, name: str) -> None:
+    """Rank 0, on the device thread (in step order), once a model is loaded: did every rank
+    load it? One ``all_sum`` of "I have it" flags; the followers answer it at ``check``. A
+    model some follower lacks is a failed load here, not a group stuck in its first step."""
+    from mlxd.core.errors import ModelLoadError
+
+    g = _state["group"]
+    publish(("check", eid))
+    have = _count_loaded(True, g)
+    if have < g.size():
+        publish(("close", eid))
+        raise ModelLoadError(f"model '{name}' loaded on {have} of {g.size()} tensor-parallel "
+                             "ranks (see the other ranks' logs)")
+
+
+def _count_loaded(mine: bool, g: Any) -> int:
+    with mx.stream(mx.default_stream(mx.default_device())):
+        n = mx.distributed.all_sum(mx.array([int(mine)], dtype=mx.int32), group=g)
+        return int(n.item())
 
 
 def shard(model: Any, name: str) -> None:
@@ -159,14 +192,19 @@ class Replayer:
     def __init__(self) -> None:
         self.engines: dict[int, Any] = {}
         self.gens: dict[int, Any] = {}
-        self.failed: set[int] = set()  # loads that failed here (and, so, on rank 0)
+        self.failed: set[int] = set()  # loads that failed here (check tells rank 0)
 
     def apply(self, cmd: list) -> None:
         op, eid = cmd[0], cmd[1]
         if op == "load":
             self._load(eid, cmd[2], cmd[3], cmd[4])
             return
+        if op == "check":
+            _count_loaded(eid not in self.failed, _state["group"])
+            return
         if eid in self.failed:
+            if op == "close":
+                self.failed.discard(eid)
             return
         if op == "new":
             old = self.gens.pop(eid, None)
@@ -200,6 +238,6 @@ class Replayer:
 
         try:
             self.engines[eid] = LLMEngine(name, Path(path), **options)
-        except Exception:  # noqa: BLE001 - rank 0 failed the same load and says so
+        except Exception:  # noqa: BLE001 - rank 0 learns it at "check", or failed too
             log.exception("follower could not load '%s'", name)
             self.failed.add(eid)
