@@ -9,8 +9,10 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from conftest import LiveServer, make_settings
 
@@ -33,16 +35,32 @@ def _ready(srv: LiveServer) -> LiveServer:
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, tiny_llama):
-    srv = _ready(LiveServer(make_settings(tmp_path_factory.mktemp("tp1"), tiny_llama)).start())
+def embedder(tmp_path_factory) -> Path:
+    from fixtures.tiny_encoders import make_tiny_bert_embedder
+
+    return make_tiny_bert_embedder(tmp_path_factory.mktemp("emb") / "tiny-embed")
+
+
+def _server(home: Path, model: Path, embedder: Path, **sections) -> LiveServer:
+    from mlxd.store.local import ModelStore
+    from mlxd.store.pull import pull
+
+    settings = make_settings(home, model, **sections)
+    pull(ModelStore(settings.models_dir), str(embedder), settings.models, as_name="tiny-embed")
+    return _ready(LiveServer(settings).start())
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, tiny_llama, embedder):
+    srv = _server(tmp_path_factory.mktemp("tp1"), tiny_llama, embedder)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory, tiny_llama):
-    srv = _ready(LiveServer(make_settings(tmp_path_factory.mktemp("tp2"), tiny_llama,
-                                          engine={"tensor_parallel": 2})).start())
+def tp(tmp_path_factory, tiny_llama, embedder):
+    srv = _server(tmp_path_factory.mktemp("tp2"), tiny_llama, embedder,
+                  engine={"tensor_parallel": 2})
     yield srv
     srv.stop()
 
@@ -95,6 +113,15 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
     assert MODEL not in [m["name"] for m in tp.health()["models"]]
     assert _run(tp) == expected
     assert tp.health()["model_loads"][MODEL] == 2
+
+
+def test_encoders_run_unsharded_on_rank_0(one, tp):
+    """Only text models are sharded; an embedding model is served by rank 0 alone."""
+    body = {"model": "tiny-embed", "input": ["hello there", "a b c"]}
+    got = [httpx.post(s.url + "/v1/embeddings", json=body, timeout=60) for s in (one, tp)]
+    assert [r.status_code for r in got] == [200, 200], got[1].text
+    a, b = (np.array([d["embedding"] for d in r.json()["data"]]) for r in got)
+    assert a.shape == (2, 32) and np.allclose(a, b, atol=1e-5)
 
 
 def _stream(url: str, out: list, started: threading.Event) -> None:
