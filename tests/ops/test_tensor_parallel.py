@@ -41,25 +41,32 @@ def embedder(tmp_path_factory) -> Path:
     return make_tiny_bert_embedder(tmp_path_factory.mktemp("emb") / "tiny-embed")
 
 
-def _server(home: Path, model: Path, embedder: Path, **sections) -> LiveServer:
+def _server(home: Path, model: Path, others: dict[str, Path], **sections) -> LiveServer:
     from mlxd.store.local import ModelStore
     from mlxd.store.pull import pull
 
     settings = make_settings(home, model, **sections)
-    pull(ModelStore(settings.models_dir), str(embedder), settings.models, as_name="tiny-embed")
+    for name, path in others.items():
+        pull(ModelStore(settings.models_dir), str(path), settings.models, as_name=name)
     return _ready(LiveServer(settings).start())
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory, tiny_llama, embedder):
-    srv = _server(tmp_path_factory.mktemp("tp1"), tiny_llama, embedder)
+def others(embedder, tiny_qwen2) -> dict[str, Path]:
+    """A second chat model (sharded too) and an embedding model (rank 0 alone)."""
+    return {"tiny-embed": embedder, "tiny-qwen2": tiny_qwen2}
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory, tiny_llama, others):
+    srv = _server(tmp_path_factory.mktemp("tp1"), tiny_llama, others)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
-def tp(tmp_path_factory, tiny_llama, embedder):
-    srv = _server(tmp_path_factory.mktemp("tp2"), tiny_llama, embedder,
+def tp(tmp_path_factory, tiny_llama, others):
+    srv = _server(tmp_path_factory.mktemp("tp2"), tiny_llama, others,
                   engine={"tensor_parallel": 2})
     yield srv
     srv.stop()
@@ -67,23 +74,29 @@ def tp(tmp_path_factory, tiny_llama, embedder):
 
 def _requests() -> list[dict]:
     """Greedy rows of different lengths in one batch (they join and leave it at different
-    steps), a seeded sampled row, and a grammar-constrained row (processors on rank 0)."""
+    steps), one with log-probabilities, a seeded sampled row, a grammar-constrained row
+    (processors on rank 0), and a row for a second sharded model stepping alongside."""
     reqs = [{"prompt": p, "max_tokens": 6 + 3 * i, "temperature": 0}
             for i, p in enumerate(PROMPTS)]
+    reqs[0]["logprobs"] = 2
     reqs.append({"prompt": "once upon", "max_tokens": 10, "temperature": 0.9, "seed": 7})
     reqs.append({"messages": [{"role": "user", "content": "json please"}], "max_tokens": 12,
                  "temperature": 0, "response_format": {"type": "json_object"}})
+    reqs.append({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 8,
+                 "temperature": 0})
     return reqs
 
 
-def _run(srv: LiveServer) -> list[tuple[str, int]]:
-    def one(body: dict) -> tuple[str, int]:
+def _run(srv: LiveServer) -> list[tuple]:
+    def one(body: dict) -> tuple:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = httpx.post(srv.url + path, json={"model": MODEL, **body}, timeout=60)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
-        return text, r.json()["usage"]["completion_tokens"]
+        lp = choice.get("logprobs") or {}
+        top = [sorted(t) for t in lp.get("top_logprobs") or []]  # the top-2 token strings
+        return text, r.json()["usage"]["completion_tokens"], lp.get("tokens"), top
 
     with ThreadPoolExecutor(len(_requests())) as pool:
         return list(pool.map(one, _requests()))
@@ -96,7 +109,7 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
     assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
     assert "tensor_parallel" not in one.health()["engine_core"]
     expected = _run(one)
-    assert [n for _, n in expected[:4]] == [6, 9, 12, 15]
+    assert [e[1] for e in expected[:4]] == [6, 9, 12, 15] and len(expected[0][3]) == 6
     assert _run(tp) == expected
     # a stream whose client leaves mid-way: rank 0 removes the row, the followers too,
     # and the batch stays in step for the next requests
@@ -180,7 +193,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama, monkeypatch):
+def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama, others,
+                                                       monkeypatch):
     """engine.distributed.hosts: rank 1 is started the way it is on another host (over ssh,
     its hostfile and settings written there, commands over TCP). The ``ssh`` here is a
     stand-in that runs the remote command on this machine, over loopback."""
@@ -196,9 +210,9 @@ def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama,
     hosts = tmp_path / "hosts.json"
     hosts.write_text('[{"ssh": "head", "ips": ["127.0.0.1"]}, '
                      '{"ssh": "peer", "ips": ["127.0.0.1"]}]')
-    srv = _ready(LiveServer(make_settings(
-        tmp_path / "home", tiny_llama, engine={"tensor_parallel": 2, "distributed": {
-            "backend": "ring", "hosts": str(hosts), "port": free_port()}})).start())
+    srv = _server(tmp_path / "home", tiny_llama, others, engine={
+        "tensor_parallel": 2,
+        "distributed": {"backend": "ring", "hosts": str(hosts), "port": free_port()}})
     try:
         assert "peer" in (bin_dir / "ssh.args").read_text()
         assert srv.health()["engine_core"]["tensor_parallel"]["size"] == 2

@@ -154,6 +154,7 @@ class RankGroup:
             time.sleep(0.02)
 
     def terminate(self) -> None:
+        self._ended = True  # a stop, not a death: nothing to report
         # followers first: rank 0 may be blocked in a collective with them
         for p in reversed(self.procs):
             if p.poll() is None:
