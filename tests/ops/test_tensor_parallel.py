@@ -126,6 +126,13 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
     assert MODEL not in [m["name"] for m in tp.health()["models"]]
     assert _run(tp) == expected
     assert tp.health()["model_loads"][MODEL] == 2
+    # a step that fails on rank 0 before it runs fails that batch; every rank starts a
+    # fresh batch and the group carries on, in step
+    tp.fault("step_error", model=MODEL, message="simulated step failure")
+    r = httpx.post(tp.url + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                     "max_tokens": 3}, timeout=60)
+    assert r.status_code == 500 and "simulated step failure" in r.text
+    assert _run(tp) == expected
 
 
 def test_encoders_run_unsharded_on_rank_0(one, tp):
