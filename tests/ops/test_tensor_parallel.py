@@ -200,11 +200,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama, others,
-                                                       monkeypatch):
-    """engine.distributed.hosts: rank 1 is started the way it is on another host (over ssh,
-    its hostfile and settings written there, commands over TCP). The ``ssh`` here is a
-    stand-in that runs the remote command on this machine, over loopback."""
+def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path, tiny_llama):
+    """``mlxd serve --tensor-parallel 2`` as a user runs it, with engine.distributed.hosts:
+    rank 1 is started the way it is on another host (over ssh, its hostfile and settings
+    written there, commands over TCP; the ``ssh`` here is a stand-in that runs the remote
+    command on this machine, over loopback). SIGTERM leaves no rank behind."""
+    import subprocess
+    import sys
+
     from conftest import free_port
 
     bin_dir = tmp_path / "bin"
@@ -213,16 +216,38 @@ def test_a_hosts_file_starts_the_other_ranks_over_ssh(one, tmp_path, tiny_llama,
     fake.write_text('#!/bin/sh\nfor last; do :; done\necho "$@" > "$0.args"\n'
                     'exec /bin/bash -c "$last"\n')
     fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     hosts = tmp_path / "hosts.json"
     hosts.write_text('[{"ssh": "head", "ips": ["127.0.0.1"]}, '
                      '{"ssh": "peer", "ips": ["127.0.0.1"]}]')
-    srv = _server(tmp_path / "home", tiny_llama, others, engine={
-        "tensor_parallel": 2,
-        "distributed": {"backend": "ring", "hosts": str(hosts), "port": free_port()}})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
+               PATH=f"{bin_dir}:{os.environ['PATH']}",
+               MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts),
+               MLXD_ENGINE__DISTRIBUTED__PORT=str(free_port()))
+    p = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
+                          "--port", str(port), "--tensor-parallel", "2"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids: list[int] = []
     try:
+        assert _wait(lambda: p.poll() is None and _healthy(url), 90), p.poll()
         assert "peer" in (bin_dir / "ssh.args").read_text()
-        assert srv.health()["engine_core"]["tensor_parallel"]["size"] == 2
-        assert _run(srv) == _run(one)
+        group = httpx.get(url + "/health").json()["engine_core"]["tensor_parallel"]
+        pids = group["rank_pids"]
+        assert group["size"] == 2 and all(_alive(x) for x in pids)
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+        r, expected = (httpx.post(u + "/v1/completions", json=body, timeout=30)
+                       for u in (url, one.url))
+        assert r.status_code == 200 and r.json()["choices"] == expected.json()["choices"]
     finally:
-        srv.stop()
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    assert p.returncode in (0, -signal.SIGTERM), out[-2000:]
+    assert _wait(lambda: not any(_alive(x) for x in pids), 10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
