@@ -251,3 +251,27 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_a_hosts_file_that_cannot_start_the_group_stops_the_start(tmp_path, tiny_llama):
+    import subprocess
+    import sys
+
+    from mlxd.config import ConfigError, load_settings
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]')
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"),
+               MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts))
+    p = subprocess.run([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
+                        "--tensor-parallel", "3"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "engine.distributed.hosts" in p.stderr and "lists 2 hosts" in p.stderr
+    with pytest.raises(ConfigError, match="engine.distributed.port: set it"):
+        load_settings(None, {"engine": {"tensor_parallel": 2,
+                                        "distributed": {"hosts": str(hosts)}}})
+    hosts.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b"}]')
+    with pytest.raises(ConfigError, match='host 1 .* has no "ips"'):
+        load_settings(None, {"engine": {"tensor_parallel": 2, "distributed": {
+            "hosts": str(hosts), "port": 41000}}})

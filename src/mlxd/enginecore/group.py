@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import Settings
+from mlxd.config import Settings, rank_hosts
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +96,7 @@ def _hosts(settings: Settings, n: int) -> list[dict[str, Any]]:
     path = settings.engine.distributed.hosts
     if path is None:
         return [{"ssh": None, "ip": "127.0.0.1"} for _ in range(n)]
-    data = json.loads(Path(path).expanduser().read_text())
-    hosts = data["hosts"] if isinstance(data, dict) else data
-    if len(hosts) != n:
-        raise ValueError(f"engine.distributed.hosts lists {len(hosts)} hosts, but "
-                         f"engine.tensor_parallel is {n}")
-    out = []
-    for i, h in enumerate(hosts):
-        ips = h.get("ips") or []
-        if not ips:
-            raise ValueError(f"engine.distributed.hosts: host {i} ({h.get('ssh')}) has no "
-                             "\"ips\" (the ring backend needs addresses)")
-        out.append({"ssh": None if i == 0 else h["ssh"], "ip": ips[0]})
-    return out
+    return rank_hosts(path, n)
 
 
 class RankGroup:
@@ -177,9 +165,6 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     be = backend(settings)
     hosts = _hosts(settings, n)
     dist = settings.engine.distributed
-    remote = any(h["ssh"] is not None for h in hosts)
-    if remote and not dist.port:
-        raise ValueError("engine.distributed.port must be set when the group spans hosts")
     ports = [dist.port + i for i in range(2 * n)] if dist.port else _free_ports(2 * n)
     common = {"MLX_WORLD_SIZE": str(n), "MLXD_TP_BACKEND": be}
     if be == "ring":
