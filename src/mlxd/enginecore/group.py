@@ -112,10 +112,6 @@ class RankGroup:
     def pid(self) -> int:
         return self.procs[0].pid
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def poll(self) -> int | None:
         for p in self.procs:
             code = p.poll()
@@ -191,7 +187,7 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
         if h["ssh"] is None:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env={**env, **renv})
         else:
-            proc = _ssh(h["ssh"], argv, renv, run_dir, epoch)
+            proc = _ssh(h["ssh"], argv, renv, run_dir)
         followers.append(proc)
     renv = {**common, "MLX_RANK": "0", RANK_PIDS_ENV: ",".join(str(p.pid) for p in followers),
             "MLXD_TP_FOLLOWERS": json.dumps(addresses)}
@@ -205,8 +201,7 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     return RankGroup([rank0, *followers])
 
 
-def _ssh(host: str, argv: list[str], renv: dict[str, str], run_dir: Path,
-         epoch: int) -> subprocess.Popen:
+def _ssh(host: str, argv: list[str], renv: dict[str, str], run_dir: Path) -> subprocess.Popen:
     """A follower on another host, as mlx.launch starts one: over ssh, with the hostfile's
     content and the settings written there first (same interpreter path and run dir)."""
     script = f"mkdir -p {shlex.quote(str(run_dir))}; "
