@@ -11,9 +11,11 @@ its mlx-lm batch, as a stream of commands:
 * ``("new", eid)``: a fresh batch (after a load, or after a fault reset the batch);
 * ``("insert", eid, prompts, max_tokens, all_tokens)``, ``("remove", eid, uids)``:
   batch mutations, in rank 0's order (uids are assigned in insertion order, so they agree);
-* ``("next", eid)``: one batch step (prefill chunk + decode) - the only command with
+* ``("next", eid)``: one batch step (prefill chunk + decode), with the model's
   collectives in it;
-* ``("close", eid)``: the model was unloaded.
+* ``("check", eid)``: once, before the first step: every rank says whether it holds its
+  shard (one collective; see :func:`check_loaded`);
+* ``("close", eid)``: the model was unloaded (or its load failed on rank 0).
 
 Only rank 0's sampler counts: after each step its next tokens are broadcast (one small
 ``all_sum``, rank 0's tokens plus zeros), so a follower feeds the same tokens into the next
@@ -22,7 +24,8 @@ seeds, penalties or grammars, and why a seeded or grammar-constrained request gi
 same text as on one device.
 
 The prefix cache is off in this mode (a cached prefix is a rank-local KV shard that
-followers would have to mirror); so are every other kind of model (see registry.py).
+followers would have to mirror). Other kinds of model (embedding, reranker, vision) are
+not sharded: they run on rank 0 alone, and the followers never hear of them.
 
 This module holds the process's group (MLX's is process-wide too) and the publisher that
 rank 0's engine core installs; engines read them through :func:`group` and :func:`publish`.
