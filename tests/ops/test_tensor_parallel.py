@@ -136,12 +136,18 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
 
 
 def test_encoders_run_unsharded_on_rank_0(one, tp):
-    """Only text models are sharded; an embedding model is served by rank 0 alone."""
+    """Only text models are sharded; an embedding model is served by rank 0 alone, and a
+    sharded chat model is not a reranker."""
     body = {"model": "tiny-embed", "input": ["hello there", "a b c"]}
     got = [httpx.post(s.url + "/v1/embeddings", json=body, timeout=60) for s in (one, tp)]
     assert [r.status_code for r in got] == [200, 200], got[1].text
     a, b = (np.array([d["embedding"] for d in r.json()["data"]]) for r in got)
     assert a.shape == (2, 32) and np.allclose(a, b, atol=1e-5)
+    # a chat model as a reranker would run its shard on rank 0 alone: refused, not hung
+    body = {"model": MODEL, "query": "q", "documents": ["a", "b"]}
+    r = httpx.post(tp.url + "/v1/rerank", json=body, timeout=60)
+    assert r.status_code == 400 and "tensor-parallel" in r.json()["error"]["message"]
+    assert _run(tp) == _run(one)
 
 
 def _stream(url: str, out: list, started: threading.Event) -> None:
