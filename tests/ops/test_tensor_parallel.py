@@ -150,6 +150,21 @@ def test_encoders_run_unsharded_on_rank_0(one, tp):
     assert _run(tp) == _run(one)
 
 
+def test_a_model_that_does_not_divide_over_the_ranks_fails_its_load(one, tp, tmp_path):
+    """3 attention heads over 2 ranks: mlx-lm's shard would split them silently (and
+    answer wrongly); the load fails, naming the size, and the group serves on."""
+    from conftest import install_into_store
+    from fixtures.tiny_models import make_tiny_chat_model
+
+    src = make_tiny_chat_model(tmp_path / "odd", "llama", hidden_size=48)
+    install_into_store(tp.settings.models_dir, "odd-heads", src)
+    r = httpx.post(tp.url + "/v1/completions", timeout=60,
+                   json={"model": "odd-heads", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert "num_attention_heads (3) does not divide by 2" in r.json()["error"]["message"]
+    assert _run(tp) == _run(one)
+
+
 def _stream(url: str, out: list, started: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
             "max_tokens": 200, "stream": True}

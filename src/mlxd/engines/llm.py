@@ -89,7 +89,7 @@ class LLMEngine(DecodeEngine):
             except Exception as exc:  # noqa: BLE001 - ValueError, FileNotFoundError, KeyError...
                 raise ModelLoadError(f"could not load model '{name}' from {path}: {exc}") from exc
             if sharded:
-                tensor_parallel.shard(model, name)
+                tensor_parallel.shard(model, name, config)
             self.model = model
             self.tokenizer = tokenizer
             self.config = config

@@ -118,7 +118,13 @@ def _count_loaded(mine: bool, g: Any) -> int:
         return int(n.item())
 
 
-def shard(model: Any, name: str) -> None:
+# Sizes mlx-lm's ``shard`` splits evenly over the ranks without checking that they divide:
+# 3 heads over 2 ranks would load and answer, wrongly.
+SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def shard(model: Any, name: str, config: dict) -> None:
     """Shard ``model`` over the group (lazy weights: only this rank's slices are read)."""
     from mlxd.core.errors import ModelLoadError
 
@@ -127,6 +133,11 @@ def shard(model: Any, name: str) -> None:
         raise ModelLoadError(
             f"model '{name}' ({type(model).__module__}) has no tensor-parallel sharding in "
             "mlx-lm; serve it with engine.tensor_parallel: 1")
+    for key in SPLIT_SIZES:
+        v = config.get(key, (config.get("text_config") or {}).get(key))
+        if isinstance(v, int) and v % g.size():
+            raise ModelLoadError(f"model '{name}' cannot be sharded over {g.size()} ranks: "
+                                 f"its {key} ({v}) does not divide by {g.size()}")
     try:
         model.shard(g)
     except Exception as exc:  # noqa: BLE001 - e.g. heads that do not divide by the ranks
