@@ -19,6 +19,12 @@ SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, intermediate_size=8960,
                          tie_word_embeddings=True),
+    # Qwen2.5-7B's layer shape (vocabulary kept at the small models' size): the model for
+    # tensor parallel (benchmarks/tensor_parallel.py); its 28 heads, 4 KV heads and MLP
+    # width divide by 2 and 4 ranks
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944,
+                       tie_word_embeddings=False),
 }
 VOCAB = 151936
 SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}

@@ -254,6 +254,38 @@ class ModelSettings(_Section):
     )
 
 
+class DistributedSettings(_Section):
+    """How the ranks of a tensor-parallel engine core reach each other (MLX's own
+    ``mx.distributed``): see engine.tensor_parallel."""
+
+    backend: Literal["auto", "ring", "nccl"] = Field(
+        "auto",
+        description=(
+            "mx.distributed backend of the rank group: 'ring' (TCP, any machine), 'nccl' "
+            "(NVIDIA GPUs), 'auto': nccl when MLX sees CUDA, else ring."
+        ),
+    )
+    hosts: Path | None = Field(
+        None,
+        description=(
+            "An mlx.launch hostfile (JSON: a list of {\"ssh\": host, \"ips\": [ip]}) to span "
+            "hosts: rank 0 (this host, the first entry) serves HTTP and schedules; rank i runs "
+            "on entry i, started over ssh, with mlxd installed and the model at the same "
+            "path there. null: every rank on this host (loopback)."
+        ),
+    )
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description=(
+            "First TCP port of the group (ring: one per rank; nccl: the coordinator's; then "
+            "one per rank for rank 0's commands to ranks on other hosts). 0: free ports "
+            "picked at each start (single host only)."
+        ),
+    )
+
+
 class EngineSettings(_Section):
     devices: str | None = Field(
         None,
@@ -273,6 +305,16 @@ class EngineSettings(_Section):
             "the least busy core's; then the least busy core takes it."
         ),
     )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks one model is sharded over (mlx-lm tensor parallelism over mx.distributed): "
+            "the engine core becomes a group of this many processes that step in lockstep; "
+            "rank 0 schedules. Text models only; 1: one process, no sharding."
+        ),
+    )
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
     max_num_seqs: int = Field(
         32, ge=1, description="Sequences decoded together in one batch (per model)."
     )
@@ -356,6 +398,41 @@ class EngineSettings(_Section):
         if problem:
             raise ValueError(f"engine.kv_bits: {problem}")
         return self
+
+    @model_validator(mode="after")
+    def _rank_hosts(self) -> EngineSettings:
+        """A hosts file that cannot start the group stops the start, naming the key."""
+        d = self.distributed
+        if d.hosts is not None and self.tensor_parallel > 1:
+            hosts = rank_hosts(d.hosts, self.tensor_parallel)
+            if not d.port and any(h["ssh"] is not None for h in hosts):
+                raise ValueError("engine.distributed.port: set it when engine.distributed.hosts "
+                                 "spans hosts (ranks elsewhere cannot be told free ports)")
+        return self
+
+
+def rank_hosts(path: Path, n: int) -> list[dict[str, Any]]:
+    """An mlx.launch hostfile, one entry per rank: ``{"ssh": host, or None for this host
+    (rank 0), "ip": the address the other ranks reach it at}``."""
+    import json
+
+    key = "engine.distributed.hosts"
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+        hosts = data["hosts"] if isinstance(data, dict) else data
+        out = [{"ssh": None if i == 0 else h["ssh"], "ip": (h.get("ips") or [None])[0]}
+               for i, h in enumerate(hosts)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{key}: cannot read {path} as an mlx.launch hostfile "
+                         f"([{{\"ssh\": host, \"ips\": [ip]}}, ...]): {exc}") from None
+    if len(out) != n:
+        raise ValueError(f"{key}: {path} lists {len(out)} hosts, but engine.tensor_parallel "
+                         f"is {n}")
+    missing = [i for i, h in enumerate(out) if not h["ip"]]
+    if missing:
+        raise ValueError(f"{key}: host {missing[0]} in {path} has no \"ips\" (the ranks "
+                         "meet at these addresses)")
+    return out
 
 
 class BatchSettings(_Section):

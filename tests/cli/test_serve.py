@@ -132,6 +132,14 @@ def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
         assert message in out and "Traceback" not in out
 
 
+def test_devices_with_tensor_parallel_exit_2(tmp_path):
+    p = _mlxd("serve", "--devices", "cpu:2", "--tensor-parallel", "2", "--port",
+              str(free_port()), env=_env(tmp_path))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2, out
+    assert "cannot be combined yet" in out and "Traceback" not in out
+
+
 def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):
     """`--devices cpu:2 --api-workers 2`: both front ends talk to both cores (one copy of
     the model per core), and SIGTERM takes the cores down too."""

@@ -50,6 +50,9 @@ def serve(
         help="One engine core per device: all | 0,1 (GPU indices) | cpu:N (N cores on the "
              "CPU). Default: one core on the default device.",
     )] = None,
+    tensor_parallel: Annotated[Optional[int], typer.Option(
+        help="Shard the text model over N ranks (mx.distributed: ring on CPU, NCCL on CUDA).",
+    )] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
@@ -65,6 +68,7 @@ def serve(
             "kv_quant_scheme": kv_quant_scheme,
             "kv_group_size": kv_group_size,
             "max_kv_size": max_kv_size,
+            "tensor_parallel": tensor_parallel,
         },
         "log": {"level": log_level, "format": log_format},
     }

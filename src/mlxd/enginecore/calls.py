@@ -15,6 +15,7 @@ import numpy as np
 from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
+from mlxd.enginecore import group
 
 
 def model_info(entry: Any) -> dict[str, Any]:
@@ -97,6 +98,7 @@ async def status(core: Any) -> dict[str, Any]:
                    "caches_bytes": m.dynamic_bytes()},
         "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
         "models": [loaded_view(e) for e in m.loaded()],
+        "tensor_parallel": group.status(),
     }
 
 

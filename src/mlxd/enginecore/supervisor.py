@@ -25,9 +25,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxd.config import ConfigError, Settings
 from mlxd.core.devices import DEFAULT, Device, resolve
+
+if TYPE_CHECKING:
+    from mlxd.enginecore import group
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,7 @@ class CoreSupervisor:
         self.first_delay = first_delay
         self.max_delay = max_delay
         self.stable_after = stable_after
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | group.RankGroup | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.on_death: list = []  # callables(exitcode), run on the supervisor thread
@@ -64,10 +68,15 @@ class CoreSupervisor:
         self.epoch += 1
         settings_file = self.run_dir / "settings.pkl"
         settings_file.write_bytes(pickle.dumps(self.settings))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir), str(self.epoch)],
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.device.env, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, **self.device.env, "PYTHONUNBUFFERED": "1"}
+        if self.settings.engine.tensor_parallel > 1:  # a group of rank processes
+            from mlxd.enginecore import group
+
+            self._proc = group.spawn(self.settings, self.run_dir, self.epoch, env)
+        else:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir),
+                 str(self.epoch)], stdin=subprocess.DEVNULL, env=env)
         self._started = time.monotonic()
         log.info("engine core %d on %s: epoch %d started (pid %d)", self.index,
                  self.device.name, self.epoch, self._proc.pid)
@@ -120,6 +129,11 @@ def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
                           os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if len(devices) > 1 and settings.engine.tensor_parallel > 1:
+        # each rank takes the next GPU of CUDA_VISIBLE_DEVICES, which a per-device core
+        # narrows to its own one: groups of devices per core are not built yet
+        raise ConfigError("engine.devices (several engine cores) and engine.tensor_parallel "
+                          "> 1 cannot be combined yet: choose one")
     return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
 
 

@@ -26,6 +26,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.core.errors import ModelLoadError
 from mlxd.core.types import SamplingParams
+from mlxd.engines import tensor_parallel
 from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
@@ -62,42 +63,60 @@ class LLMEngine(DecodeEngine):
         self.path = Path(path)
         if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
             raise ModelLoadError(f"adapter for '{name}' not found: {adapter_path}")
-        try:
-            # trust_remote_code: models.trust_remote_code, off unless the operator says so
-            model, tokenizer, config = mlx_lm_load(
-                str(self.path), return_config=True, trust_remote_code=trust_remote_code,
-                tokenizer_config={"trust_remote_code": trust_remote_code},
-                adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
+        sharded = tensor_parallel.active()
+        self.tp_id = 0
+        if sharded:
+            # every rank loads its shard of the same model with the same options; the
+            # prefix cache stays off (engines/tensor_parallel.py says why)
+            prefix_cache_bytes = 0
+            self.tp_id = tensor_parallel.new_engine_id()
+            tensor_parallel.publish(("load", self.tp_id, name, str(self.path), dict(
+                max_num_seqs=max_num_seqs, prefill_batch_size=prefill_batch_size,
+                prefill_step_size=prefill_step_size, dtype=dtype,
+                trust_remote_code=trust_remote_code, adapter_path=(
+                    str(adapter_path) if adapter_path is not None else None),
+                max_kv_size=max_kv_size)))
+        # a load that fails here after the followers were told: they drop their shard
+        with tensor_parallel.loading(self.tp_id):
+            try:
+                # trust_remote_code: models.trust_remote_code, off unless the operator says so
+                model, tokenizer, config = mlx_lm_load(
+                    str(self.path), return_config=True, trust_remote_code=trust_remote_code,
+                    tokenizer_config={"trust_remote_code": trust_remote_code},
+                    adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
+                    lazy=sharded,
+                )
+            except Exception as exc:  # noqa: BLE001 - ValueError, FileNotFoundError, KeyError...
+                raise ModelLoadError(f"could not load model '{name}' from {path}: {exc}") from exc
+            if sharded:
+                tensor_parallel.shard(model, name, config)
+            self.model = model
+            self.tokenizer = tokenizer
+            self.config = config
+            self.adapter_path = adapter_path
+            self.dtype = apply_dtype(self.model, self.config, dtype)
+            self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
+            self.context_length = _context_length(config, tokenizer)
+            self.eos_token_ids = sorted(tokenizer.eos_token_ids)
+            self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
+            self._settings = dict(
+                max_num_seqs=max_num_seqs,
+                prefill_batch_size=prefill_batch_size,
+                prefill_step_size=prefill_step_size,
+                max_kv_size=max_kv_size,  # engines/bounded_kv.py
             )
-        except Exception as exc:  # noqa: BLE001 - ValueError, FileNotFoundError, KeyError...
-            raise ModelLoadError(f"could not load model '{name}' from {path}: {exc}") from exc
-        self.model = model
-        self.tokenizer = tokenizer
-        self.config = config
-        self.adapter_path = adapter_path
-        self.dtype = apply_dtype(self.model, self.config, dtype)
-        self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
-        self.context_length = _context_length(config, tokenizer)
-        self.eos_token_ids = sorted(tokenizer.eos_token_ids)
-        self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
-        self._settings = dict(
-            max_num_seqs=max_num_seqs,
-            prefill_batch_size=prefill_batch_size,
-            prefill_step_size=prefill_step_size,
-            max_kv_size=max_kv_size,  # engines/bounded_kv.py
-        )
-        if max_kv_size is not None and not can_bound(self.model):
-            raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
-                                 "keeps a plain KV cache that a bound could rotate")
-        self._gen: Any = None  # built by bind(), on the device thread
-        self._seqs: dict[int, Sequence] = {}
-        self._pending: list[Sequence] = []
-        self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
-        self._warm_phases: Iterator[list[Sequence]] | None = None
-        self._warm_live: list[Sequence] = []
-        mx.eval(self.model.parameters())
-        self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            if max_kv_size is not None and not can_bound(self.model):
+                raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
+                                     "keeps a plain KV cache that a bound could rotate")
+            self._gen: Any = None  # built by bind(), on the device thread
+            self._seqs: dict[int, Sequence] = {}
+            self._pending: list[Sequence] = []
+            self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
+            self._warm_phases: Iterator[list[Sequence]] | None = None
+            self._warm_live: list[Sequence] = []
+            mx.eval(self.model.parameters())
+            self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
     def bind(self) -> None:
         """On the device thread: the batch, on that thread's stream. Everything before it
@@ -105,9 +124,18 @@ class LLMEngine(DecodeEngine):
         does not pause the other models' decoding."""
         if self._gen is None:
             self._gen = self._new_generator()
+            if self.tp_id:
+                tensor_parallel.check_loaded(self.tp_id, self.name)
 
-    def _new_generator(self) -> BatchGenerator:
-        """Built on the worker thread, on *that thread's* default stream.
+    def _new_generator(self) -> Any:
+        """The batch; on rank 0 of a tensor-parallel group, one that its followers replay."""
+        gen = self.raw_generator()
+        if self.tp_id and tensor_parallel.leads():
+            return tensor_parallel.ReplicatedBatch(gen, self.tp_id)
+        return gen
+
+    def raw_generator(self) -> BatchGenerator:
+        """mlx-lm's batch, built on the worker thread, on *that thread's* default stream.
 
         mlx-lm's module-level ``generation_stream`` is created by whichever thread imports
         mlx_lm first; running the batch on a stream of another thread makes MLX synchronise
@@ -408,6 +436,8 @@ class LLMEngine(DecodeEngine):
         self._gen = None
         self.model = None
         mx.clear_cache()
+        if self.tp_id:
+            tensor_parallel.publish(("close", self.tp_id))
 
 
 def _context_length(config: dict, tokenizer: Any) -> int:

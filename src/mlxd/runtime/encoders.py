@@ -222,6 +222,12 @@ class EncoderService:
         if getattr(llm, "model", None) is None or getattr(llm, "tokenizer", None) is None:
             raise InvalidRequest(f"model '{entry.name}' cannot be used as a reranker",
                                  param="model")
+        if getattr(llm, "tp_id", 0):
+            # its weights are one rank's shard: a forward pass of rank 0 alone would wait
+            # for the other ranks' all-reduces forever
+            raise InvalidRequest(
+                f"model '{entry.name}' is sharded over the engine's tensor-parallel ranks "
+                "and cannot score documents; use a reranker model", param="model")
         from mlxd.engines.encoder import llm_batch_policy
         from mlxd.engines.rerank import LLMRerankEngine
 

@@ -243,6 +243,8 @@ class ModelManager:
         dtype = self.settings.models.dtype
         upcast = dtype == "float32" or (dtype == "auto" and wants_float32())
         need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
+        if kind == "chat":  # a tensor-parallel rank holds 1/N of the weights
+            need //= self.settings.engine.tensor_parallel
         if self.used_bytes + self.dynamic_bytes() + self._reserved + need > self.budget:
             await self.shrink()  # reusable caches go before any model does
         self._make_room(name, kind, need)
