@@ -318,8 +318,8 @@ class LLMEngine(DecodeEngine):
     def _report_speculation(self) -> None:
         """Metrics: the speculation counters' growth since the last report."""
         st = self.speculator.stats if self.speculator is not None else None
-        if st is None or st.verify_steps == self._spec_reported[0]:
-            return
+        if st is None or st.verify_steps == self._spec_reported[0] or self._warm_phases:
+            return  # nothing new, or warm-up drafts (reset when it ends)
         now = (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.emitted_tokens)
         steps, drafted, accepted, emitted = (a - b for a, b in zip(now, self._spec_reported,
                                                                    strict=True))
