@@ -39,9 +39,12 @@ def plain(tmp_path_factory, tiny_llama):
 
 @pytest.fixture(scope="module")
 def lookup(tmp_path_factory, tiny_llama):
+    """Prompt lookup, with the prefix cache on (every hit): the prompts repeat across tests,
+    so later requests start from KV caches that finished verify steps left behind."""
     srv = LiveServer(make_settings(
         tmp_path_factory.mktemp("spec-lookup"), tiny_llama,
-        engine=_engine(speculative="prompt-lookup", speculative_max_batch=16))).start()
+        engine=_engine(speculative="prompt-lookup", speculative_max_batch=16,
+                       prefix_cache_bytes=1 << 28, prefix_cache_min_tokens=0))).start()
     yield srv
     srv.stop()
 
@@ -121,6 +124,11 @@ def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_dra
     assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") > 2
     assert _metric(self_drafted, "mlxd:spec_decode_num_accepted_tokens_total") == \
         _metric(self_drafted, "mlxd:spec_decode_num_draft_tokens_total") > 0
+
+
+def test_prefix_cache_hits_under_speculation(lookup):
+    stats = next(m for m in lookup.health()["models"] if m["name"] == MODEL)["prefix_cache"]
+    assert stats["hits"] > 0
 
 
 def test_prompt_lookup_metrics_move(lookup):

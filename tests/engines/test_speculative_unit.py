@@ -103,7 +103,9 @@ def test_draft_length_adapts_and_low_acceptance_pauses_drafting():
     spec.register(1, eligible=True)
     spec.register(2, eligible=False)
     history = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    assert spec.propose(2, history, 10) == []  # ineligible rows (processors, seeds) never draft
+    assert not spec.wants_draft(2)  # ineligible rows (processors, seeds) never draft
+    assert spec.propose(2, history, 10) == []
+    assert spec.wants_draft(1)
     assert spec.propose(1, history, 10) == [7, 8, 5, 6]  # starts at 4
     assert spec.propose(1, history, 2) == [7, 8]  # never past max_tokens
     spec.update(1, 4, 4)
@@ -115,5 +117,24 @@ def test_draft_length_adapts_and_low_acceptance_pauses_drafting():
     st = spec.rows[1]
     assert st.cooldown > 0  # acceptance fell below the floor: plain decoding for a while
     pause = st.cooldown
-    assert all(spec.propose(1, history, 10) == [] for _ in range(pause))
+    assert not any(spec.wants_draft(1) for _ in range(pause))
+    assert spec.wants_draft(1)
     assert spec.propose(1, history, 10) == [7]  # then it tries again, one token at a time
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from fixtures.tiny_models import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+
+
+def test_a_rotating_cache_serves_without_speculation_and_says_why(tiny):
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("t", tiny, speculative="prompt-lookup", max_kv_size=64)
+    try:
+        assert engine.speculator is None
+        assert "max_kv_size" in engine.stats()["speculative"]["reason"]
+    finally:
+        engine.close()

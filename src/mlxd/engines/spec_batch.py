@@ -53,11 +53,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if len(self.uids) > spec.max_batch:
             spec.stats.plain_steps += 1
             return super().next()
+        wanting = [spec.wants_draft(uid) for uid in self.uids]
+        if not any(wanting):
+            spec.stats.plain_steps += 1
+            return super().next()
         pending = self._next_tokens.tolist()
         drafts = [
             spec.propose(uid, [*self.tokens[i], pending[i]],
-                         self.max_tokens[i] - self._num_tokens[i] - 1)
-            for i, uid in enumerate(self.uids)
+                         self.max_tokens[i] - self._num_tokens[i] - 1) if want else []
+            for i, (uid, want) in enumerate(zip(self.uids, wanting, strict=True))
         ]
         if not any(drafts):
             spec.stats.plain_steps += 1

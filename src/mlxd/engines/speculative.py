@@ -169,14 +169,23 @@ class Speculator:
         for uid in list(self.rows):
             self.forget(uid)
 
+    def wants_draft(self, uid: int) -> bool:
+        """Whether the row drafts this step (counts a paused row's step). Asked before the
+        batch's pending tokens are read back, which synchronises with the device: a batch
+        where no row drafts keeps mlx-lm's pipelined plain step."""
+        st = self.rows.get(uid)
+        if st is None or not st.eligible:
+            return False
+        if st.cooldown > 0:
+            st.cooldown -= 1
+            return False
+        return True
+
     def propose(self, uid: int, history: list[int], budget: int) -> list[int]:
         """The row's draft for this step (maybe empty); ``history`` ends with the pending
         token, ``budget`` is how many more tokens the row may still emit after it."""
         st = self.rows.get(uid)
         if st is None or not st.eligible:
-            return []
-        if st.cooldown > 0:
-            st.cooldown -= 1
             return []
         k = min(st.k, budget)
         if k <= 0:
