@@ -200,6 +200,8 @@ def main() -> None:
     if args.draft_model and "draft" not in args.modes:
         args.modes.append("draft")
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
     prompts = [a.format(t=t) for a in ASKS for t in TEXTS][:args.texts]
     results = run_all(args, prompts)
     base = results[0]
@@ -213,8 +215,6 @@ def main() -> None:
             if run["decode_tps_per_request_p50"] and ref["decode_tps_per_request_p50"]:
                 run["speedup_decode_tps_p50"] = round(
                     run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
