@@ -138,3 +138,18 @@ def test_a_rotating_cache_serves_without_speculation_and_says_why(tiny):
         assert "max_kv_size" in engine.stats()["speculative"]["reason"]
     finally:
         engine.close()
+
+
+def test_prompt_lookup_that_keeps_finding_nothing_looks_less_often():
+    spec = Speculator("prompt-lookup")
+    spec.register(1, eligible=True)
+    fresh = [1, 2, 3, 4, 5, 6]  # no n-gram repeats
+    looks = 0
+    for _ in range(40):
+        if spec.wants_draft(1):
+            looks += 1
+            assert spec.propose(1, fresh, 4) == []
+    assert 4 <= looks < 12
+    spec.rows[1].cooldown = 0
+    assert spec.propose(1, [1, 2, 3, 1, 2], 4) == [3, 1, 2]  # a hit: back to every step
+    assert spec.rows[1].cooldown == 0

@@ -117,6 +117,7 @@ class RowState:
     rate: float = 1.0  # moving average of accepted / drafted
     cooldown: int = 0  # steps left without drafting
     backoff: int = 8  # the next cooldown's length
+    misses: int = 0  # prompt lookups in a row that found nothing
 
 
 @dataclass
@@ -190,9 +191,14 @@ class Speculator:
         k = min(st.k, budget)
         if k <= 0:
             return []
-        if self.mode == "prompt-lookup":
-            return ngram_draft(np.asarray(history, dtype=np.int64), k)
-        return self.drafter.propose(uid, history, k)
+        if self.mode != "prompt-lookup":
+            return self.drafter.propose(uid, history, k)
+        draft = ngram_draft(np.asarray(history, dtype=np.int64), k)
+        # Output that does not repeat its context finds nothing step after step: look
+        # less often (up to every 16th step), each look being a device sync and a scan.
+        st.misses = 0 if draft else st.misses + 1
+        st.cooldown = min(max(st.misses - 1, 0), 16)
+        return draft
 
     def update(self, uid: int, drafted: int, accepted: int) -> None:
         """Adapt the row's draft length: grow after a full acceptance, shrink to just past
