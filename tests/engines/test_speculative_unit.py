@@ -153,3 +153,31 @@ def test_prompt_lookup_that_keeps_finding_nothing_looks_less_often():
     spec.rows[1].cooldown = 0
     assert spec.propose(1, [1, 2, 3, 1, 2], 4) == [3, 1, 2]  # a hit: back to every step
     assert spec.rows[1].cooldown == 0
+
+
+def test_rolling_rows_back_leaves_the_cache_of_the_accepted_tokens(tiny):
+    """Two rows of different lengths verify 3 drafts; one keeps all, one drops 2 and one
+    drops 3. The next step's logits equal those of caches that only ever saw the kept
+    tokens (positions, padding and mask all right)."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.utils import load
+
+    from mlxd.engines.spec_batch import rollback_rows
+
+    model, _ = load(str(tiny))
+    rows = [[5, 9, 14, 3, 8, 21, 7], [11, 4, 6], [30, 31, 32, 33]]
+    verify = [[40, 41, 42, 43], [50, 51, 52, 53], [60, 61, 62, 63]]  # pending + 3 drafts
+    drop = [0, 2, 3]
+    width = max(map(len, rows))
+    pad = [width - len(r) for r in rows]
+    caches = [BatchKVCache(pad) for _ in model.layers]
+    model(mx.array([[0] * p + r for p, r in zip(pad, rows, strict=True)]), cache=caches)
+    model(mx.array(verify), cache=caches)
+    rollback_rows(caches, drop)
+    nxt = mx.array([[70], [71], [72]])
+    got = model(nxt, cache=caches)[:, -1]
+    for i, (r, v, d) in enumerate(zip(rows, verify, drop, strict=True)):
+        ref = make_prompt_cache(model)
+        kept = r + v[:len(v) - d]
+        want = model(mx.array([kept + [70 + i]]), cache=ref)[0, -1]
+        assert mx.allclose(got[i], want, atol=1e-4).item(), i

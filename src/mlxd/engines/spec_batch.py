@@ -41,6 +41,20 @@ def can_speculate(model: Any) -> bool:
         return False
 
 
+def rollback_rows(caches: list[Any], drop: list[int]) -> None:
+    """Drop the last ``drop[i]`` positions of row ``i`` from every layer's BatchKVCache:
+    trim what all rows drop, then roll each row right by the rest, into its left padding
+    (see the module docstring)."""
+    common = min(drop)
+    extra = [d - common for d in drop]
+    for c in caches:
+        if common:
+            c.trim(common)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
+
+
 class SpeculativeGenerationBatch(GenerationBatch):
     """mlx-lm's generation batch with a verify step beside its plain one."""
 
@@ -126,7 +140,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         mx.eval(acc_arr, next_tokens, self._current_logprobs, token_context)
         acc_list: list[int] = acc_arr.tolist()
 
-        self._rollback([k - a for a in acc_list])
+        rollback_rows(self.prompt_cache, [k - a for a in acc_list])
         self._next_tokens = next_tokens
         self._next_logprobs = [logprobs[i, acc_list[i]] for i in range(n)]
         mx.async_eval(self._next_tokens, self._next_logprobs)
@@ -147,17 +161,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 stats.accepted_tokens += a
                 spec.update(uid, lens[i], a)
         return self._respond(emitted, logprobs)
-
-    def _rollback(self, drop: list[int]) -> None:
-        """Drop each row's rejected tail from the KV cache (see the module docstring)."""
-        common = min(drop)
-        extra = [d - common for d in drop]
-        for c in self.prompt_cache:
-            if common:
-                c.trim(common)
-            if any(extra):
-                c.prepare(right_padding=extra)
-                c.finalize()
 
     def _respond(self, emitted: list[list[int]], logprobs: mx.array
                  ) -> list[GenerationBatch.Response]:
