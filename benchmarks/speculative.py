@@ -129,15 +129,7 @@ def spec_stats(url: str) -> dict | None:
     return next((m.get("speculative") for m in models if m.get("speculative")), None)
 
 
-def measure(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
-    batch = prompts if c == 1 else (prompts * c)[:max(c, len(prompts))]
-    t0 = time.perf_counter()
-    if c == 1:
-        res = [one(url, p, max_tokens) for p in batch]
-    else:
-        with ThreadPoolExecutor(c) as pool:
-            res = list(pool.map(lambda p: one(url, p, max_tokens), batch))
-    wall = time.perf_counter() - t0
+def summarize(res: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in res)
     rates = [r["decode_tps"] for r in res if r["decode_tps"]]
     return {
@@ -149,9 +141,19 @@ def measure(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
     }
 
 
+def concurrent(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
+    batch = (prompts * c)[:max(c, len(prompts))]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        res = list(pool.map(lambda p: one(url, p, max_tokens), batch))
+    return summarize(res, time.perf_counter() - t0)
+
+
 def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
-    """Every mode's server up at once, measured in turns (off, on, off, on...), so that a
-    shared machine's changing load falls on all modes alike; per mode the median round."""
+    """Every mode's server up at once, measured in turns so that a shared machine's
+    changing load falls on all modes alike: at batch 1 each prompt goes to every mode in
+    turn (and the per-request speed-up is the median of those pairs); at C>1 whole rounds
+    alternate, and per mode the median round counts."""
     servers = {}
     try:
         for mode in args.modes:
@@ -160,20 +162,34 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                                   args.draft_model, args.max_batch)
         for _, url in servers.values():
             one(url, prompts[0], 8)  # warm the server and the model (not measured)
-        rounds: dict[str, dict[str, list[dict]]] = {m: {} for m in args.modes}
+        runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
         for c in args.concurrency:
+            if c == 1:
+                seq: dict[str, list[dict]] = {m: [] for m in args.modes}
+                for _ in range(args.rounds):
+                    for p in prompts:
+                        for mode, (_, url) in servers.items():
+                            seq[mode].append(one(url, p, args.max_tokens))
+                base = args.modes[0]
+                for mode, res in seq.items():
+                    run = summarize(res, sum(r["wall"] for r in res))  # all rounds
+                    pairs = [a["decode_tps"] / b["decode_tps"] for a, b in
+                             zip(res, seq[base], strict=True)
+                             if a["decode_tps"] and b["decode_tps"]]
+                    run["paired_decode_speedup_p50"] = round(statistics.median(pairs), 3) \
+                        if pairs and mode != base else None
+                    run["decode_tps_all"] = [round(r["decode_tps"] or 0, 2) for r in res]
+                    runs[mode]["1"] = run
+                continue
+            rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
             for _ in range(args.rounds):
                 for mode, (_, url) in servers.items():
-                    rounds[mode].setdefault(str(c), []).append(
-                        measure(url, prompts, c, args.max_tokens))
-        out = []
-        for mode, (_, url) in servers.items():
-            runs = {}
-            for c, rs in rounds[mode].items():
-                best = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
-                runs[c] = {**best, "rounds_output_tps": [r["output_tps"] for r in rs]}
-            out.append({"mode": mode, "runs": runs, "speculative": spec_stats(url)})
-        return out
+                    rounds[mode].append(concurrent(url, prompts, c, args.max_tokens))
+            for mode, rs in rounds.items():
+                mid = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
+                runs[mode][str(c)] = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
+        return [{"mode": m, "runs": runs[m], "speculative": spec_stats(url)}
+                for m, (_, url) in servers.items()]
     finally:
         for proc, _ in servers.values():
             proc.terminate()
