@@ -87,3 +87,16 @@ def test_flat_preload_env(monkeypatch):
     assert load_settings().models.preload == ["a", "b", "c"]
     s = load_settings(None, {"models": {"preload": ["x"]}})
     assert s.models.preload == ["x"]  # flags still win
+
+
+def test_speculative_settings_from_env_and_flags(monkeypatch):
+    assert load_settings().engine.speculative == "off"
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE", "prompt-lookup")
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE_MAX_BATCH", "4")
+    s = load_settings()
+    assert (s.engine.speculative, s.engine.speculative_max_batch) == ("prompt-lookup", 4)
+    s = load_settings(None, {"engine": {"speculative": "draft", "draft_model": "small"}})
+    assert (s.engine.speculative, s.engine.draft_model) == ("draft", "small")
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE", "medusa")
+    with pytest.raises(ConfigError, match="engine.speculative"):
+        load_settings()

@@ -380,6 +380,43 @@ class EngineSettings(_Section):
         ),
     )
 
+    speculative: Literal["off", "prompt-lookup", "draft"] = Field(
+        "off",
+        description=(
+            "Speculative decoding for text models, inside the continuous batch: "
+            "'prompt-lookup' drafts the next tokens from n-grams of the sequence's own prompt "
+            "and output (no second model; pays off on input-grounded work: edits, summaries, "
+            "code changes), 'draft' from draft_model. The model verifies a draft in one "
+            "forward pass; greedy output is token-for-token the same as without it and "
+            "sampled output follows the same distribution."
+        ),
+    )
+    draft_model: str | None = Field(
+        None,
+        description=(
+            "speculative: draft -- the draft model (a store name, alias or directory); it "
+            "must share the served models' tokenizer (checked at load)."
+        ),
+    )
+    num_draft_tokens: int = Field(
+        6, ge=1, le=32,
+        description="Most tokens drafted per sequence per step (each sequence adapts below it).",
+    )
+    speculative_max_batch: int = Field(
+        8, ge=1,
+        description=(
+            "Speculate only while at most this many sequences decode together; a larger "
+            "batch decodes plainly (verifying drafts then costs more than it saves)."
+        ),
+    )
+    speculative_min_acceptance: float = Field(
+        0.3, ge=0.0, le=1.0,
+        description=(
+            "A sequence whose recent draft acceptance falls below this rate stops drafting "
+            "for a while (plain decoding), then tries again."
+        ),
+    )
+
     @field_validator("kv_bits")
     @classmethod
     def _kv_bits(cls, v: float | None) -> float | None:
@@ -397,6 +434,8 @@ class EngineSettings(_Section):
         problem = kv_options_problem(self.kv_bits, self.kv_quant_scheme, self.max_kv_size)
         if problem:
             raise ValueError(f"engine.kv_bits: {problem}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("engine.speculative is 'draft' but engine.draft_model is not set")
         return self
 
     @model_validator(mode="after")

@@ -43,6 +43,11 @@ def serve(
     kv_group_size: Annotated[Optional[int], typer.Option(help="KV quantization group.")] = None,
     max_kv_size: Annotated[Optional[int], typer.Option(help="Bound the KV cache (tokens).")
                            ] = None,
+    speculative: Annotated[Optional[str], typer.Option(
+        help="Speculative decoding: off | prompt-lookup | draft (with --draft-model).")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(
+        help="Draft model for --speculative draft (shares the served model's tokenizer).")
+                           ] = None,
     api_workers: Annotated[Optional[int], typer.Option(
         help="Front-end processes (HTTP, tokenizing, streaming) sharing the engine cores.",
     )] = None,
@@ -69,6 +74,8 @@ def serve(
             "kv_group_size": kv_group_size,
             "max_kv_size": max_kv_size,
             "tensor_parallel": tensor_parallel,
+            "speculative": speculative,
+            "draft_model": draft_model,
         },
         "log": {"level": log_level, "format": log_format},
     }

@@ -8,6 +8,9 @@ Per sequence, on top of mlx-lm's batch: a sampler and logits processors (engines
 when the request asks for more than the batch's shared sampler, a grammar that masks the
 logits every step (engines/structured), and the prefix cache (engines/prefix_cache): a new
 sequence starts from the KV cache of the longest prefix an earlier one left behind.
+
+With ``engine.speculative`` on, the batch is engines/spec_batch.py's, which can verify
+drafts (prompt lookup or a draft model, engines/speculative.py) in one forward pass.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.prefix_cache import PrefixCache
-from mlxd.engines.sampling import build_logits_processors, build_sampler
+from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
+from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
+from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
 from mlxd.engines.structured import GrammarProcessor
 from mlxd.engines.text import TextProcessor
+from mlxd.observability import metrics
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,11 @@ class LLMEngine(DecodeEngine):
         prefix_cache_min_tokens: int = 0,
         adapter_path: str | Path | None = None,
         max_kv_size: int | None = None,
+        speculative: str = "off",
+        draft_path: str | Path | None = None,
+        num_draft_tokens: int = 6,
+        speculative_max_batch: int = 8,
+        speculative_min_acceptance: float = 0.3,
     ) -> None:
         super().__init__()
         self.name = name
@@ -115,8 +126,66 @@ class LLMEngine(DecodeEngine):
             self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
             self._warm_phases: Iterator[list[Sequence]] | None = None
             self._warm_live: list[Sequence] = []
+            self.speculator: Speculator | None = None
+            self.speculative_off_reason: str | None = None
+            if speculative != "off" and sharded:
+                # the followers replay plain batch steps only (engines/tensor_parallel.py)
+                self.speculative_off_reason = "tensor parallel: ranks replay plain steps only"
+                log.warning("speculative decoding is off for '%s': %s", name,
+                            self.speculative_off_reason)
+            elif speculative != "off":
+                self.speculator = self._speculator(
+                    speculative, draft_path, dtype, trust_remote_code,
+                    Speculator(speculative, num_draft=num_draft_tokens,
+                               max_batch=speculative_max_batch,
+                               min_acceptance=speculative_min_acceptance))
+            self._spec_reported = (0, 0, 0, 0)
             mx.eval(self.model.parameters())
             self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            if self.speculator is not None and self.speculator.drafter is not None:
+                draft = self.speculator.drafter.model
+                mx.eval(draft.parameters())
+                self.nbytes += sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
+
+    def _speculator(self, mode: str, draft_path: str | Path | None, dtype: str,
+                    trust_remote_code: bool, spec: Speculator) -> Speculator | None:
+        """The speculation policy, or None (with the reason kept for /health) when this
+        model's KV cache cannot be rolled back per row. A draft model that does not share
+        this model's tokenizer is a load error: its drafts would be other tokens."""
+        if self._settings["max_kv_size"] is not None:
+            self.speculative_off_reason = "max_kv_size: a rotating cache cannot roll back"
+        elif not can_speculate(self.model):
+            self.speculative_off_reason = ("the model has layers without a plain KV cache "
+                                           "(sliding windows or recurrent state)")
+        if self.speculative_off_reason is not None:
+            log.warning("speculative decoding is off for '%s': %s", self.name,
+                        self.speculative_off_reason)
+            return None
+        if mode == "draft":
+            if draft_path is None:
+                raise ModelLoadError(f"speculative 'draft' for '{self.name}' needs a draft model")
+            spec.drafter = DraftModel(
+                self._load_draft(Path(draft_path), dtype, trust_remote_code), self.vocab_size,
+                self._settings["prefill_step_size"])
+        return spec
+
+    def _load_draft(self, path: Path, dtype: str, trust_remote_code: bool) -> Any:
+        try:
+            model, tokenizer, config = mlx_lm_load(
+                str(path), return_config=True, trust_remote_code=trust_remote_code,
+                tokenizer_config={"trust_remote_code": trust_remote_code})
+        except Exception as exc:  # noqa: BLE001 - as for the model itself
+            raise ModelLoadError(f"could not load draft model from {path}: {exc}") from exc
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ModelLoadError(
+                f"draft model {path.name} does not share the tokenizer of '{self.name}' "
+                "(their vocabularies differ), so its drafts would be other tokens: pick a "
+                "draft model of the same family")
+        if not can_speculate(model):
+            raise ModelLoadError(f"draft model {path.name} has layers without a plain KV "
+                                 "cache, which drafting cannot roll back")
+        apply_dtype(model, config, dtype)
+        return model
 
     def bind(self) -> None:
         """On the device thread: the batch, on that thread's stream. Everything before it
@@ -143,6 +212,16 @@ class LLMEngine(DecodeEngine):
         """
         s = self._settings
         bound = {} if s["max_kv_size"] is None else {"max_kv_size": s["max_kv_size"]}
+        if self.speculator is not None:
+            return SpeculativeBatchGenerator(
+                self.model, speculator=self.speculator,
+                stream=mx.default_stream(mx.default_device()),
+                max_tokens=1,
+                stop_tokens=[[t] for t in self.eos_token_ids],
+                completion_batch_size=s["max_num_seqs"],
+                prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
+                prefill_step_size=s["prefill_step_size"],
+            )
         return (BoundedBatchGenerator if bound else BatchGenerator)(
             self.model,
             stream=mx.default_stream(mx.default_device()),
@@ -221,11 +300,23 @@ class LLMEngine(DecodeEngine):
                 failed.append((seq, StepOutput(None, "error", error=exc)))
             return failed
         now = time.monotonic()
-        for (seq, *_), uid in zip(ready, uids, strict=True):
+        for (seq, _, _, processors), uid in zip(ready, uids, strict=True):
             seq.uid = uid
             seq.t_scheduled = now
             self._seqs[uid] = seq
+            if self.speculator is not None:
+                self._register_speculation(seq, bool(processors))
         return failed
+
+    def _register_speculation(self, seq: Sequence, has_processors: bool) -> None:
+        """Rows with logits processors or a seed decode plainly (speculator.register says
+        why); greedy rows verify by argmax, sampled rows by rejection sampling against
+        their sampler's own distribution."""
+        p = seq.params
+        eligible = not has_processors and (p.greedy or p.seed is None)
+        dist = None if p.greedy else sampling_probs(p, self.vocab_size)
+        assert self.speculator is not None
+        self.speculator.register(seq.uid, eligible=eligible, dist=dist)
 
     def _cached_prefix(self, seq: Sequence) -> list[Any] | None:
         """The prefix cache's KV for the start of ``seq``'s prompt (sets cached_tokens)."""
@@ -245,7 +336,29 @@ class LLMEngine(DecodeEngine):
         return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
     def stats(self) -> dict[str, Any]:
-        return {"prefix_cache": self.prefix_cache.stats()}
+        out: dict[str, Any] = {"prefix_cache": self.prefix_cache.stats()}
+        if self.speculator is not None:
+            out["speculative"] = {"mode": self.speculator.mode,
+                                  **self.speculator.stats.as_dict()}
+        elif self.speculative_off_reason is not None:
+            out["speculative"] = {"mode": "off", "reason": self.speculative_off_reason}
+        return out
+
+    def _forget(self, uid: int) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(uid)
+
+    def _report_speculation(self) -> None:
+        """Metrics: the speculation counters' growth since the last report."""
+        st = self.speculator.stats if self.speculator is not None else None
+        if st is None or st.verify_steps == self._spec_reported[0] or self._warm_phases:
+            return  # nothing new, or warm-up drafts (reset when it ends)
+        now = (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.emitted_tokens)
+        steps, drafted, accepted, emitted = (a - b for a, b in zip(now, self._spec_reported,
+                                                                   strict=True))
+        self._spec_reported = now
+        metrics.spec_decode_events(self.name, steps, drafted, accepted, emitted,
+                                   st.as_dict())
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from
@@ -278,6 +391,7 @@ class LLMEngine(DecodeEngine):
         elif seq.uid in self._seqs:
             del self._seqs[seq.uid]
             seq.finished = True
+            self._forget(seq.uid)
             caches = self._gen.remove([seq.uid],
                                       return_prompt_caches=self.prefix_cache.enabled)
             for cache, tokens in (caches or {}).values():
@@ -310,7 +424,11 @@ class LLMEngine(DecodeEngine):
         if responses:
             self._step_ema = 0.8 * self._step_ema + 0.2 * (time.perf_counter() - t0)
         self.steps += 1
-        self.max_batch_seen = max(self.max_batch_seen, len(responses))
+        # a verify step answers a row once per token it emits
+        rows = len(responses) if self.speculator is None else len({r.uid for r in responses})
+        self.max_batch_seen = max(self.max_batch_seen, rows)
+        if self.speculator is not None:
+            self._report_speculation()
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is None:
@@ -320,6 +438,7 @@ class LLMEngine(DecodeEngine):
                 out.append((seq, StepOutput(None, "error", error=seq.error)))
                 del self._seqs[r.uid]
                 seq.finished = True
+                self._forget(r.uid)
                 if finish is None:
                     self._gen.remove([r.uid])
                 continue
@@ -327,6 +446,7 @@ class LLMEngine(DecodeEngine):
             if finish is not None:
                 del self._seqs[r.uid]
                 seq.finished = True
+                self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
                     self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
         return out
@@ -336,6 +456,8 @@ class LLMEngine(DecodeEngine):
         return [*self._seqs.values(), *self._pending]
 
     def _reset(self) -> None:
+        if self.speculator is not None:
+            self.speculator.clear()
         self._seqs.clear()
         self._pending.clear()
         self.prefix_cache.clear()  # may be what filled the memory
@@ -401,6 +523,9 @@ class LLMEngine(DecodeEngine):
             self._warm_live = []
             self.max_batch_seen = 0
             self.steps = 0
+            if self.speculator is not None:  # warm-up drafts are nobody's statistics
+                self.speculator.stats = SpecStats()
+                self._spec_reported = (0, 0, 0, 0)
             self.prefix_cache = PrefixCache(self.prefix_cache.max_bytes,
                                             self.prefix_cache.min_hit_tokens)  # no warm-up KV
             if not self._warm_done.done():
@@ -435,6 +560,7 @@ class LLMEngine(DecodeEngine):
             self._gen.close()
         self._gen = None
         self.model = None
+        self.speculator = None  # and with it the draft model
         mx.clear_cache()
         if self.tp_id:
             tensor_parallel.publish(("close", self.tp_id))

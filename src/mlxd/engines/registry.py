@@ -29,10 +29,11 @@ def finish_on_device(engine: Any, settings: Settings) -> Future:
     return done
 
 
-def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
+def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
+                  draft_path: Path | None = None) -> Any:
     """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
     :func:`finish_on_device`); every other kind comes back warmed up, built on the device
-    thread, which then owns it."""
+    thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft)."""
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
@@ -59,6 +60,11 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
             adapter_path=opts["adapter_path"],
             max_kv_size=opts["max_kv_size"],
+            speculative=e.speculative,
+            draft_path=draft_path,
+            num_draft_tokens=e.num_draft_tokens,
+            speculative_max_batch=e.speculative_max_batch,
+            speculative_min_acceptance=e.speculative_min_acceptance,
         )
         return engine
     if kind in ("embedding", "reranker"):

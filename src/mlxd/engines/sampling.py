@@ -53,7 +53,7 @@ def _min_p(logprobs: mx.array, p: float) -> mx.array:
     return mx.where(logprobs >= threshold, logprobs, _NEG_INF)
 
 
-def _make(params: SamplingParams, vocab_size: int, key: mx.array | None) -> Sampler:
+def _filters(params: SamplingParams, vocab_size: int) -> list[Callable[[mx.array], mx.array]]:
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < params.top_k < vocab_size:
         filters.append(lambda x: _top_k(x, params.top_k))
@@ -61,6 +61,26 @@ def _make(params: SamplingParams, vocab_size: int, key: mx.array | None) -> Samp
         filters.append(lambda x: _top_p(x, params.top_p))
     if params.min_p > 0.0:
         filters.append(lambda x: _min_p(x, params.min_p))
+    return filters
+
+
+def sampling_probs(params: SamplingParams, vocab_size: int) -> Callable[[mx.array], mx.array]:
+    """The distribution a sampled row's sampler draws from (filters, then temperature), as
+    probabilities over the last axis: speculative verification (engines/speculative.py)
+    needs the distribution itself, not one draw from it."""
+    filters = _filters(params, vocab_size)
+    inv_temp = 1.0 / params.temperature
+
+    def probs(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs * inv_temp, axis=-1)
+
+    return probs
+
+
+def _make(params: SamplingParams, vocab_size: int, key: mx.array | None) -> Sampler:
+    filters = _filters(params, vocab_size)
     inv_temp = 1.0 / params.temperature
     state = {"key": key}
 

@@ -23,6 +23,9 @@ CORE_FAMILIES = frozenset({
     "mlxd:vision_feature_cache_misses", "mlxd:vision_feature_cache_bytes",
     "mlxd:vision_images", "mlxd:models_loaded", "mlxd:model_memory_bytes",
     "mlxd:model_load_seconds", "mlxd:model_evictions",
+    "mlxd:spec_decode_num_verify_steps", "mlxd:spec_decode_num_draft_tokens",
+    "mlxd:spec_decode_num_accepted_tokens", "mlxd:spec_decode_num_emitted_tokens",
+    "mlxd:spec_decode_draft_acceptance_rate", "mlxd:spec_decode_tokens_per_step",
 })
 
 
@@ -128,6 +131,28 @@ vision_feature_cache_bytes = Gauge("mlxd:vision_feature_cache_bytes",
 vision_images_total = Counter("mlxd:vision_images", "Images accepted in requests.",
                               ["model"], registry=REGISTRY)
 
+# -- speculative decoding (vLLM's spec_decode names) -------------------------------------------
+spec_decode_verify_steps = Counter(
+    "mlxd:spec_decode_num_verify_steps", "Decode steps that verified drafts.", ["model"],
+    registry=REGISTRY)
+spec_decode_draft_tokens = Counter(
+    "mlxd:spec_decode_num_draft_tokens", "Draft tokens proposed for verification.", ["model"],
+    registry=REGISTRY)
+spec_decode_accepted_tokens = Counter(
+    "mlxd:spec_decode_num_accepted_tokens", "Draft tokens the model accepted.", ["model"],
+    registry=REGISTRY)
+spec_decode_emitted_tokens = Counter(
+    "mlxd:spec_decode_num_emitted_tokens",
+    "Tokens emitted by verify steps (accepted drafts plus one per row).", ["model"],
+    registry=REGISTRY)
+spec_decode_acceptance_rate = Gauge(
+    "mlxd:spec_decode_draft_acceptance_rate",
+    "Accepted / proposed draft tokens since the model loaded.", ["model"], registry=REGISTRY)
+spec_decode_tokens_per_step = Gauge(
+    "mlxd:spec_decode_tokens_per_step",
+    "Tokens a sequence emits per verify step since the model loaded (1 = no gain).",
+    ["model"], registry=REGISTRY)
+
 # -- the model cache ------------------------------------------------------------------------
 models_loaded = Gauge("mlxd:models_loaded", "Models loaded now.", ["kind"], registry=REGISTRY)
 model_memory_bytes = Gauge("mlxd:model_memory_bytes", "Weight memory of a loaded model.",
@@ -164,6 +189,19 @@ except Exception:  # noqa: BLE001 - optional
 
 
 # -- hooks the runtime calls ------------------------------------------------------------------
+
+
+def spec_decode_events(model: str, steps: int, drafted: int, accepted: int, emitted: int,
+                       totals: dict[str, Any]) -> None:
+    """Growth of the speculation counters since the last call, and the running ratios."""
+    spec_decode_verify_steps.labels(model).inc(steps)
+    spec_decode_draft_tokens.labels(model).inc(drafted)
+    spec_decode_accepted_tokens.labels(model).inc(accepted)
+    spec_decode_emitted_tokens.labels(model).inc(emitted)
+    if totals.get("acceptance_rate") is not None:
+        spec_decode_acceptance_rate.labels(model).set(totals["acceptance_rate"])
+    if totals.get("tokens_per_step") is not None:
+        spec_decode_tokens_per_step.labels(model).set(totals["tokens_per_step"])
 
 
 def model_loaded(name: str, kind: str, size: int, seconds: float) -> None:

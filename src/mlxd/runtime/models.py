@@ -220,6 +220,23 @@ class ModelManager:
         task.add_done_callback(done)
         return await asyncio.shield(fut)
 
+    async def _draft_path(self) -> Path | None:
+        """Where engine.draft_model lives (speculative: draft): a directory, or a store
+        name resolved (and pulled, if allowed) the way a served model's is."""
+        e = self.settings.engine
+        if e.speculative != "draft" or not e.draft_model:
+            return None
+        p = Path(e.draft_model).expanduser()
+        if ("/" in e.draft_model or e.draft_model.startswith(".")) and p.is_dir():
+            return p.resolve()
+        if e.draft_model in self._paths:
+            return self._paths[e.draft_model]
+        validate_name(e.draft_model)
+        from mlxd.store.pull import ensure_model
+
+        return await asyncio.to_thread(ensure_model, self.store, e.draft_model,
+                                       self.settings.models)
+
     async def _resolve_path(self, name: str) -> tuple[Path, str]:
         if name in self._paths:
             from mlxd.store.inspect import infer_kind
@@ -245,6 +262,9 @@ class ModelManager:
         need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
         if kind == "chat":  # a tensor-parallel rank holds 1/N of the weights
             need //= self.settings.engine.tensor_parallel
+        draft = await self._draft_path() if kind == "chat" else None
+        if draft is not None:
+            need += await asyncio.to_thread(estimate_model_bytes, draft, upcast_half=upcast)
         if self.used_bytes + self.dynamic_bytes() + self._reserved + need > self.budget:
             await self.shrink()  # reusable caches go before any model does
         self._make_room(name, kind, need)
@@ -254,7 +274,7 @@ class ModelManager:
         from mlxd.engines import registry
 
         def build() -> Any:
-            return registry.create_engine(kind, name, path, self.settings)
+            return registry.create_engine(kind, name, path, self.settings, draft_path=draft)
 
         try:
             if registry.loads_off_device(kind):

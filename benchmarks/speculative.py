@@ -1,0 +1,253 @@
+"""Speculative decoding (prompt lookup, or a draft model) against plain decoding, on an
+input-grounded task: the model is asked to repeat or lightly edit a given text, so most of
+its output is already in its prompt -- the work prompt lookup is for (editing, code
+changes, summaries that quote).
+
+Starts ``mlxd serve`` once per mode on the same model and measures, through HTTP:
+
+* batch 1: requests one after another, streamed; decode rate per request
+  (completion tokens after the first / time from first to last content chunk), TTFT;
+* C=16: sixteen concurrent requests; aggregate output tokens per second.
+
+Greedy, so both modes must produce the same text (checked and reported). The speculation
+counters (acceptance rate, tokens per verify step) come from ``/health``.
+
+    python benchmarks/speculative.py --model-dir DIR --dtype float32 --out result.json
+    python benchmarks/speculative.py --modes off prompt-lookup --concurrency 1 16
+
+Without ``--model-dir`` the built-in default model is used (SmolLM2-135M-Instruct, from the
+store or its PyPI wheel). ``--draft-model`` adds the ``draft`` mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+TEXTS = [
+    "The old lighthouse stood at the edge of the cliff for more than two hundred years. "
+    "Every night its keeper climbed the narrow stairs, trimmed the wick and polished the "
+    "great lens, so that ships passing in the dark would know where the rocks were. When "
+    "the keeper grew old, his daughter took over the work, and she kept the light burning "
+    "through storms, fog and the long winter nights.",
+    "To make a simple loaf of bread, mix flour, water, salt and a little yeast in a large "
+    "bowl. Knead the dough for ten minutes until it is smooth, then leave it covered in a "
+    "warm place for an hour. When it has doubled in size, shape it into a loaf, let it rise "
+    "again for thirty minutes and bake it in a hot oven for about forty minutes.",
+    "def total_price(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+    "        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+    "    return subtotal + tax\n\n\ndef average_price(items):\n    if not items:\n"
+    "        return 0\n    return sum(item.price for item in items) / len(items)\n",
+    "Rivers shape the land they flow through. Over thousands of years they carve valleys, "
+    "carry soil down from the mountains and build wide plains near the sea. Many of the "
+    "first towns grew up beside rivers, because people needed water to drink, fish to eat "
+    "and an easy way to move goods from one place to another.",
+]
+ASKS = [
+    "Repeat the following text exactly, word for word:\n\n{t}",
+    "Rewrite the following text, changing only 'the' to 'THE' everywhere:\n\n{t}",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
+          max_batch: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1",
+           "MLXD_MODELS__DTYPE": dtype, "MLXD_ENGINE__SPECULATIVE": mode,
+           "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0"}  # every request prefills: same work
+    if draft and mode == "draft":
+        env["MLXD_ENGINE__DRAFT_MODEL"] = draft
+    if max_batch is not None:
+        env["MLXD_ENGINE__SPECULATIVE_MAX_BATCH"] = str(max_batch)
+    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--port", str(port),
+                             "--model", model, "--log-level", "warning"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode()[-2000:])
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError("server did not start")
+
+
+def one(url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    text: list[str] = []
+    usage: dict = {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices") or []:
+                if (ch.get("delta") or {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(ch["delta"]["content"])
+    end = time.perf_counter()
+    n = usage.get("completion_tokens", 0)
+    decode_s = (last - first) if first and last and last > first else None
+    return {"text": "".join(text), "tokens": n, "ttft": (first or end) - t0, "wall": end - t0,
+            "decode_tps": (n - 1) / decode_s if decode_s else None}
+
+
+def spec_stats(url: str) -> dict | None:
+    models = httpx.get(url + "/health", timeout=10).json().get("models") or []
+    return next((m.get("speculative") for m in models if m.get("speculative")), None)
+
+
+def summarize(res: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in res)
+    rates = [r["decode_tps"] for r in res if r["decode_tps"]]
+    return {
+        "requests": len(res), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "output_tps": round(tokens / wall, 2),
+        "decode_tps_per_request_p50": round(statistics.median(rates), 2) if rates else None,
+        "ttft_p50": round(statistics.median(r["ttft"] for r in res), 3),
+        "texts": [r["text"] for r in res],
+    }
+
+
+def concurrent(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
+    batch = (prompts * c)[:max(c, len(prompts))]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        res = list(pool.map(lambda p: one(url, p, max_tokens), batch))
+    return summarize(res, time.perf_counter() - t0)
+
+
+def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """Every mode's server up at once, measured in turns so that a shared machine's
+    changing load falls on all modes alike: at batch 1 each prompt goes to every mode in
+    turn (and the per-request speed-up is the median of those pairs); at C>1 whole rounds
+    alternate, and per mode the median round counts."""
+    servers = {}
+    try:
+        for mode in args.modes:
+            home = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
+            servers[mode] = start(home, args.model_dir or args.model, args.dtype, mode,
+                                  args.draft_model, args.max_batch)
+        for _, url in servers.values():
+            one(url, prompts[0], 8)  # warm the server and the model (not measured)
+        runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
+        for c in args.concurrency:
+            if c == 1:
+                seq: dict[str, list[dict]] = {m: [] for m in args.modes}
+                for _ in range(args.rounds):
+                    for p in prompts:
+                        for mode, (_, url) in servers.items():
+                            seq[mode].append(one(url, p, args.max_tokens))
+                base = args.modes[0]
+                for mode, res in seq.items():
+                    run = summarize(res, sum(r["wall"] for r in res))  # all rounds
+                    pairs = [a["decode_tps"] / b["decode_tps"] for a, b in
+                             zip(res, seq[base], strict=True)
+                             if a["decode_tps"] and b["decode_tps"]]
+                    run["paired_decode_speedup_p50"] = round(statistics.median(pairs), 3) \
+                        if pairs and mode != base else None
+                    run["decode_tps_all"] = [round(r["decode_tps"] or 0, 2) for r in res]
+                    runs[mode]["1"] = run
+                continue
+            rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
+            for _ in range(args.rounds):
+                for mode, (_, url) in servers.items():
+                    rounds[mode].append(concurrent(url, prompts, c, args.max_tokens))
+            for mode, rs in rounds.items():
+                mid = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
+                runs[mode][str(c)] = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
+        return [{"mode": m, "runs": runs[m], "speculative": spec_stats(url)}
+                for m, (_, url) in servers.items()]
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", help="a model directory (default: --model)")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto",
+                    help="models.dtype: auto|native|float32|float16|bfloat16")
+    ap.add_argument("--modes", nargs="+", default=["off", "prompt-lookup"])
+    ap.add_argument("--draft-model", help="engine.draft_model, for the 'draft' mode")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--texts", type=int, default=len(TEXTS) * len(ASKS),
+                    help="how many (ask, text) prompts at batch 1")
+    ap.add_argument("--rounds", type=int, default=1, help="measurements per mode, in turns")
+    ap.add_argument("--max-batch", type=int, help="engine.speculative_max_batch")
+    ap.add_argument("--home", help="MLXD_HOME (default: a fresh temporary one)")
+    ap.add_argument("--out", help="write the JSON result here")
+    args = ap.parse_args()
+    if args.draft_model and "draft" not in args.modes:
+        args.modes.append("draft")
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=Path(__file__).parent).stdout.strip()
+    prompts = [a.format(t=t) for a in ASKS for t in TEXTS][:args.texts]
+    results = run_all(args, prompts)
+    base = results[0]
+    for r in results[1:]:
+        for c, run in r["runs"].items():
+            ref = base["runs"].get(c)
+            if ref is None:
+                continue
+            run["same_text_as_" + base["mode"]] = run["texts"] == ref["texts"]
+            run["speedup_output_tps"] = round(run["output_tps"] / ref["output_tps"], 3)
+            if run["decode_tps_per_request_p50"] and ref["decode_tps_per_request_p50"]:
+                run["speedup_decode_tps_p50"] = round(
+                    run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3)
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit, "model": args.model_dir or args.model, "dtype": args.dtype,
+        "max_tokens": args.max_tokens, "results": results,
+    }
+    for r in results:
+        for run in r["runs"].values():
+            run["texts"] = [t[:80] for t in run["texts"]]  # enough to eyeball, not to bloat
+    summary = {r["mode"]: {c: {k: v for k, v in run.items() if k != "texts"}
+                           for c, run in r["runs"].items()} | {"speculative": r["speculative"]}
+               for r in results}
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

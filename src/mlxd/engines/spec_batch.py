@@ -1,0 +1,204 @@
+"""Speculative decoding inside mlx-lm's continuous batch (engine.speculative).
+
+mlx-lm 0.32.2's ``GenerationBatch`` keeps one token per row in flight: sampled, not yet
+emitted and not yet in the KV cache. A plain step feeds it, emits it and samples the next.
+A verify step here feeds ``[that token, d1..dK]`` per row in one forward pass (rows with
+shorter drafts are padded to the batch's K), emits that token plus the accepted drafts,
+and keeps the token the verification sampled after them in flight -- so what a step
+emits and what the cache holds mean the same as in a plain step, and the batch can go on
+with either kind of step next.
+
+Per-row rollback: mlx-lm's ``BatchKVCache`` keeps rows right-aligned on one shared end
+index (``left_padding`` marks each row's start). After verification row ``i`` must drop
+its ``r_i = K - a_i`` rejected positions. The cache first trims ``min(r)`` from every
+row (bookkeeping only), then rolls each row right by what it still has to drop, which
+turns the rejected tail into left padding -- the move the cache already makes to
+right-align right-padded prompts (``prepare(right_padding=...)`` + ``finalize()``). At
+batch size one, or when all rows accepted alike, nothing is copied. Models whose cache is
+not all plain KV layers (sliding windows, recurrent state) or with ``max_kv_size`` do not
+speculate (see :func:`can_speculate`).
+
+The plain step is mlx-lm's own, untouched: a step speculates only when the batch is small
+enough (``engine.speculative_max_batch``) and some row has a draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxd.engines.speculative import Speculator, verify_greedy, verify_sampled
+
+
+def can_speculate(model: Any) -> bool:
+    """Whether every layer keeps a plain KV cache, which the batch can trim per row."""
+    try:
+        return all(type(c) is KVCache for c in make_prompt_cache(model))
+    except Exception:  # noqa: BLE001 - an odd model: no speculation, not a failed load
+        return False
+
+
+def rollback_rows(caches: list[Any], drop: list[int]) -> None:
+    """Drop the last ``drop[i]`` positions of row ``i`` from every layer's BatchKVCache:
+    trim what all rows drop, then roll each row right by the rest, into its left padding
+    (see the module docstring)."""
+    common = min(drop)
+    extra = [d - common for d in drop]
+    for c in caches:
+        if common:
+            c.trim(common)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch with a verify step beside its plain one."""
+
+    speculator: Speculator | None = None
+
+    def next(self) -> list[GenerationBatch.Response]:
+        spec = self.speculator
+        if spec is None or not self.uids:
+            return super().next()
+        if len(self.uids) > spec.max_batch:
+            spec.stats.plain_steps += 1
+            return super().next()
+        wanting = [spec.wants_draft(uid) for uid in self.uids]
+        if not any(wanting):
+            spec.stats.plain_steps += 1
+            return super().next()
+        pending = self._next_tokens.tolist()
+        drafts = [
+            spec.propose(uid, [*self.tokens[i], pending[i]],
+                         self.max_tokens[i] - self._num_tokens[i] - 1) if want else []
+            for i, (uid, want) in enumerate(zip(self.uids, wanting, strict=True))
+        ]
+        if not any(drafts):
+            spec.stats.plain_steps += 1
+            return super().next()
+        return self._verify(pending, drafts)
+
+    # -- the verify step -------------------------------------------------------------------
+    def _verify(self, pending: list[int], drafts: list[list[int]]
+                ) -> list[GenerationBatch.Response]:
+        spec = self.speculator
+        assert spec is not None
+        n = len(self.uids)
+        k = max(len(d) for d in drafts)
+        lens = [len(d) for d in drafts]
+        padded = [d + [0] * (k - len(d)) for d in drafts]
+        inputs = mx.array([[p, *d] for p, d in zip(pending, padded, strict=True)],
+                          dtype=mx.uint32)
+        self._current_tokens = self._next_tokens
+        self._current_logprobs = self._next_logprobs
+
+        logits = self.model(inputs, cache=self.prompt_cache)  # [n, k+1, V]
+        token_context = []
+        if any(self.logits_processors):
+            # rows with processors never draft: only their first position is used
+            first = []
+            for e in range(n):
+                row = logits[e:e + 1, 0]
+                processors = self.logits_processors[e] or ()
+                if processors:
+                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1, 0])
+                    token_context.append(context)
+                    for proc in processors:
+                        row = proc(context, row)
+                first.append(row)
+            logits = mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]],
+                                    axis=1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        accepted: list[Any] = [0] * n
+        nxt: list[Any] = [None] * n
+        greedy = [i for i in range(n) if lens[i] and spec.rows[self.uids[i]].dist is None]
+        sampled = [i for i in range(n) if lens[i] and spec.rows[self.uids[i]].dist is not None]
+        for i in range(n):
+            if not lens[i]:  # a plain row inside the verify pass: its own sampler
+                sampler = (self.samplers[i] if self.samplers else None) or self.fallback_sampler
+                nxt[i] = sampler(logprobs[i:i + 1, 0])[0]
+        if greedy:
+            idx = mx.array(greedy)
+            acc, tok = verify_greedy(logprobs[idx], mx.array([padded[i] for i in greedy]),
+                                     mx.array([lens[i] for i in greedy]))
+            for j, i in enumerate(greedy):
+                accepted[i], nxt[i] = acc[j], tok[j]
+        if sampled:
+            p = mx.stack([spec.rows[self.uids[i]].dist(logprobs[i]) for i in sampled])
+            acc, tok = verify_sampled(p, mx.array([padded[i] for i in sampled]),
+                                      mx.array([lens[i] for i in sampled]))
+            for j, i in enumerate(sampled):
+                accepted[i], nxt[i] = acc[j], tok[j]
+        acc_arr = mx.array([0] * n) if not (greedy or sampled) else mx.stack(
+            [a if isinstance(a, mx.array) else mx.array(a) for a in accepted])
+        next_tokens = mx.stack(nxt).astype(mx.uint32)
+        mx.eval(acc_arr, next_tokens, self._current_logprobs, token_context)
+        acc_list: list[int] = acc_arr.tolist()
+
+        rollback_rows(self.prompt_cache, [k - a for a in acc_list])
+        self._next_tokens = next_tokens
+        self._next_logprobs = [logprobs[i, acc_list[i]] for i in range(n)]
+        mx.async_eval(self._next_tokens, self._next_logprobs)
+
+        stats = spec.stats
+        stats.verify_steps += 1
+        stats.row_steps += n
+        emitted: list[list[int]] = []
+        for i, uid in enumerate(self.uids):
+            a = acc_list[i]
+            toks = [pending[i], *drafts[i][:a]]
+            emitted.append(toks)
+            self.tokens[i].extend(toks)
+            stats.emitted_tokens += len(toks)
+            if lens[i]:
+                stats.drafts += 1
+                stats.draft_tokens += lens[i]
+                stats.accepted_tokens += a
+                spec.update(uid, lens[i], a)
+        return self._respond(emitted, logprobs)
+
+    def _respond(self, emitted: list[list[int]], logprobs: mx.array
+                 ) -> list[GenerationBatch.Response]:
+        """One response per emitted token, in order; a row that finishes mid-way (EOS,
+        max_tokens) stops there, its cache and tokens cut back to the finishing token."""
+        keep, responses = [], []
+        for i, toks in enumerate(emitted):
+            finish = None
+            for j, tok in enumerate(toks):
+                lp = self._current_logprobs[i] if j == 0 else logprobs[i, j - 1]
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(tok):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(self.Response(self.uids[i], tok, lp, None, None, None))
+                    continue
+                extra = len(toks) - 1 - j
+                cache = self.extract_cache(i)
+                if extra:
+                    for c in cache:
+                        c.trim(extra)
+                tokens = self.tokens[i][:len(self.tokens[i]) - extra]
+                responses.append(self.Response(self.uids[i], tok, lp, finish, cache, tokens))
+                break
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class SpeculativeBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator whose generation batch can verify drafts."""
+
+    def __init__(self, model: Any, *, speculator: Speculator, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
+        batch.speculator = speculator
+        self._generation_batch = batch

@@ -1,0 +1,183 @@
+"""The pieces of speculative decoding that decide correctness: the rejection-sampling rule
+(emitted tokens follow the target distribution, checked on a small vocabulary with many
+draws), greedy verification, prompt lookup, and the adaptive draft length."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxd.engines.speculative import (
+    Speculator,
+    ngram_draft,
+    verify_greedy,
+    verify_sampled,
+)
+
+N = 200_000  # draws per check: the frequencies' standard error is about 0.001
+V = 6
+
+
+def _dist(rng: np.random.Generator) -> np.ndarray:
+    p = rng.dirichlet(np.ones(V) * 0.7)
+    return p / p.sum()
+
+
+def _freq(tokens: np.ndarray) -> np.ndarray:
+    return np.bincount(tokens, minlength=V) / max(len(tokens), 1)
+
+
+def _emitted(drafts: np.ndarray, accepted: np.ndarray, nxt: np.ndarray, pos: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Token ``pos`` of each row's output (drafts[:a] + [next]) where the row has one."""
+    has = accepted >= pos
+    tok = np.where(accepted > pos, drafts[:, min(pos, drafts.shape[1] - 1)], nxt)
+    return tok[has], has
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_rejection_sampling_follows_the_target_distribution(one_hot):
+    rng = np.random.default_rng(0)
+    p = np.stack([_dist(rng), _dist(rng), _dist(rng)])  # target at 3 positions (K = 2)
+    q = np.stack([_dist(rng), _dist(rng)])  # draft at the 2 drafted positions
+    if one_hot:  # a deterministic drafter (prompt lookup, greedy draft model): a good guess
+        drafts = np.tile(np.array([int(np.argmax(p[0])), int(np.argmax(p[1]))]), (N, 1))
+        q_arg = None
+    else:
+        drafts = np.stack([rng.choice(V, size=N, p=q[0]), rng.choice(V, size=N, p=q[1])], 1)
+        q_arg = mx.broadcast_to(mx.array(q, dtype=mx.float32)[None], (N, 2, V))
+    acc, nxt = verify_sampled(mx.broadcast_to(mx.array(p, dtype=mx.float32)[None], (N, 3, V)),
+                              mx.array(drafts), mx.full((N,), 2, dtype=mx.int32), q=q_arg,
+                              key=mx.random.key(1))
+    acc, nxt = np.array(acc), np.array(nxt)
+    first, _ = _emitted(drafts, acc, nxt, 0)
+    assert np.abs(_freq(first) - p[0]).max() < 0.006
+    # the second token, wherever the first was a draft token (the target is p[1] after any
+    # first token here), follows p[1]; the third, after two accepted drafts, p[2]
+    second, _ = _emitted(drafts, acc, nxt, 1)
+    assert np.abs(_freq(second) - p[1]).max() < 0.01
+    third, _ = _emitted(drafts, acc, nxt, 2)
+    assert len(third) > 1000 and np.abs(_freq(third) - p[2]).max() < 0.03
+    # and drafts are really taken: acceptance of token 1 is sum(min(p, q))
+    expected = np.minimum(p[0], q[0]).sum() if not one_hot else p[0][drafts[0, 0]]
+    assert abs((acc >= 1).mean() - expected) < 0.006
+
+
+def test_rows_draft_different_lengths():
+    """A row with a shorter draft (padded) samples after its last real draft token."""
+    p = np.zeros((2, 3, V), dtype=np.float32)
+    p[:, 0, 1] = p[:, 1, 2] = p[:, 2, 3] = 1.0  # the target is certain: 1, then 2, then 3
+    drafts = mx.array([[1, 2], [1, 5]])  # row 1's second token is padding
+    acc, nxt = verify_sampled(mx.array(p), drafts, mx.array([2, 1]), key=mx.random.key(0))
+    assert acc.tolist() == [2, 1] and nxt.tolist() == [3, 2]
+    acc, nxt = verify_sampled(mx.array(p), drafts, mx.array([0, 0]), key=mx.random.key(0))
+    assert acc.tolist() == [0, 0] and nxt.tolist() == [1, 1]
+
+
+def test_greedy_verification_takes_the_matching_prefix_and_the_argmax_after_it():
+    logits = mx.zeros((3, 4, V))
+    best = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 5, 5, 5]]
+    for r, row in enumerate(best):
+        for j, t in enumerate(row):
+            logits[r, j, t] = 1.0
+    drafts = mx.array([[1, 2, 3], [1, 0, 3], [5, 5, 5]])
+    acc, nxt = verify_greedy(logits, drafts, mx.array([3, 3, 1]))
+    assert acc.tolist() == [3, 1, 1]
+    assert nxt.tolist() == [4, 2, 5]
+
+
+def test_prompt_lookup_copies_what_followed_the_last_ngram():
+    toks = np.array([7, 1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert ngram_draft(toks, 3) == [4, 5, 9]
+    assert ngram_draft(toks, 10) == [4, 5, 9, 1, 2, 3]  # up to the end of the history
+    # the most recent earlier occurrence wins, and longer n-grams before shorter ones
+    toks = np.array([1, 2, 8, 0, 1, 2, 6, 3, 1, 2])
+    assert ngram_draft(toks, 2) == [6, 3]
+    assert ngram_draft(np.array([4, 5, 6, 7]), 3) == []  # nothing repeats
+    assert ngram_draft(np.array([1, 2, 1, 2]), 0) == []
+
+
+def test_draft_length_adapts_and_low_acceptance_pauses_drafting():
+    spec = Speculator("prompt-lookup", num_draft=6, min_acceptance=0.3)
+    spec.register(1, eligible=True)
+    spec.register(2, eligible=False)
+    history = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    assert not spec.wants_draft(2)  # ineligible rows (processors, seeds) never draft
+    assert spec.propose(2, history, 10) == []
+    assert spec.wants_draft(1)
+    assert spec.propose(1, history, 10) == [7, 8, 5, 6]  # starts at 4
+    assert spec.propose(1, history, 2) == [7, 8]  # never past max_tokens
+    spec.update(1, 4, 4)
+    assert spec.rows[1].k == 6  # all accepted: longer drafts
+    spec.update(1, 6, 1)
+    assert spec.rows[1].k == 2  # shrinks to just past what was accepted
+    for _ in range(4):
+        spec.update(1, 2, 0)
+    st = spec.rows[1]
+    assert st.cooldown > 0  # acceptance fell below the floor: plain decoding for a while
+    pause = st.cooldown
+    assert not any(spec.wants_draft(1) for _ in range(pause))
+    assert spec.wants_draft(1)
+    assert spec.propose(1, history, 10) == [7]  # then it tries again, one token at a time
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from fixtures.tiny_models import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+
+
+def test_a_rotating_cache_serves_without_speculation_and_says_why(tiny):
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("t", tiny, speculative="prompt-lookup", max_kv_size=64)
+    try:
+        assert engine.speculator is None
+        assert "max_kv_size" in engine.stats()["speculative"]["reason"]
+    finally:
+        engine.close()
+
+
+def test_prompt_lookup_that_keeps_finding_nothing_looks_less_often():
+    spec = Speculator("prompt-lookup")
+    spec.register(1, eligible=True)
+    fresh = [1, 2, 3, 4, 5, 6]  # no n-gram repeats
+    looks = 0
+    for _ in range(40):
+        if spec.wants_draft(1):
+            looks += 1
+            assert spec.propose(1, fresh, 4) == []
+    assert 4 <= looks < 12
+    spec.rows[1].cooldown = 0
+    assert spec.propose(1, [1, 2, 3, 1, 2], 4) == [3, 1, 2]  # a hit: back to every step
+    assert spec.rows[1].cooldown == 0
+
+
+def test_rolling_rows_back_leaves_the_cache_of_the_accepted_tokens(tiny):
+    """Two rows of different lengths verify 3 drafts; one keeps all, one drops 2 and one
+    drops 3. The next step's logits equal those of caches that only ever saw the kept
+    tokens (positions, padding and mask all right)."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.utils import load
+
+    from mlxd.engines.spec_batch import rollback_rows
+
+    model, _ = load(str(tiny))
+    rows = [[5, 9, 14, 3, 8, 21, 7], [11, 4, 6], [30, 31, 32, 33]]
+    verify = [[40, 41, 42, 43], [50, 51, 52, 53], [60, 61, 62, 63]]  # pending + 3 drafts
+    drop = [0, 2, 3]
+    width = max(map(len, rows))
+    pad = [width - len(r) for r in rows]
+    caches = [BatchKVCache(pad) for _ in model.layers]
+    model(mx.array([[0] * p + r for p, r in zip(pad, rows, strict=True)]), cache=caches)
+    model(mx.array(verify), cache=caches)
+    rollback_rows(caches, drop)
+    nxt = mx.array([[70], [71], [72]])
+    got = model(nxt, cache=caches)[:, -1]
+    for i, (r, v, d) in enumerate(zip(rows, verify, drop, strict=True)):
+        ref = make_prompt_cache(model)
+        kept = r + v[:len(v) - d]
+        want = model(mx.array([kept + [70 + i]]), cache=ref)[0, -1]
+        assert mx.allclose(got[i], want, atol=1e-4).item(), i
