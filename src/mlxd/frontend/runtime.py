@@ -46,6 +46,7 @@ from mlxd.frontend.catalog import ModelCatalogOps
 from mlxd.frontend.client import CoreClient
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
+from mlxd.frontend.speech import SpeechRequests
 from mlxd.observability.context import add_usage, note
 from mlxd.store.catalog import ModelCatalog
 
@@ -64,6 +65,7 @@ class Runtime:
         self.client = CoreClient(run_dir)
         self.models = ModelsView(self)
         self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
+        self.speech = SpeechRequests(self)  # transcription and speech (the audio routes)
         self.startup_timeout = startup_timeout
         self.started_at = time.time()
         self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
@@ -166,7 +168,7 @@ class Runtime:
     async def memory(self) -> dict[str, int]:
         return (await self.client.call("status"))["memory"]
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         if self.draining:
             raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
         if not self.healthy:
@@ -218,7 +220,7 @@ class Runtime:
     async def submit(self, req: GenerateRequest) -> Generation:
         """Validate, tokenize and admit ``req``; errors here are clean 4xx/5xx before any
         output. The returned Generation must be iterated or closed (that frees its slot)."""
-        self._check_serving()
+        self.check_serving()
         prompts.check_limits(self.settings, req)
         name = self.catalog.resolve(req.model)
         note(model=name)
@@ -277,7 +279,7 @@ class Runtime:
     async def count_tokens(self, req: GenerateRequest) -> tuple[str, int]:
         """(model name, prompt tokens) of ``req`` as it would be generated: templated with
         its tools; loads the model if it has to."""
-        self._check_serving()
+        self.check_serving()
         info = await self.model_info(self.catalog.resolve(req.model), req.keep_alive)
         note(model=info["name"])
         if info["kind"] == "vision":
@@ -296,8 +298,8 @@ class Runtime:
             return None
 
     # -- encoders (batched in the core) ------------------------------------------------------
-    async def _encoder_call(self, method: str, **args: Any) -> Any:
-        self._check_serving()
+    async def encoder_call(self, method: str, **args: Any) -> Any:
+        self.check_serving()
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly",
                             headers={"Retry-After": "1"})
@@ -309,7 +311,7 @@ class Runtime:
 
     async def embed(self, req: EmbedRequest) -> EmbedResult:
         timings = Timings()
-        r = await self._encoder_call(
+        r = await self.encoder_call(
             "embed", model=req.model, inputs=req.inputs, truncate=req.truncate,
             dimensions=req.dimensions, keep_alive=req.keep_alive, request_id=req.request_id)
         timings.t_acquired = timings.t_submitted + r["load_s"]
@@ -321,7 +323,7 @@ class Runtime:
 
     async def rerank(self, req: RerankRequest) -> RerankResult:
         timings = Timings()
-        r = await self._encoder_call(
+        r = await self.encoder_call(
             "rerank", model=req.model, query=req.query, documents=req.documents,
             truncate=req.truncate, instruction=req.instruction, keep_alive=req.keep_alive,
             request_id=req.request_id)
@@ -333,7 +335,7 @@ class Runtime:
 
     async def tokenize(self, model: str | None, inputs: list[str] | None,
                        messages: list[dict] | None = None, **kw: Any) -> TokenizeResult:
-        r = await self._encoder_call("tokenize", model=model, inputs=inputs,
+        r = await self.encoder_call("tokenize", model=model, inputs=inputs,
                                      messages=messages, **kw)
         note(model=r["model"])
         return TokenizeResult(r["model"], r["kind"], r["tokens"], r["context_length"],
