@@ -20,7 +20,8 @@ class ApiRoute(JSONBodyRoute):
     (a route's own ``responses`` win), and never FastAPI's 422: validation is a 400 here."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
-        errors = error_responses(path, takes_body(endpoint), public=path in ALWAYS_PUBLIC)
+        body = takes_body(endpoint) or not self.json_body  # form routes always take a body
+        errors = error_responses(path, body, public=path in ALWAYS_PUBLIC)
         kwargs["responses"] = {**errors, **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
 
