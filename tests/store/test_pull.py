@@ -71,6 +71,16 @@ BERT = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 384
     ({"model_type": "llama"}, (), None, "chat"),
     ({"architectures": ["SomethingElse"], "model_type": "unheard_of"}, (), None, None),
     (None, (), None, None),
+    # speech: Whisper in mlx-community's MLX layout and in Hugging Face's own
+    ({"model_type": "whisper", "n_mels": 80, "n_vocab": 51865}, (), None, "stt"),
+    ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, (),
+     "openai/whisper-tiny", "stt"),
+    # TTS checkpoints whose config says only "qwen3": the repository name decides
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
+     "mlx-community/Soprano-80M-bf16", "tts"),
+    ({"model_type": "kokoro"}, (), None, "tts"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
+     "acme/diagnostics-bot", "chat"),  # a name part, not a substring, picks an architecture
 ])
 def test_infer_kind(tmp_path, config, extra, hint, kind):
     d = _model_dir(tmp_path / "model", config, *extra)

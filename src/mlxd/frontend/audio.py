@@ -195,7 +195,8 @@ class SpeechEncoder:
 def split_text(text: str, max_chars: int) -> list[str]:
     """Speech input in pieces of at most ``max_chars`` characters, cut after sentence ends
     (then at spaces), so each piece is synthesised and streamed on its own."""
-    sentences = [s for s in re.split(r"(?<=[.!?;:\n])\s+", text.strip()) if s.strip()]
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\s*\n\s*", text.strip())
+                 if s.strip()]
     pieces: list[str] = []
     cur = ""
     for s in sentences:
