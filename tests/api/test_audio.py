@@ -364,3 +364,40 @@ def test_transcription_and_speech_run_next_to_chat(asrv, oai):
         t.join(120)
     assert results["chat"] == 200 and isinstance(results["stt"], str) and results["tts"] > 44
     assert time.time() - t0 < 120
+
+
+# -- the model manager -------------------------------------------------------------------------
+
+
+def test_stt_models_follow_the_lru_cap_and_keep_alive(tmp_path, tiny_llama, audio_dirs):
+    """Two Whisper models, max_stt_models 1: loading the second evicts the first; a request
+    with keep_alive 0 unloads its model when it is done."""
+    import shutil
+
+    second = tmp_path / "src" / "tiny-whisper-b"
+    shutil.copytree(audio_dirs[0], second)
+    for d in (audio_dirs[0], second):
+        _pull(tmp_path / "models", d)
+    srv = LiveServer(make_settings(tmp_path, tiny_llama,
+                                   audio={"max_tokens_per_window": 4},
+                                   engine={"warmup": False})).start()
+    try:
+        def loaded() -> set[str]:
+            return {m["name"] for m in srv.health()["models"]}
+
+        assert _post(srv, wav(1.0)).status_code == 200  # STT: the form names it
+        assert STT in loaded()
+        with srv.client() as c:
+            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
+                       data={"model": "tiny-whisper-b"})
+            assert r.status_code == 200, r.text
+            assert "tiny-whisper-b" in loaded() and STT not in loaded()
+            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
+                       data={"model": STT, "keep_alive": "0"})
+            assert r.status_code == 200, r.text
+        deadline = time.time() + 10
+        while STT in loaded() and time.time() < deadline:
+            time.sleep(0.1)
+        assert STT not in loaded() and "tiny-whisper-b" not in loaded()
+    finally:
+        srv.stop()

@@ -59,7 +59,8 @@ def _reply(t: Transcript, fmt: str):
 
 async def _transcribe(request: Request, task: str, file: UploadFile, model: str | None,
                       language: str | None, prompt: str | None, fmt: str, temperature: float,
-                      granularities: list[str] | None, stream: bool):
+                      granularities: list[str] | None, stream: bool,
+                      keep_alive: str | None = None):
     if not 0.0 <= temperature <= 1.0:
         raise InvalidRequest("temperature must be between 0 and 1", param="temperature")
     for g in granularities or []:
@@ -75,7 +76,8 @@ async def _transcribe(request: Request, task: str, file: UploadFile, model: str 
                              param="timestamp_granularities")
     data = await file.read()
     speech = runtime(request).speech
-    args = {"task": task, "language": language, "prompt": prompt, "temperature": temperature}
+    args = {"task": task, "language": language, "prompt": prompt, "temperature": temperature,
+            "keep_alive": keep_alive}
     if stream:
         if fmt not in ("json", "text"):
             raise InvalidRequest("stream=true returns text events; use response_format json "
@@ -114,9 +116,12 @@ async def transcriptions(
     temperature: Annotated[float, Form()] = 0.0,
     timestamp_granularities: Granularities = None,
     stream: Annotated[bool, Form()] = False,
+    keep_alive: Annotated[str | None, Form(description="mlxd/Ollama extension: how long "
+                                           "the model stays loaded after this request")] = None,
 ):
     return await _transcribe(request, "transcribe", file, model, language, prompt,
-                             response_format, temperature, timestamp_granularities, stream)
+                             response_format, temperature, timestamp_granularities, stream,
+                             keep_alive)
 
 
 @uploads.post("/v1/audio/translations", responses=ok(Transcription))
@@ -127,9 +132,10 @@ async def translations(
     prompt: Annotated[str | None, Form()] = None,
     response_format: Annotated[TranscriptFormat, Form()] = "json",
     temperature: Annotated[float, Form()] = 0.0,
+    keep_alive: Annotated[str | None, Form()] = None,
 ):
     return await _transcribe(request, "translate", file, model, None, prompt,
-                             response_format, temperature, None, False)
+                             response_format, temperature, None, False, keep_alive)
 
 
 @router.post("/v1/audio/speech", responses={200: {"content": {
