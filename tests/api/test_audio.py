@@ -150,6 +150,21 @@ def test_transcription_json_and_verbose_json_with_the_openai_client(oai):
     assert v.text == "".join(s.text for s in v.segments).strip()
 
 
+def test_word_timestamps(oai):
+    v = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(35.0, rate=8000)),
+                                       response_format="verbose_json",
+                                       timestamp_granularities=["word", "segment"])
+    assert v.words and v.segments
+    for w in v.words:
+        assert 0.0 <= w.start <= w.end <= 35.0 + 1e-6 and isinstance(w.word, str)
+    assert [w.start for w in v.words] == sorted(w.start for w in v.words)
+    assert any(w.start >= 30.0 for w in v.words)  # the second window's, on the file's clock
+    only = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+                                          response_format="verbose_json",
+                                          timestamp_granularities=["word"])
+    assert only.words and not only.segments
+
+
 def test_text_srt_and_vtt_renderings(oai):
     text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav(2.0)),
                                            response_format="text")
@@ -253,9 +268,10 @@ def test_bad_parameters_and_wrong_models_are_400(asrv):
     good = wav(1.0)
     assert _err(_post(asrv, good, language="xx"), 400)["param"] == "language"
     assert _err(_post(asrv, good, response_format="yaml"), 400)
-    assert _err(_post(asrv, good, **{"timestamp_granularities[]": "word",
-                                     "response_format": "verbose_json"}), 400)["param"] == \
-        "timestamp_granularities"
+    assert _err(_post(asrv, good, **{"timestamp_granularities[]": "word"}), 400)["param"] == \
+        "timestamp_granularities"  # words need verbose_json
+    assert _err(_post(asrv, good, **{"timestamp_granularities[]": "letter",
+                                     "response_format": "verbose_json"}), 400)
     with asrv.client() as c:
         r = c.post("/v1/audio/transcriptions", files={"file": ("f.wav", good)},
                    data={"model": "tiny-llama"})

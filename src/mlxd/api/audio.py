@@ -3,7 +3,7 @@
 * ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: a multipart form with
   ``file`` (any format FFmpeg reads), ``model``, ``language``, ``prompt``,
   ``response_format`` (json, text, srt, vtt, verbose_json with segments), ``temperature``,
-  ``timestamp_granularities[]`` (segment) and ``stream`` (server-sent
+  ``timestamp_granularities[]`` (segment, word) and ``stream`` (server-sent
   ``transcript.text.delta`` events, one per 30-second window, then
   ``transcript.text.done``), served by a Whisper model.
 * ``POST /v1/audio/speech``: ``input``, ``voice``, ``response_format`` (mp3, opus, aac, flac,
@@ -44,7 +44,7 @@ def _usage(t: Transcript) -> dict:
     return {"type": "duration", "seconds": t.duration}
 
 
-def _reply(t: Transcript, fmt: str):
+def _reply(t: Transcript, fmt: str, segments: bool = True):
     if fmt == "text":
         return PlainTextResponse(t.text + "\n")
     if fmt == "srt":
@@ -52,8 +52,12 @@ def _reply(t: Transcript, fmt: str):
     if fmt == "vtt":
         return PlainTextResponse(render_vtt(t.segments), media_type="text/vtt")
     if fmt == "verbose_json":
-        return JSONResponse({"task": t.task, "language": t.language, "duration": t.duration,
-                             "text": t.text, "segments": t.segments, "usage": _usage(t)})
+        out = {"task": t.task, "language": t.language, "duration": t.duration, "text": t.text}
+        if segments:  # OpenAI: asking for words alone leaves the segments out
+            out["segments"] = t.segments
+        if t.words is not None:
+            out["words"] = t.words
+        return JSONResponse({**out, "usage": _usage(t)})
     return JSONResponse({"text": t.text, "usage": _usage(t)})
 
 
@@ -67,10 +71,6 @@ async def _transcribe(request: Request, task: str, file: UploadFile, model: str 
         if g not in ("segment", "word"):
             raise InvalidRequest(f"timestamp_granularities: unknown value {g!r}",
                                  param="timestamp_granularities")
-        if g == "word":
-            raise InvalidRequest("word timestamps are not served yet; segment timestamps come "
-                                 "with response_format=verbose_json",
-                                 param="timestamp_granularities")
     if granularities and fmt != "verbose_json":
         raise InvalidRequest("timestamp_granularities needs response_format=verbose_json",
                              param="timestamp_granularities")
@@ -78,14 +78,15 @@ async def _transcribe(request: Request, task: str, file: UploadFile, model: str 
     speech = runtime(request).speech
     args = {"task": task, "language": language, "prompt": prompt, "temperature": temperature,
             "keep_alive": keep_alive}
+    words = "word" in (granularities or [])
     if stream:
         if fmt not in ("json", "text"):
             raise InvalidRequest("stream=true returns text events; use response_format json "
                                  "or text", param="stream")
         events = await until_disconnect(request, speech.transcribe_stream(model, data, **args))
         return sse_response(_transcript_events(events))
-    t = await until_disconnect(request, speech.transcribe(model, data, **args))
-    return _reply(t, fmt)
+    t = await until_disconnect(request, speech.transcribe(model, data, words=words, **args))
+    return _reply(t, fmt, segments="segment" in (granularities or ["segment"]))
 
 
 async def _transcript_events(events: AsyncIterator) -> AsyncIterator[str]:

@@ -41,6 +41,12 @@ class Segment(BaseModel):
     no_speech_prob: float | None
 
 
+class Word(BaseModel):
+    word: str
+    start: float
+    end: float
+
+
 class DurationUsage(BaseModel):
     type: Literal["duration"] = "duration"
     seconds: float
@@ -56,7 +62,8 @@ class VerboseTranscription(BaseModel):
     language: str
     duration: float
     text: str
-    segments: list[Segment]
+    segments: list[Segment] | None = None
+    words: list[Word] | None = Field(None, description="timestamp_granularities[]=word")
     usage: DurationUsage | None = None
 
 

@@ -44,6 +44,7 @@ class WindowOptions:
     language: str | None = None  # None: detected per window
     prompt: str | None = None
     temperature: float = 0.0
+    words: bool = False  # word timestamps (cross-attention alignment, one pass per window)
 
 
 @dataclass(eq=False)
@@ -164,8 +165,30 @@ class SpeechToTextEngine(BatchingEncoder):
             prompt=opts.prompt, sample_len=self.max_tokens, without_timestamps=False,
             fp16=m.dtype == mx.float16)
         results = m.decode(mx.stack(mels), options)
-        return [self._result(r, it.audio.size / SAMPLE_RATE, opts)
-                for r, it in zip(results, items, strict=True)]
+        out = []
+        for r, it, mel in zip(results, items, mels, strict=True):
+            res = self._result(r, it.audio.size / SAMPLE_RATE, opts)
+            if opts.words:
+                self._add_words(res, r.language, opts.task, mel, it.audio.size)
+            out.append(res)
+        return out
+
+    def _add_words(self, res: dict, language: str, task: str, mel: mx.array,
+                   samples: int) -> None:
+        """Word timings for a window's segments: mlx-audio's alignment (Whisper's
+        cross-attention heads over the window's frames, dynamic time warping)."""
+        from mlx_audio.stt.models.whisper.audio import HOP_LENGTH
+        from mlx_audio.stt.models.whisper.timing import add_word_timestamps
+
+        segs = [{**s, "seek": 0} for s in res["segments"]]
+        if segs:
+            add_word_timestamps(segments=segs, model=self.model,
+                                tokenizer=self._tokenizer(language, task), mel=mel,
+                                num_frames=max(samples // HOP_LENGTH, 2),
+                                last_speech_timestamp=0.0)
+        for s, done in zip(res["segments"], segs, strict=True):
+            s["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
+                          for w in done.get("words", [])]
 
     def _tokenizer(self, language: str | None, task: str) -> Any:
         key = (language, task)

@@ -40,6 +40,7 @@ class Transcript:
     duration: float
     text: str
     segments: list[dict[str, Any]] = field(default_factory=list)
+    words: list[dict[str, Any]] | None = None  # when asked for
 
 
 class SpeechRequests:
@@ -89,13 +90,15 @@ class SpeechRequests:
 
     async def transcribe(self, model: str | None, data: bytes, *, task: str = "transcribe",
                          language: str | None = None, prompt: str | None = None,
-                         temperature: float = 0.0, keep_alive: Any = None) -> Transcript:
+                         temperature: float = 0.0, words: bool = False,
+                         keep_alive: Any = None) -> Transcript:
         info = await self._info(model, "stt", keep_alive)
         samples = await self._samples(data, info)
         r = await self._call("transcribe", model=info["name"], audio=samples.tobytes(),
                              task=task, language=language, prompt=prompt,
-                             temperature=temperature, keep_alive=keep_alive)
-        return _assemble(r["model"], task, r["duration"], r["window_seconds"], r["windows"])
+                             temperature=temperature, words=words, keep_alive=keep_alive)
+        return _assemble(r["model"], task, r["duration"], r["window_seconds"], r["windows"],
+                         words)
 
     async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
                                 language: str | None = None, prompt: str | None = None,
@@ -195,12 +198,15 @@ class SpeechRequests:
 
 
 def _assemble(model: str, task: str, duration: float, window_seconds: float,
-              windows: list[dict[str, Any]]) -> Transcript:
-    """Windows' results as one transcript: segments on the file's clock, numbered."""
+              windows: list[dict[str, Any]], words: bool = False) -> Transcript:
+    """Windows' results as one transcript: segments (and words) on the file's clock."""
     segments: list[dict[str, Any]] = []
+    all_words: list[dict[str, Any]] = []
     for w, res in enumerate(windows):
         offset = w * window_seconds
         for s in res["segments"]:
+            all_words.extend({"word": x["word"], "start": round(offset + x["start"], 2),
+                              "end": round(offset + x["end"], 2)} for x in s.get("words", []))
             segments.append({
                 "id": len(segments), "seek": int(offset * 100),
                 "start": round(offset + s["start"], 2), "end": round(offset + s["end"], 2),
@@ -211,4 +217,5 @@ def _assemble(model: str, task: str, duration: float, window_seconds: float,
     if task == "translate":
         language = "english"
     text = "".join(res["text"] for res in windows).strip()
-    return Transcript(model, task, language, round(duration, 3), text, segments)
+    return Transcript(model, task, language, round(duration, 3), text, segments,
+                      all_words if words else None)

@@ -37,7 +37,8 @@ class AudioService:
 
     async def transcribe(self, model: str | None, audio: bytes, task: str = "transcribe",
                          language: str | None = None, prompt: str | None = None,
-                         temperature: float = 0.0, keep_alive: Any = None) -> dict[str, Any]:
+                         temperature: float = 0.0, words: bool = False,
+                         keep_alive: Any = None) -> dict[str, Any]:
         from mlxd.engines.stt import WindowOptions, windows
 
         name = self._name(model, self.rt.settings.audio.default_stt, ("whisper-1",), "stt")
@@ -52,7 +53,8 @@ class AudioService:
                         f"model '{entry.name}' is a {entry.kind} model; transcription needs a "
                         "speech-to-text (Whisper) model", param="model")
                 opts = WindowOptions(task=task, language=language or None,
-                                     prompt=prompt or None, temperature=float(temperature))
+                                     prompt=prompt or None, temperature=float(temperature),
+                                     words=bool(words))
                 engine.check_options(opts)
                 pieces = windows(samples)
                 results = await self.encoders.run_job(engine,
