@@ -27,6 +27,7 @@ def model_info(entry: Any) -> dict[str, Any]:
         "adapter_path": str(engine.adapter_path) if getattr(engine, "adapter_path", None)
         else None,
         "sample_rate": int(getattr(engine, "sample_rate", 0) or 0),
+        "window_seconds": int(getattr(engine, "window_seconds", 0) or 0),
     }
 
 

@@ -108,10 +108,9 @@ class SpeechRequests:
         file) happen before the first item, so they can still be plain HTTP errors."""
         info = await self._info(model, "stt", keep_alive)
         samples = await self._samples(data, info)
-        rate = int(info["sample_rate"])
-        step = 30 * rate
-        pieces = [samples[i:i + step] for i in range(0, max(samples.size, 1), step)] or \
-            [samples]
+        rate, window = int(info["sample_rate"]), int(info["window_seconds"])
+        step = window * rate
+        pieces = [samples[i:i + step] for i in range(0, samples.size, step)] or [samples]
         calls = [asyncio.ensure_future(self._call(
             "transcribe", model=info["name"], audio=p.tobytes(), task=task, language=language,
             prompt=prompt, temperature=temperature, keep_alive=keep_alive)) for p in pieces]
@@ -123,7 +122,8 @@ class SpeechRequests:
                     r = await c
                     windows.extend(r["windows"])
                     yield "delta", r["windows"][0]["text"]
-                yield "done", _assemble(info["name"], task, samples.size / rate, 30, windows)
+                yield "done", _assemble(info["name"], task, samples.size / rate, window,
+                                        windows)
             finally:
                 for c in calls:
                     c.cancel()

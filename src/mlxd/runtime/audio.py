@@ -22,18 +22,14 @@ class AudioService:
         self.rt = runtime
         self.encoders = encoders  # admission and job submission are shared with encoders
 
-    def _name(self, model: str | None, default: str | None, openai_names: tuple[str, ...],
-              kind: str) -> str | None:
-        if model and model != "default" and model not in openai_names:
-            return model
-        if default:
-            return default
-        if model in openai_names or not model or model == "default":
-            raise InvalidRequest(
-                f"no {kind} model is configured (audio.default_{kind}); name one in 'model', "
-                f"e.g. one pulled with: mlxd pull "
-                f"{'whisper-tiny' if kind == 'stt' else 'soprano-80m'}", param="model")
-        return model
+    @staticmethod
+    def _name(model: str | None, default: str | None) -> str:
+        """The front end sends resolved names; a direct call may rely on the default."""
+        name = model or default
+        if not name:
+            raise InvalidRequest("name a model: no default is configured for it",
+                                 param="model")
+        return name
 
     async def transcribe(self, model: str | None, audio: bytes, task: str = "transcribe",
                          language: str | None = None, prompt: str | None = None,
@@ -41,7 +37,7 @@ class AudioService:
                          keep_alive: Any = None) -> dict[str, Any]:
         from mlxd.engines.stt import WindowOptions, windows
 
-        name = self._name(model, self.rt.settings.audio.default_stt, ("whisper-1",), "stt")
+        name = self._name(model, self.rt.settings.audio.default_stt)
         samples = np.frombuffer(audio, dtype=np.float32)
         async with self.encoders.admitted():
             lease = await self.rt.models.acquire(name, keep_alive)
@@ -66,8 +62,7 @@ class AudioService:
 
     async def speak(self, model: str | None, text: str, voice: str | None = None,
                     speed: float = 1.0, keep_alive: Any = None) -> dict[str, Any]:
-        name = self._name(model, self.rt.settings.audio.default_tts, ("tts-1", "tts-1-hd"),
-                          "tts")
+        name = self._name(model, self.rt.settings.audio.default_tts)
         async with self.encoders.admitted():
             lease = await self.rt.models.acquire(name, keep_alive)
             try:
