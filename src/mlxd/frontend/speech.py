@@ -1,10 +1,10 @@
 """Transcription and speech requests in a front end: what the audio routes call.
 
 Transcription: the upload is decoded and resampled here (PyAV, off the event loop) to the
-model's rate, then sent to the core as float32 samples. A non-streamed request is one
-core call (the core cuts it into 30-second windows that batch with other requests'); a
-streamed one sends each window as its own call, all at once, so they still share batches,
-and yields each window's text as soon as it and those before it are done.
+model's rate, cut into 30-second windows and sent to the core as float32 samples, one call
+per window, up to ``audio.max_batch_size`` of them in flight, so a request's windows share
+batches with each other and with other requests'; a streamed request yields each window's
+text as soon as it and those before it are done.
 
 Speech: the input is cut at sentence ends into pieces, each piece one core call (one
 synthesis pass on the device), encoded and yielded as it arrives; the next piece is
@@ -88,55 +88,79 @@ class SpeechRequests:
         return await asyncio.to_thread(decode_audio, data, int(info["sample_rate"]),
                                        max_seconds=a.max_duration_s)
 
-    async def transcribe(self, model: str | None, data: bytes, *, task: str = "transcribe",
-                         language: str | None = None, prompt: str | None = None,
-                         temperature: float = 0.0, words: bool = False,
-                         keep_alive: Any = None) -> Transcript:
-        info = await self._info(model, "stt", keep_alive)
-        samples = await self._samples(data, info)
-        r = await self._call("transcribe", model=info["name"], audio=samples.tobytes(),
-                             task=task, language=language, prompt=prompt,
-                             temperature=temperature, words=words, keep_alive=keep_alive)
-        return _assemble(r["model"], task, r["duration"], r["window_seconds"], r["windows"],
-                         words)
+    async def _windows(self, model: str | None, data: bytes, keep_alive: Any, **opts: Any
+                       ) -> tuple[dict[str, Any], np.ndarray, AsyncIterator[dict]]:
+        """(model info, samples, each window's result in order).
 
-    async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
-                                language: str | None = None, prompt: str | None = None,
-                                temperature: float = 0.0, keep_alive: Any = None
-                                ) -> AsyncIterator[tuple[str, Any]]:
-        """("delta", text) per window in order, then ("done", Transcript). Checks (model,
-        file) happen before the first item, so they can still be plain HTTP errors."""
+        Each 30-second window is its own core call, so no message carries more than one
+        window's samples (an hour of audio is 230 MB of float32) and each result can be
+        streamed as it comes; at most ``audio.max_batch_size`` of a request's windows are
+        in flight at once (enough to fill a batch, never the whole queue). The model and
+        the file are checked, and the first window is done, before this returns, so a
+        failure there is still a plain HTTP error.
+        """
         info = await self._info(model, "stt", keep_alive)
         samples = await self._samples(data, info)
         rate, window = int(info["sample_rate"]), int(info["window_seconds"])
         step = window * rate
         pieces = [samples[i:i + step] for i in range(0, samples.size, step)] or [samples]
-        calls = [asyncio.ensure_future(self._call(
-            "transcribe", model=info["name"], audio=p.tobytes(), task=task, language=language,
-            prompt=prompt, temperature=temperature, keep_alive=keep_alive)) for p in pieces]
+        ahead = max(int(self.settings.audio.max_batch_size), 1)
 
-        async def gen() -> AsyncIterator[tuple[str, Any]]:
-            windows: list[dict] = []
-            try:
-                for c in calls:
-                    r = await c
-                    windows.extend(r["windows"])
-                    yield "delta", r["windows"][0]["text"]
-                yield "done", _assemble(info["name"], task, samples.size / rate, window,
-                                        windows)
-            finally:
-                for c in calls:
-                    c.cancel()
+        def call(piece: np.ndarray) -> asyncio.Future:
+            return asyncio.ensure_future(self._call(
+                "transcribe", model=info["name"], audio=piece.tobytes(),
+                keep_alive=keep_alive, **opts))
 
-        # the first window's result (or error) before the response starts
-        first = asyncio.shield(calls[0])
+        calls = [call(p) for p in pieces[:ahead]]
         try:
-            await asyncio.wait([first], return_when=asyncio.FIRST_EXCEPTION)
-            first.result()
+            await asyncio.wait([calls[0]])
+            first = calls[0].result()
         except BaseException:
             for c in calls:
                 c.cancel()
             raise
+
+        async def results() -> AsyncIterator[dict]:
+            try:
+                for i in range(len(pieces)):
+                    r = first if i == 0 else await calls[i]
+                    if i + ahead < len(pieces):
+                        calls.append(call(pieces[i + ahead]))
+                    yield r["windows"][0]
+            finally:
+                for c in calls:
+                    c.cancel()
+
+        return info, samples, results()
+
+    async def transcribe(self, model: str | None, data: bytes, *, task: str = "transcribe",
+                         language: str | None = None, prompt: str | None = None,
+                         temperature: float = 0.0, words: bool = False,
+                         keep_alive: Any = None) -> Transcript:
+        info, samples, results = await self._windows(
+            model, data, keep_alive, task=task, language=language, prompt=prompt,
+            temperature=temperature, words=words)
+        windows = [w async for w in results]
+        return _assemble(info["name"], task, samples.size / info["sample_rate"],
+                         info["window_seconds"], windows, words)
+
+    async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
+                                language: str | None = None, prompt: str | None = None,
+                                temperature: float = 0.0, keep_alive: Any = None
+                                ) -> AsyncIterator[tuple[str, Any]]:
+        """("delta", text) per window in order, then ("done", Transcript)."""
+        info, samples, results = await self._windows(
+            model, data, keep_alive, task=task, language=language, prompt=prompt,
+            temperature=temperature)
+
+        async def gen() -> AsyncIterator[tuple[str, Any]]:
+            windows: list[dict] = []
+            async for w in results:
+                windows.append(w)
+                yield "delta", w["text"]
+            yield "done", _assemble(info["name"], task, samples.size / info["sample_rate"],
+                                    info["window_seconds"], windows)
+
         return gen()
 
     # -- speech --------------------------------------------------------------------------
@@ -180,12 +204,12 @@ class SpeechRequests:
                     nxt = call(pieces[i + 1]) if i + 1 < len(pieces) else None
                     audio = np.frombuffer(r["audio"], dtype=np.float32)
                     seconds += audio.size / rate
-                    chunk = encoder.encode(audio)
+                    chunk = await asyncio.to_thread(encoder.encode, audio)  # off the loop
                     if chunk:
                         yield chunk
                     if nxt is not None:
                         r = await nxt
-                tail = encoder.finish()
+                tail = await asyncio.to_thread(encoder.finish)
                 if tail:
                     yield tail
                 log.debug("speech: %d pieces, %.2f s of audio in %.2f s", len(pieces),
