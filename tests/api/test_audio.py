@@ -247,6 +247,9 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
                  b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(200)):
         err = _err(_post(asrv, data), 400)
         assert err["param"] == "file" and err["type"] == "invalid_request_error", err
+    # streamed too: the file is checked before the stream starts
+    err = _err(_post(asrv, b"not audio" * 50, stream="true"), 400)
+    assert err["param"] == "file"
     # the server still works
     assert _post(asrv, good).status_code == 200
 
