@@ -223,6 +223,9 @@ class ModelSettings(_Section):
         2, ge=1, description="Embedding models loaded at once (LRU)."
     )
     max_rerankers: int = Field(2, ge=1, description="Rerankers loaded at once (LRU).")
+    max_stt_models: int = Field(
+        1, ge=1, description="Speech-to-text models (Whisper) loaded at once (LRU).")
+    max_tts_models: int = Field(1, ge=1, description="Text-to-speech models loaded at once (LRU).")
     hub_timeout_s: float = Field(
         5.0, gt=0, description="Connect timeout for the Hugging Face hub."
     )
@@ -564,6 +567,38 @@ class VisionSettings(_Section):
     )
 
 
+class AudioSettings(_Section):
+    """Speech to text and text to speech (the ``audio`` extra: mlx-audio and PyAV)."""
+
+    default_stt: str | None = Field(
+        None, description="Speech-to-text model for /v1/audio/transcriptions and "
+        "/v1/audio/translations requests that name none (or name 'whisper-1').")
+    default_tts: str | None = Field(
+        None, description="Text-to-speech model for /v1/audio/speech requests that name none "
+        "(or name 'tts-1' / 'tts-1-hd').")
+    max_upload_bytes: int = Field(
+        25 * 1024 * 1024, ge=1024,
+        description="Largest audio upload (OpenAI's limit: 25 MB); more: 413.")
+    max_duration_s: float = Field(
+        3600.0, gt=0, description="Longest decoded audio accepted for transcription; more: 413.")
+    max_speech_chars: int = Field(
+        4096, ge=1, description="Longest /v1/audio/speech input in characters; more: 400.")
+    max_batch_size: int = Field(
+        8, ge=1, description="30-second windows (of one or many requests) decoded together "
+        "in one Whisper batch.")
+    max_wait_ms: float = Field(
+        10.0, ge=0, description="How long a transcription batch's first window waits for "
+        "more to join.")
+    max_tokens_per_window: int = Field(
+        224, ge=1, le=440, description="Tokens Whisper may write per 30-second window "
+        "(its own cap is 224).")
+    tts_max_tokens: int = Field(
+        1024, ge=1, description="Tokens a speech model may generate per sentence.")
+    tts_segment_chars: int = Field(
+        300, ge=20, description="Speech input is split at sentence ends into pieces of at most "
+        "this many characters; each is synthesised and streamed as it is ready.")
+
+
 class LogSettings(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="debug | info | warning | error"
@@ -738,6 +773,7 @@ class Settings(BaseSettings):
     backend: BackendSettings = Field(default_factory=BackendSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
     vision: VisionSettings = Field(default_factory=VisionSettings)
+    audio: AudioSettings = Field(default_factory=AudioSettings)
 
     @model_validator(mode="after")
     def _model_kv_combinations(self) -> Settings:

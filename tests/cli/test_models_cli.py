@@ -271,3 +271,17 @@ def test_ps_against_a_server(tmp_path):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_pull_speech_models_then_list_their_kinds(tmp_path):
+    """`mlxd pull` of a Whisper and a Soprano directory: kinds stt and tts from their files."""
+    pytest.importorskip("mlx_audio")
+    from fixtures.tiny_audio import make_tiny_soprano, make_tiny_whisper
+
+    env = _env(tmp_path)
+    w = make_tiny_whisper(tmp_path / "src" / "tiny-whisper")
+    s = make_tiny_soprano(tmp_path / "src" / "tiny-soprano")
+    assert mlxd(env, "pull", str(w)).stdout.startswith("tiny-whisper: stt, ")
+    assert mlxd(env, "pull", str(s)).stdout.startswith("tiny-soprano: tts, ")
+    assert {m["name"]: m["kind"] for m in listed(env)} == {"tiny-whisper": "stt",
+                                                             "tiny-soprano": "tts"}

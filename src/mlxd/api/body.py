@@ -103,8 +103,10 @@ class JSONBodyRoute(APIRoute):
     type; after it, ``receive`` is the client's again (disconnect detection relies on it).
     """
 
+    json_body = True  # False: a multipart form route (file uploads) reads its own body
+
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.body_field is None or scope["type"] != "http":
+        if not self.json_body or self.body_field is None or scope["type"] != "http":
             await super().handle(scope, receive, send)
             return
         raw = await _read_body(receive)

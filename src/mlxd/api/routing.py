@@ -20,7 +20,8 @@ class ApiRoute(JSONBodyRoute):
     (a route's own ``responses`` win), and never FastAPI's 422: validation is a 400 here."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
-        errors = error_responses(path, takes_body(endpoint), public=path in ALWAYS_PUBLIC)
+        body = takes_body(endpoint) or not self.json_body  # form routes always take a body
+        errors = error_responses(path, body, public=path in ALWAYS_PUBLIC)
         kwargs["responses"] = {**errors, **(kwargs.get("responses") or {})}
         super().__init__(path, endpoint, **kwargs)
 
@@ -37,3 +38,9 @@ def takes_body(endpoint: Callable[..., Any]) -> bool:
     """Whether the handler has a pydantic body parameter (FastAPI reads one from the body)."""
     hints = typing.get_type_hints(endpoint, include_extras=False)
     return any(_is_model(t) for name, t in hints.items() if name != "return")
+
+
+class UploadRoute(ApiRoute):
+    """An ApiRoute whose body is a multipart form (file uploads): FastAPI parses it."""
+
+    json_body = False

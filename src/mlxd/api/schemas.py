@@ -100,6 +100,7 @@ class ContentPart(WireModel):
 
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+AUDIO_PART_TYPES = ("input_audio", "audio", "audio_url")
 
 
 def _image_source(part: ContentPart, param: str) -> str:
@@ -174,6 +175,12 @@ class ChatCompletionRequest(SamplingFields):
                         parts.append({"type": "text", "text": part.text})
                     elif part.type in IMAGE_PART_TYPES:
                         parts.append({"type": "image"})
+                    elif part.type in AUDIO_PART_TYPES:
+                        raise InvalidRequest(
+                            f"audio content parts ('{part.type}') are not accepted in chat: no "
+                            "model this server serves takes audio in messages yet; transcribe "
+                            "it with POST /v1/audio/transcriptions and send the text",
+                            param=f"messages[{i}].content")
                     else:
                         raise InvalidRequest(
                             f"unsupported content part type '{part.type}'",

@@ -209,8 +209,13 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, _too_large_message(limit))
 
 
-def _too_large_message(limit: int) -> str:
-    return f"request body larger than {limit} bytes (security.max_body_bytes)"
+# Routes that take file uploads (multipart): their body limit is audio.max_upload_bytes.
+UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+
+
+def _too_large_message(limit: int, upload: bool = False) -> str:
+    setting = "audio.max_upload_bytes" if upload else "security.max_body_bytes"
+    return f"request body larger than {limit} bytes ({setting})"
 
 
 class SecurityMiddleware:
@@ -228,6 +233,9 @@ class SecurityMiddleware:
         # asks for one before it reads anything (its /ui/api/* data needs the key)
         self.ui_public = settings.server.ui
         self.max_body = sec.max_body_bytes
+        # audio uploads have their own limit (audio.max_upload_bytes) plus the multipart
+        # framing and form fields around the file
+        self.max_upload = settings.audio.max_upload_bytes + 256 * 1024
         self._anonymous: Quota | None = None
         if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
             self._anonymous = Quota("anonymous", sec.anonymous_requests_per_minute,
@@ -315,19 +323,19 @@ class SecurityMiddleware:
                                  headers={"Retry-After": str(secs)})
                     return
 
+        max_body = self.max_upload if path in UPLOAD_PATHS else self.max_body
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:
-                    too_big = int(v) > self.max_body
+                    too_big = int(v) > max_body
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._too_large(scope, receive, send)
+                    await self._too_large(scope, receive, send, max_body)
                     return
                 break
 
         seen = 0
-        max_body = self.max_body
 
         async def counted_receive() -> Message:
             nonlocal seen
@@ -351,12 +359,13 @@ class SecurityMiddleware:
         except _BodyTooLarge:
             if started:
                 raise
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, max_body)
         finally:
             if quota is not None and quota.tpm:
                 used = state.get("prompt_tokens", 0) + state.get("completion_tokens", 0)
                 await self.limits.charge(*quota, used)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await reject(scope, receive, send, 413, _too_large_message(self.max_body),
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        await reject(scope, receive, send, 413,
+                     _too_large_message(limit, scope["path"] in UPLOAD_PATHS),
                      code="request_too_large")

@@ -28,6 +28,8 @@ def model_info(entry: Any) -> dict[str, Any]:
         "eos_token_ids": list(getattr(engine, "eos_token_ids", []) or []),
         "adapter_path": str(engine.adapter_path) if getattr(engine, "adapter_path", None)
         else None,
+        "sample_rate": int(getattr(engine, "sample_rate", 0) or 0),
+        "window_seconds": int(getattr(engine, "window_seconds", 0) or 0),
     }
 
 
@@ -125,6 +127,16 @@ async def rerank(core: Any, **req: Any) -> dict[str, Any]:
             "load_s": max(res.timings.t_acquired - res.timings.t_submitted, 0.0)}
 
 
+async def transcribe(core: Any, **req: Any) -> dict[str, Any]:
+    """Samples (16 kHz mono float32 bytes) to text and segments, per 30-second window."""
+    return await core.audio.transcribe(**req)
+
+
+async def speak(core: Any, **req: Any) -> dict[str, Any]:
+    """Text to audio (float32 bytes at the model's sample rate)."""
+    return await core.audio.speak(**req)
+
+
 async def tokenize(core: Any, model: str | None, inputs: list[str] | None,
                    messages: list[dict] | None = None, add_special_tokens: bool = True,
                    token_strings: bool = False, keep_alive: Any = None) -> dict[str, Any]:
@@ -201,5 +213,6 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
 METHODS = {
     "touch": touch, "unload": unload, "loaded": loaded, "forget": forget, "status": status,
     "metrics": metrics_text, "embed": embed, "rerank": rerank, "tokenize": tokenize,
+    "transcribe": transcribe, "speak": speak,
     "scorers": scorers, "fault": fault,
 }

@@ -100,6 +100,7 @@ class FrontendChannel:
 
 class EngineCore:
     def __init__(self, settings: Settings, run_dir: str | Path, epoch: int) -> None:
+        from mlxd.runtime.audio import AudioService
         from mlxd.runtime.encoders import EncoderService
         from mlxd.runtime.models import ModelManager
         from mlxd.runtime.worker import DeviceWorker
@@ -110,6 +111,7 @@ class EngineCore:
         self.worker = DeviceWorker()
         self.models = ModelManager(settings, self.worker)
         self.encoders = EncoderService(self)
+        self.audio = AudioService(self, self.encoders)
         self.draining = False
         self.ready = False
         self.startup_error: str | None = None

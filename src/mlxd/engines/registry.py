@@ -71,6 +71,8 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
         return _create_encoder(kind, name, path, settings)
     if kind == "vision":
         return _create_vision(name, path, settings)
+    if kind in ("stt", "tts"):
+        return _create_audio(kind, name, path, settings)
     raise ModelLoadError(f"model '{name}' is a {kind} model; this server does not serve "
                          f"{kind} models yet")
 
@@ -94,6 +96,33 @@ def _create_encoder(kind: str, name: str, path: Path, settings: Settings) -> Any
                 trust_remote_code=getattr(settings.models, "trust_remote_code", False))
         else:
             engine = CrossEncoderEngine(name, path, policy, dtype=dtype)
+    if settings.engine.warmup:
+        engine.warmup()
+    return engine
+
+
+def _create_audio(kind: str, name: str, path: Path, settings: Settings) -> Any:
+    """Speech to text (Whisper windows, batched like encoder inputs) and text to speech."""
+    from mlxd.engines.batching import BatchPolicy
+
+    a = settings.audio
+    policy = BatchPolicy(max_batch_size=a.max_batch_size, max_batch_tokens=a.max_batch_size,
+                         max_wait_s=a.max_wait_ms / 1000.0,
+                         pass_overhead_tokens=a.max_batch_size)  # one pass per batch
+    engine: Any
+    if kind == "stt":
+        from mlxd.engines.stt import SpeechToTextEngine
+
+        engine = SpeechToTextEngine(name, path, policy, max_tokens=a.max_tokens_per_window,
+                                    dtype=settings.models.dtype)
+    else:
+        from mlxd.engines.tts import TextToSpeechEngine
+        from mlxd.store.inspect import read_config, tts_architecture
+
+        arch = tts_architecture(str(read_config(path).get("model_type") or ""),
+                                f"{name} {Path(path).name}")
+        engine = TextToSpeechEngine(name, path, policy, max_tokens=a.tts_max_tokens,
+                                    architecture=arch)
     if settings.engine.warmup:
         engine.warmup()
     return engine

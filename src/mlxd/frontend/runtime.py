@@ -48,6 +48,7 @@ from mlxd.frontend.client import CoreClient
 from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
+from mlxd.frontend.speech import SpeechRequests
 from mlxd.observability.context import add_usage, note
 from mlxd.store.catalog import ModelCatalog
 
@@ -73,6 +74,7 @@ class Runtime:
             affinity_min_tokens=max(e.prefix_cache_min_tokens, 1))
         self.models = ModelsView(self)
         self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
+        self.speech = SpeechRequests(self)  # transcription and speech (the audio routes)
         self.startup_timeout = startup_timeout
         self.started_at = time.time()
         self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
@@ -188,7 +190,7 @@ class Runtime:
         replies = await self.cores.values_all("status")
         return health.merge_status([(c.index, r) for c, r in replies])["memory"]
 
-    def _check_serving(self) -> None:
+    def check_serving(self) -> None:
         """Some core serves (a core that died fails only its own requests)."""
         if self.draining:
             raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
@@ -249,7 +251,7 @@ class Runtime:
     async def submit(self, req: GenerateRequest) -> Generation:
         """Validate, tokenize and admit ``req``; errors here are clean 4xx/5xx before any
         output. The returned Generation must be iterated or closed (that frees its slot)."""
-        self._check_serving()
+        self.check_serving()
         prompts.check_limits(self.settings, req)
         name = self.catalog.resolve(req.model)
         note(model=name)
@@ -309,7 +311,7 @@ class Runtime:
     async def count_tokens(self, req: GenerateRequest) -> tuple[str, int]:
         """(model name, prompt tokens) of ``req`` as it would be generated: templated with
         its tools; loads the model if it has to."""
-        self._check_serving()
+        self.check_serving()
         info = await self.model_info(self.catalog.resolve(req.model), req.keep_alive)
         note(model=info["name"])
         if info["kind"] == "vision":
@@ -328,8 +330,8 @@ class Runtime:
             return None
 
     # -- encoders (batched in the core) ------------------------------------------------------
-    async def _encoder_call(self, method: str, **args: Any) -> Any:
-        self._check_serving()
+    async def encoder_call(self, method: str, **args: Any) -> Any:
+        self.check_serving()
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly",
                             headers={"Retry-After": "1"})
@@ -341,7 +343,7 @@ class Runtime:
 
     async def embed(self, req: EmbedRequest) -> EmbedResult:
         timings = Timings()
-        r = await self._encoder_call(
+        r = await self.encoder_call(
             "embed", model=req.model, inputs=req.inputs, truncate=req.truncate,
             dimensions=req.dimensions, keep_alive=req.keep_alive, request_id=req.request_id)
         timings.t_acquired = timings.t_submitted + r["load_s"]
@@ -353,7 +355,7 @@ class Runtime:
 
     async def rerank(self, req: RerankRequest) -> RerankResult:
         timings = Timings()
-        r = await self._encoder_call(
+        r = await self.encoder_call(
             "rerank", model=req.model, query=req.query, documents=req.documents,
             truncate=req.truncate, instruction=req.instruction, keep_alive=req.keep_alive,
             request_id=req.request_id)
@@ -365,7 +367,7 @@ class Runtime:
 
     async def tokenize(self, model: str | None, inputs: list[str] | None,
                        messages: list[dict] | None = None, **kw: Any) -> TokenizeResult:
-        r = await self._encoder_call("tokenize", model=model, inputs=inputs,
+        r = await self.encoder_call("tokenize", model=model, inputs=inputs,
                                      messages=messages, **kw)
         note(model=r["model"])
         return TokenizeResult(r["model"], r["kind"], r["tokens"], r["context_length"],

@@ -64,7 +64,7 @@ class EncoderService:
         return self.rt.settings
 
     @contextlib.asynccontextmanager
-    async def _admitted(self) -> AsyncIterator[None]:
+    async def admitted(self) -> AsyncIterator[None]:
         rt = self.rt
         if getattr(rt, "draining", False):
             raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
@@ -102,10 +102,14 @@ class EncoderService:
 
     async def _run(self, engine: Any, encoded: list[tuple[list[int], Any]]) -> list[Any]:
         """Submit the inputs as one job and gather its results in input order."""
+        return await self.run_job(engine, engine.new_job(encoded))
+
+    async def run_job(self, engine: Any, job: Any) -> list[Any]:
+        """Submit ``job`` (an EncodeJob) to ``engine`` and gather its results in order."""
         worker = self.rt.worker
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        job = engine.new_job(encoded)
+        encoded = job.items
         job.handle = (LoopChannel(loop), q)
         worker.submit(engine, job)
         out: list[Any] = [None] * len(encoded)
@@ -141,7 +145,7 @@ class EncoderService:
         name = req.model if req.model and req.model != "default" else \
             self.settings.models.default_embedding
         timings = Timings()
-        async with self._admitted():
+        async with self.admitted():
             lease = await self.rt.models.acquire(name, req.keep_alive)
             try:
                 timings.t_acquired = time.perf_counter()
@@ -186,7 +190,7 @@ class EncoderService:
         name = req.model if req.model and req.model != "default" else \
             (m.default_reranker or self.rt.models.default_name)
         timings = Timings()
-        async with self._admitted():
+        async with self.admitted():
             lease = await self.rt.models.acquire(name, req.keep_alive)
             try:
                 timings.t_acquired = time.perf_counter()

@@ -96,7 +96,8 @@ class ModelManager:
         self.budget = m.memory_budget_bytes if m.memory_budget_bytes is not None else \
             default_budget()
         self.caps = {"chat": m.max_chat_models, "vision": m.max_vision_models,
-                     "embedding": m.max_embedding_models, "reranker": m.max_rerankers}
+                     "embedding": m.max_embedding_models, "reranker": m.max_rerankers,
+                     "stt": m.max_stt_models, "tts": m.max_tts_models}
         self._paths = self.catalog.paths  # models served straight from a directory
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future] = {}

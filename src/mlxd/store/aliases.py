@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("chat", "vision", "embedding", "reranker")
+KINDS = ("chat", "vision", "embedding", "reranker", "stt", "tts")
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,13 @@ BUILTIN_ALIASES: dict[str, Alias] = {
             "BGE reranker v2 m3, multilingual (cross-encoder)"),
         _hf("ms-marco-minilm-l6-v2", "reranker", "cross-encoder/ms-marco-MiniLM-L-6-v2",
             "MS MARCO MiniLM-L-6 v2 (cross-encoder)"),
+        # -- speech (the audio extra) --------------------------------------------------
+        _hf("whisper-tiny", "stt", "mlx-community/whisper-tiny-asr-fp16",
+            "Whisper tiny, multilingual speech to text (mlx-audio)"),
+        _hf("whisper-large-v3-turbo", "stt", "mlx-community/whisper-large-v3-turbo-asr-fp16",
+            "Whisper large v3 turbo, multilingual speech to text (mlx-audio)"),
+        _hf("soprano-80m", "tts", "mlx-community/Soprano-80M-bf16",
+            "Soprano 80M English text to speech, 32 kHz (mlx-audio)"),
     )
 }
 

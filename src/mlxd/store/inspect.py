@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,11 @@ _ENCODER_TYPES = frozenset({
     "bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "nomic_bert", "modernbert",
     "electra", "deberta", "deberta-v2", "camembert", "new", "gte", "jina_bert", "e5",
 })
+# Text-to-speech architectures mlx-audio serves, as its checkpoints name them (config
+# model_type, or a part of the repository name where the config says only "qwen3"/"llama").
+TTS_ARCHS = ("soprano", "kokoro", "kitten", "outetts", "spark", "sesame", "csm", "marvis",
+             "orpheus", "dia", "bark", "qwen3_tts", "pocket_tts", "vibevoice", "voxcpm",
+             "chatterbox", "melotts", "indextts", "voxtral_tts", "echo_tts", "omnivoice")
 _SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json",
                                 "sentence_bert_config.json")
 
@@ -52,7 +58,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 
 def infer_kind(model_dir: Path, *, hint: str | None = None) -> str | None:
-    """chat / vision / embedding / reranker, or None when the files do not say.
+    """chat / vision / embedding / reranker / stt / tts, or None when the files do not say.
 
     ``hint`` is the name the model came by (hub id, file name); without it the directory
     name is used. Names only decide between kinds the architecture leaves open (a
@@ -68,6 +74,10 @@ def infer_kind(model_dir: Path, *, hint: str | None = None) -> str | None:
     ).lower()
     has_st = any((model_dir / f).is_file() for f in _SENTENCE_TRANSFORMERS_FILES)
 
+    if model_type == "whisper" or "WhisperForConditionalGeneration" in archs:
+        return "stt"
+    if tts_architecture(model_type, names):
+        return "tts"
     if any(a.endswith("ForSequenceClassification") for a in archs):
         labels = cfg.get("id2label") or {}
         single = cfg.get("num_labels", len(labels) or 1) == 1 or len(labels) == 1
@@ -96,6 +106,14 @@ def infer_kind(model_dir: Path, *, hint: str | None = None) -> str | None:
         if model_type and _mlx_lm_has(model_type):
             return "chat"
     return None
+
+
+def tts_architecture(model_type: str, names: str) -> str | None:
+    """The mlx-audio TTS architecture a checkpoint is, from its model_type or its names."""
+    if model_type in TTS_ARCHS:
+        return model_type
+    parts = set(re.split(r"[^a-z0-9_]+", names.lower()))
+    return next((a for a in TTS_ARCHS if a in parts), None)
 
 
 def _mlx_lm_has(model_type: str) -> bool:

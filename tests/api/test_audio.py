@@ -1,0 +1,422 @@
+"""Speech to text and text to speech through HTTP, with the official OpenAI client.
+
+A tiny random-weight multilingual Whisper and a tiny Soprano TTS (real checkpoint layouts,
+tests/fixtures/tiny_audio.py) are pulled into the store from local directories (kinds
+detected from their files) and served by mlx-audio on the device worker. Random weights
+write garbage text and noise, so the tests check shapes, formats, timestamps, durations
+and errors, never words.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+av = pytest.importorskip("av")  # the [audio] extra
+pytest.importorskip("mlx_audio")
+
+import openai  # noqa: E402
+from conftest import LiveServer, make_settings  # noqa: E402
+from fixtures.tiny_audio import make_tiny_soprano, make_tiny_whisper  # noqa: E402
+
+STT = "tiny-whisper"
+TTS = "tiny-soprano"
+TTS_TOKENS = 6  # tokens per sentence: random weights never say [STOP]
+SOPRANO_TOKEN_SAMPLES = 2048
+
+
+# -- audio files ---------------------------------------------------------------------------
+
+
+def tone(seconds: float, rate: int = 16000, channels: int = 1, seed: int = 0) -> np.ndarray:
+    """A 440 Hz tone with a little noise, (channels, samples) float32."""
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * np.random.RandomState(seed).randn(t.size)
+    return np.repeat(x[None, :], channels, axis=0).astype(np.float32)
+
+
+def encode(samples: np.ndarray, rate: int, fmt: str = "wav", codec: str = "pcm_s16le",
+           bit_rate: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    layout = "mono" if samples.shape[0] == 1 else "stereo"
+    with av.open(buf, mode="w", format=fmt) as c:
+        s = c.add_stream(codec, rate=rate, layout=layout)
+        if bit_rate:
+            s.bit_rate = bit_rate
+        f = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp",
+                                       layout=layout)
+        f.sample_rate = rate
+        for p in s.encode(f):
+            c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    return buf.getvalue()
+
+
+def wav(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
+    return encode(tone(seconds, rate, channels), rate)
+
+
+def decode(data: bytes) -> tuple[np.ndarray, int]:
+    with av.open(io.BytesIO(data)) as c:
+        st = c.streams.audio[0]
+        rate = st.rate
+        parts = [f.to_ndarray().reshape(-1) for f in c.decode(st)]
+    return np.concatenate(parts), rate
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audio_dirs(tmp_path_factory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("audio")
+    return make_tiny_whisper(base / STT), make_tiny_soprano(base / TTS)
+
+
+def _pull(models_dir: Path, src: Path) -> dict:
+    from mlxd.config import ModelSettings
+    from mlxd.store.local import ModelStore
+    from mlxd.store.pull import pull
+
+    return pull(ModelStore(models_dir), str(src), ModelSettings(dir=models_dir))
+
+
+@pytest.fixture(scope="module")
+def asrv(tmp_path_factory, tiny_llama, audio_dirs) -> LiveServer:
+    home = tmp_path_factory.mktemp("ahome")
+    kinds = {m["name"]: m["kind"] for m in (_pull(home / "models", d) for d in audio_dirs)}
+    assert kinds == {STT: "stt", TTS: "tts"}
+    s = make_settings(home, tiny_llama, models={"preload": [STT, TTS]},
+                      audio={"default_stt": STT, "default_tts": TTS,
+                             "max_tokens_per_window": 12, "tts_max_tokens": TTS_TOKENS,
+                             "max_upload_bytes": 2 * 1024 * 1024, "max_duration_s": 120,
+                             "max_wait_ms": 50, "tts_segment_chars": 40})
+    srv = LiveServer(s).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def oai(asrv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=asrv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and body["error"]["message"], body
+    return body["error"]
+
+
+def engine(srv: LiveServer, name: str) -> dict:
+    return next(m for m in srv.health()["models"] if m["name"] == name)
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+def test_audio_models_are_detected_loaded_and_listed(asrv):
+    with asrv.client() as c:
+        ids = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        tags = {m["name"]: m for m in c.get("/api/tags").json()["models"]}
+    assert STT in ids and TTS in ids
+    assert any(n.startswith(STT) for n in tags) and any(n.startswith(TTS) for n in tags)
+    assert engine(asrv, STT)["kind"] == "stt" and engine(asrv, TTS)["kind"] == "tts"
+
+
+# -- transcription ---------------------------------------------------------------------------
+
+
+def test_transcription_json_and_verbose_json_with_the_openai_client(oai):
+    r = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(3.0)))
+    assert isinstance(r.text, str)
+    v = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(3.0)),
+                                       response_format="verbose_json",
+                                       timestamp_granularities=["segment"], language="de")
+    assert v.language == "german" and abs(v.duration - 3.0) < 0.05
+    assert v.segments, v
+    for s in v.segments:
+        assert 0.0 <= s.start <= s.end <= 3.0 + 1e-6
+        assert isinstance(s.text, str) and s.tokens
+    assert [s.id for s in v.segments] == list(range(len(v.segments)))
+    assert v.text == "".join(s.text for s in v.segments).strip()
+
+
+def test_word_timestamps(oai):
+    v = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(35.0, rate=8000)),
+                                       response_format="verbose_json",
+                                       timestamp_granularities=["word", "segment"])
+    assert v.words and v.segments
+    for w in v.words:
+        assert 0.0 <= w.start <= w.end <= 35.0 + 1e-6 and isinstance(w.word, str)
+    assert [w.start for w in v.words] == sorted(w.start for w in v.words)
+    assert any(w.start >= 30.0 for w in v.words)  # the second window's, on the file's clock
+    only = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+                                          response_format="verbose_json",
+                                          timestamp_granularities=["word"])
+    assert only.words and not only.segments
+
+
+def test_text_srt_and_vtt_renderings(oai):
+    text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav(2.0)),
+                                           response_format="text")
+    assert isinstance(text, str)
+    srt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+                                          response_format="srt")
+    assert srt.startswith("1\n00:00:0") and " --> 00:00:0" in srt
+    vtt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+                                          response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:0") and " --> " in vtt
+
+
+def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
+    before = engine(asrv, STT).get("windows_done", 0)
+    v = oai.audio.transcriptions.create(model=STT, file=("long.wav", wav(65.0, rate=8000)),
+                                       response_format="verbose_json")
+    assert abs(v.duration - 65.0) < 0.05
+    seeks = sorted({s.seek for s in v.segments})
+    assert seeks == [0, 3000, 6000], seeks  # three windows, on the file's clock
+    assert all(s.seek / 100 <= s.start <= s.end <= min(s.seek / 100 + 30, 65.0) + 1e-6
+               for s in v.segments)
+    e = engine(asrv, STT)
+    assert e["windows_done"] - before == 3
+    assert e["max_batch_size_seen"] >= 3
+
+
+def test_concurrent_transcriptions_share_batches(asrv, oai):
+    files = [wav(1.0 + i * 0.5) for i in range(4)]
+
+    def one(i: int):
+        return oai.audio.transcriptions.create(model=STT, file=(f"{i}.wav", files[i]),
+                                               response_format="verbose_json")
+
+    with ThreadPoolExecutor(4) as pool:
+        out = list(pool.map(one, range(4)))
+    for i, v in enumerate(out):
+        assert abs(v.duration - (1.0 + i * 0.5)) < 0.05
+    assert engine(asrv, STT)["max_batch_size_seen"] >= 2
+
+
+def test_mp3_flac_ogg_stereo_and_other_rates_are_decoded_and_resampled(oai):
+    stereo = tone(2.0, rate=44100, channels=2)
+    for name, data in (("a.mp3", encode(stereo, 44100, "mp3", "libmp3lame")),
+                       ("a.flac", encode(stereo, 44100, "flac", "flac")),
+                       ("a.ogg", encode(tone(2.0, 48000), 48000, "ogg", "libopus"))):
+        v = oai.audio.transcriptions.create(model=STT, file=(name, data),
+                                           response_format="verbose_json")
+        assert abs(v.duration - 2.0) < 0.1, (name, v.duration)
+
+
+def test_streaming_transcription_sends_deltas_then_done(oai):
+    stream = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(40.0, rate=8000)),
+                                             stream=True)
+    events = list(stream)
+    types = [e.type for e in events]
+    assert types == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
+    done = events[-1]
+    assert done.text == "".join(e.delta for e in events[:-1]).strip()
+
+
+def test_translation_with_the_openai_client(oai):
+    t = oai.audio.translations.create(model=STT, file=("a.wav", wav(2.0)))
+    assert isinstance(t.text, str)
+    v = oai.audio.translations.create(model=STT, file=("a.wav", wav(2.0)),
+                                      response_format="verbose_json")
+    assert v.language == "english" and v.segments
+
+
+# -- transcription errors --------------------------------------------------------------------
+
+
+def _post(asrv, data: bytes, path: str = "/v1/audio/transcriptions", **form) -> httpx.Response:
+    with asrv.client() as c:
+        return c.post(path, files={"file": ("f.wav", data)}, data={"model": STT, **form})
+
+
+def test_broken_empty_and_non_audio_files_are_400(asrv):
+    good = wav(1.0)
+    for data in (b"", b"this is not audio at all, just some text" * 20, good[:60],
+                 b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(200)):
+        err = _err(_post(asrv, data), 400)
+        assert err["param"] == "file" and err["type"] == "invalid_request_error", err
+    # streamed too: the file is checked before the stream starts
+    err = _err(_post(asrv, b"not audio" * 50, stream="true"), 400)
+    assert err["param"] == "file"
+    # the server still works
+    assert _post(asrv, good).status_code == 200
+
+
+def test_oversize_upload_and_overlong_audio_are_413(asrv):
+    err = _err(_post(asrv, np.random.RandomState(0).bytes(2 * 1024 * 1024 + 10)), 413)
+    assert "audio.max_upload_bytes" in err["message"]
+    with asrv.client() as c:  # past the HTTP body limit for uploads: refused before parsing
+        r = c.post("/v1/audio/transcriptions", content=b"x" * (3 * 1024 * 1024),
+                   headers={"content-type": "multipart/form-data; boundary=b"})
+    _err(r, 413)
+    long_mp3 = encode(tone(150.0, rate=8000), 8000, "mp3", "libmp3lame", bit_rate=16000)
+    assert len(long_mp3) < 2 * 1024 * 1024
+    err = _err(_post(asrv, long_mp3), 413)
+    assert "audio.max_duration_s" in err["message"]
+
+
+def test_bad_parameters_and_wrong_models_are_400(asrv):
+    good = wav(1.0)
+    assert _err(_post(asrv, good, language="xx"), 400)["param"] == "language"
+    assert _err(_post(asrv, good, response_format="yaml"), 400)
+    assert _err(_post(asrv, good, **{"timestamp_granularities[]": "word"}), 400)["param"] == \
+        "timestamp_granularities"  # words need verbose_json
+    assert _err(_post(asrv, good, **{"timestamp_granularities[]": "letter",
+                                     "response_format": "verbose_json"}), 400)
+    with asrv.client() as c:
+        r = c.post("/v1/audio/transcriptions", files={"file": ("f.wav", good)},
+                   data={"model": "tiny-llama"})
+        assert "chat model" in _err(r, 400)["message"]
+        r = c.post("/v1/audio/transcriptions", files={"file": ("f.wav", good)},
+                   data={"model": TTS})
+        assert _err(r, 400)["param"] == "model"
+        _err(c.post("/v1/audio/transcriptions", data={"model": STT}), 400)  # no file
+        r = c.post("/v1/audio/speech", json={"model": STT, "input": "Hi.", "voice": "alloy"})
+        assert _err(r, 400)["param"] == "model"
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": " ", "voice": "alloy"})
+        assert _err(r, 400)["param"] == "input"
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": "x" * 5000})
+        assert _err(r, 400)["param"] == "input"
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": "Hi.", "speed": 9})
+        _err(r, 400)
+
+
+def test_audio_parts_in_chat_are_a_clear_400(asrv):
+    import base64
+
+    part = {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(wav(0.5)).decode(), "format": "wav"}}
+    with asrv.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": "tiny-llama", "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+    err = _err(r, 400)
+    assert "audio" in err["message"] and err["param"] == "messages[0].content"
+
+
+# -- speech ---------------------------------------------------------------------------------
+
+
+def _sentence_seconds(rate: int = 32000) -> float:
+    """A piece's audio: Soprano decodes max_tokens hidden states (plus the prompt's last),
+    2048 samples each at 32 kHz, and trims one."""
+    return TTS_TOKENS * SOPRANO_TOKEN_SAMPLES / rate
+
+
+def test_speech_formats_with_the_openai_client(oai):
+    r = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
+                                response_format="wav")
+    audio, rate = decode(r.content)
+    assert rate == 32000 and abs(audio.size / rate - _sentence_seconds()) < 0.02
+    for fmt in ("mp3", "flac", "opus", "aac"):
+        r = oai.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.",
+                                    response_format=fmt)
+        audio, _ = decode(r.content)
+        assert audio.size > 0, fmt
+    pcm = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
+                                  response_format="pcm").content
+    assert len(pcm) % 2 == 0  # 16-bit samples at 24 kHz
+    assert abs(len(pcm) / 2 / 24000 - _sentence_seconds()) < 0.02
+
+
+def test_speech_streams_piece_by_piece_and_speed_shortens_it(asrv, oai):
+    text = "The first sentence is here. A second one follows it. And a third one ends it."
+    with oai.audio.speech.with_streaming_response.create(
+            model=TTS, voice="alloy", input=text, response_format="pcm") as r:
+        chunks = [c for c in r.iter_bytes() if c]
+    assert len(chunks) >= 3  # one per piece, as it is made
+    total = sum(len(c) for c in chunks) / 2 / 24000
+    assert abs(total - 3 * _sentence_seconds()) < 0.05
+    fast = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
+                                   response_format="wav", speed=2.0)
+    audio, rate = decode(fast.content)
+    assert abs(audio.size / rate - _sentence_seconds() / 2) < 0.05
+
+
+def test_speech_sse_events(asrv):
+    import base64
+    import json
+
+    with asrv.client() as c:
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": "One. Two.",
+                                             "response_format": "pcm", "stream_format": "sse"})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+
+
+def test_transcription_and_speech_run_next_to_chat(asrv, oai):
+    """The three kinds share the device thread: concurrent requests of each all finish."""
+    results: dict[str, object] = {}
+
+    def chat():
+        with asrv.client() as c:
+            results["chat"] = c.post("/v1/chat/completions", json={
+                "model": "tiny-llama", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}]}).status_code
+
+    def stt():
+        results["stt"] = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0))).text
+
+    def tts():
+        results["tts"] = len(oai.audio.speech.create(model=TTS, voice="x", input="Hi there.",
+                                                     response_format="wav").content)
+
+    threads = [threading.Thread(target=f) for f in (chat, stt, tts)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["chat"] == 200 and isinstance(results["stt"], str) and results["tts"] > 44
+    assert time.time() - t0 < 120
+
+
+# -- the model manager -------------------------------------------------------------------------
+
+
+def test_stt_models_follow_the_lru_cap_and_keep_alive(tmp_path, tiny_llama, audio_dirs):
+    """Two Whisper models, max_stt_models 1: loading the second evicts the first; a request
+    with keep_alive 0 unloads its model when it is done."""
+    import shutil
+
+    second = tmp_path / "src" / "tiny-whisper-b"
+    shutil.copytree(audio_dirs[0], second)
+    for d in (audio_dirs[0], second):
+        _pull(tmp_path / "models", d)
+    srv = LiveServer(make_settings(tmp_path, tiny_llama,
+                                   audio={"max_tokens_per_window": 4},
+                                   engine={"warmup": False})).start()
+    try:
+        def loaded() -> set[str]:
+            return {m["name"] for m in srv.health()["models"]}
+
+        assert _post(srv, wav(1.0)).status_code == 200  # STT: the form names it
+        assert STT in loaded()
+        with srv.client() as c:
+            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
+                       data={"model": "tiny-whisper-b"})
+            assert r.status_code == 200, r.text
+            assert "tiny-whisper-b" in loaded() and STT not in loaded()
+            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
+                       data={"model": STT, "keep_alive": "0"})
+            assert r.status_code == 200, r.text
+        deadline = time.time() + 10
+        while STT in loaded() and time.time() < deadline:
+            time.sleep(0.1)
+        assert STT not in loaded() and "tiny-whisper-b" not in loaded()
+    finally:
+        srv.stop()
