@@ -181,3 +181,47 @@ def test_rolling_rows_back_leaves_the_cache_of_the_accepted_tokens(tiny):
         kept = r + v[:len(v) - d]
         want = model(mx.array([kept + [70 + i]]), cache=ref)[0, -1]
         assert mx.allclose(got[i], want, atol=1e-4).item(), i
+
+
+def test_warm_up_drafts_every_length_in_turn_whatever_the_row_did():
+    """Warm-up forces a draft on every eligible row at every step, its length cycling
+    1..num_draft by verify step, so every verify shape meets MLX before a request does;
+    rows that may not draft still do not."""
+    spec = Speculator("prompt-lookup", num_draft=3)
+    spec.register(1, eligible=True)
+    spec.register(2, eligible=False)
+    spec.rows[1].cooldown = 5  # a paused row drafts anyway while warming
+    spec.warm = True
+    assert spec.wants_draft(1) and not spec.wants_draft(2)
+    lengths = []
+    for _ in range(6):
+        lengths.append(len(spec.propose(1, [9, 4, 7], 10)))
+        spec.stats.verify_steps += 1
+    assert lengths == [1, 2, 3, 1, 2, 3]
+    assert spec.propose(1, [9, 4, 7], 1) == [7]  # never past max_tokens
+    spec.warm = False
+    assert not spec.wants_draft(1)  # back to the row's own pause
+
+
+def test_loading_with_speculation_runs_verify_steps_in_the_warm_up(tiny):
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("t", tiny, speculative="prompt-lookup", speculative_max_batch=4)
+    try:
+        engine.bind()
+        seen = []
+        real_verify = engine.speculator.propose
+
+        def spy(uid, history, budget):
+            draft = real_verify(uid, history, budget)
+            seen.append((engine.speculator.warm, len(draft)))
+            return draft
+
+        engine.speculator.propose = spy
+        engine.warmup()
+        warm_lengths = {k for w, k in seen if w and k}  # 0: the last token, no room
+        assert warm_lengths == set(range(1, engine.speculator.num_draft + 1))
+        assert not engine.speculator.warm
+        assert engine.speculator.stats.verify_steps == 0  # nobody's statistics
+    finally:
+        engine.close()

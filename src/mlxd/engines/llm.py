@@ -506,6 +506,7 @@ class LLMEngine(DecodeEngine):
         greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), \
             SamplingParams(max_tokens=3, temperature=1.0)
         yield [self.new_sequence(ids, greedy), self.new_sequence(ids, sampled)]
+        yield from self._warm_verify_batches(ids)
         if mx.default_device() == mx.cpu:
             return  # nothing compiles per shape on the CPU: one pair warms every path
         n = min(self._settings["prefill_batch_size"], self._settings["max_num_seqs"])
@@ -516,6 +517,26 @@ class LLMEngine(DecodeEngine):
             yield [self.new_sequence(ids, greedy) for _ in range(size)]
             size *= 2
 
+    def _warm_verify_batches(self, ids: list[int]) -> Iterator[list[Sequence]]:
+        """With speculation on: verify steps at every draft length and at power-of-two
+        batch sizes up to the speculation threshold, drafts forced (Speculator.warm).
+
+        A verify step's shape is (rows, draft length + 1), and the rollback after it
+        another per accepted length: on an H200 the first requests with prompt lookup
+        decoded at a third of the later ones' rate (0.5x plain decoding instead of 2.5x)
+        while MLX compiled those shapes. Cheap on a CPU too, where it also runs the
+        speculative path once before the first request."""
+        spec = self.speculator
+        if spec is None:
+            return
+        params = SamplingParams(max_tokens=3 * spec.num_draft, temperature=0.0)
+        spec.warm = True
+        size = 1
+        while size <= min(spec.max_batch, self._settings["max_num_seqs"]):
+            yield [self.new_sequence(ids, params) for _ in range(size)]
+            size *= 2
+        spec.warm = False
+
     def _next_warm_phase(self) -> None:
         batch = next(self._warm_phases, None) if self._warm_phases is not None else None
         if batch is None:
@@ -524,6 +545,7 @@ class LLMEngine(DecodeEngine):
             self.max_batch_seen = 0
             self.steps = 0
             if self.speculator is not None:  # warm-up drafts are nobody's statistics
+                self.speculator.warm = False
                 self.speculator.stats = SpecStats()
                 self._spec_reported = (0, 0, 0, 0)
             self.prefix_cache = PrefixCache(self.prefix_cache.max_bytes,
@@ -544,6 +566,8 @@ class LLMEngine(DecodeEngine):
         for seq, ev in out:
             if ev.error is not None and seq in self._warm_live:
                 self._warm_phases = None
+                if self.speculator is not None:
+                    self.speculator.warm = False
                 self._warm_live = []
                 if not self._warm_done.done():
                     self._warm_done.set_exception(ev.error)

@@ -154,6 +154,9 @@ class Speculator:
     drafter: Any = None  # DraftModel in "draft" mode
     rows: dict[int, RowState] = field(default_factory=dict)
     stats: SpecStats = field(default_factory=SpecStats)
+    # warm-up (LLMEngine._warm_verify_batches): every eligible row drafts every step, the
+    # draft length cycling 1..num_draft by verify step, so each verify shape runs once
+    warm: bool = False
 
     def register(self, uid: int, *, eligible: bool, dist: Any = None) -> None:
         """A row joins. Rows with logits processors (grammar, penalties, bias) or a seed
@@ -177,6 +180,8 @@ class Speculator:
         st = self.rows.get(uid)
         if st is None or not st.eligible:
             return False
+        if self.warm:
+            return True
         if st.cooldown > 0:
             st.cooldown -= 1
             return False
@@ -188,6 +193,9 @@ class Speculator:
         st = self.rows.get(uid)
         if st is None or not st.eligible:
             return []
+        if self.warm:  # any draft verifies correctly; these only need the shapes
+            k = min(1 + self.stats.verify_steps % self.num_draft, budget)
+            return [history[-1]] * max(k, 0)
         k = min(st.k, budget)
         if k <= 0:
             return []
