@@ -211,27 +211,19 @@ class LLMEngine(DecodeEngine):
         across threads on every step (mlx_lm.server avoids it the same way).
         """
         s = self._settings
-        bound = {} if s["max_kv_size"] is None else {"max_kv_size": s["max_kv_size"]}
-        if self.speculator is not None:
-            return SpeculativeBatchGenerator(
-                self.model, speculator=self.speculator,
-                stream=mx.default_stream(mx.default_device()),
-                max_tokens=1,
-                stop_tokens=[[t] for t in self.eos_token_ids],
-                completion_batch_size=s["max_num_seqs"],
-                prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
-                prefill_step_size=s["prefill_step_size"],
-            )
-        return (BoundedBatchGenerator if bound else BatchGenerator)(
-            self.model,
+        common = dict(
             stream=mx.default_stream(mx.default_device()),
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_token_ids],
             completion_batch_size=s["max_num_seqs"],
             prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
             prefill_step_size=s["prefill_step_size"],
-            **bound,
         )
+        if self.speculator is not None:  # never with max_kv_size (see _speculator)
+            return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
+        if s["max_kv_size"] is not None:
+            return BoundedBatchGenerator(self.model, max_kv_size=s["max_kv_size"], **common)
+        return BatchGenerator(self.model, **common)
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
