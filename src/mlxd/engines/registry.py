@@ -57,6 +57,9 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings) -> Any:
             trust_remote_code=settings.models.trust_remote_code,
             prefix_cache_bytes=e.prefix_cache_bytes,
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
+            prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
+            prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
+            prefix_cache_dir=e.prefix_cache_dir or settings.home / "prefix-cache",
             adapter_path=opts["adapter_path"],
             max_kv_size=opts["max_kv_size"],
         )
