@@ -70,7 +70,8 @@ def cold(tmp_path_factory, tool_qwen2):
 
 def _turns(n: int, tag: str = "") -> list[list[dict]]:
     """The prompts of an n-turn conversation (assistant turns filled in as it goes)."""
-    return [[{"role": "user", "content": f"Step {i}{tag}: list the files."}] for i in range(n)]
+    return [[{"role": "user", "content": f"Step {i}{tag * 8}: list the files."}]
+            for i in range(n)]
 
 
 def _converse(srv, turns, history=None) -> tuple[list[dict], list[str], int]:

@@ -79,6 +79,15 @@ def test_lru_bound_and_redundant_prefixes(tmp_path):
     write(d, list(range(60)))  # extends the first: the first goes
     assert d.stats()["entries"] == 1
     assert not d.spill(list(range(50)), kv(50))  # a prefix of what is on disk: no write
+    # the next turn of a chat re-tokenizes the end of the last answer: an entry that
+    # differs from a newer one only in its last few tokens goes too...
+    write(d, list(range(200, 260)) + [7, 7, 7])
+    write(d, list(range(200, 260)) + [8] * 40)
+    assert d.stats()["entries"] == 2 and d.match(list(range(200, 263)) + [1])[1] == 60
+    # ...but one that differs in more than a block stays (another conversation)
+    write(d, list(range(300, 340)) + [1] * 30)
+    write(d, list(range(300, 340)) + [2] * 30)
+    assert d.stats()["entries"] == 4
     d.close()
 
     d = tier(tmp_path / "b", max_bytes=int(3.5 * one))

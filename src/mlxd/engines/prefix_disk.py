@@ -61,6 +61,7 @@ SUFFIX = ".safetensors"
 TMP_SUFFIX = ".tmp" + SUFFIX
 _STALE_TMP_S = 3600.0  # a temporary file this old is a crashed write, not one in flight
 _MAX_QUEUED_BYTES = 1 << 30  # writes waiting beyond this are dropped, never queued forever
+_NEAR = BLOCK  # an entry this close to being a prefix of a newer one goes (see _write)
 _SAMPLE = 1 << 16
 _WHOLE_FILE = 16 << 20
 
@@ -362,13 +363,17 @@ class DiskPrefixCache:
         entry = DiskEntry(key, tokens, size, trimmable, block_hashes(tokens))
         with self._lock:
             self._queued_bytes -= nbytes
-            # entries this one makes redundant: prefixes of it (when it can be cut back)
+            # Entries this one makes redundant (when it can be cut back): its prefixes, and
+            # near-prefixes that differ only in their last few tokens. The next turn of a
+            # chat re-tokenizes the previous answer and closes it with the template's end
+            # tokens, so turn n+1 rarely extends turn n token for token; keeping every
+            # turn would grow the disk quadratically with the conversation.
             if trimmable:
                 candidates = {k for h in entry.hashes for k in self._index.get(h, ())}
                 for k in candidates:
                     e = self._entries.get(k)
                     if e is not None and k != key and len(e.tokens) <= len(tokens) and \
-                            common_prefix(e.tokens, tokens) == len(e.tokens):
+                            common_prefix(e.tokens, tokens) >= len(e.tokens) - _NEAR:
                         self._delete(k)
             self._add(entry)
             self.bytes_written += size
