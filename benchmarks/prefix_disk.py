@@ -1,13 +1,17 @@
 """Turn 10 of an agent conversation: warm server, restarted with the disk tier, cold.
 
 An agent-style conversation (a long system prompt listing tools, then short user turns,
-each resending the whole history) is played for ``--turns`` turns on a server with the
-prefix cache's disk tier on; the last turn's time to first token is the *warm* figure (its
-history comes from the memory tier). The server is then stopped and started again on the
-same ``MLXD_HOME`` and the very same last-turn request sent: its history now comes from the
-disk tier (*restart, disk*). Once more with ``MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0``: the
-whole prompt is prefilled (*restart, no disk*, what a restart cost before the disk tier).
-Medians over ``--conversations`` conversations (different tasks, the same system prompt).
+each resending the whole history) is played up to its next-to-last turn on a server with
+the prefix cache's disk tier on, and the disk tier's folder is copied once its writes are
+done. The last turn's time to first token on that server is the *warm* figure (its history
+comes from the memory tier). Then the folder is put back as it was before the last turn,
+a new server starts on the same ``MLXD_HOME`` and the very same last-turn request is sent:
+its history now comes from the disk tier (*restart, disk*). Once more with the prefix
+cache off (``MLXD_ENGINE__PREFIX_CACHE_BYTES=0``): the whole prompt is prefilled
+(*restart, no disk*, what a restart cost before the disk tier). Medians over
+``--conversations`` conversations (different tasks, the same system prompt); every timed
+request waits until the disk tier's queued writes are done, so no measurement shares the
+CPU with a write.
 
     python benchmarks/prefix_disk.py --model-dir ~/.mlxd/models/smollm2-135m-instruct \\
         --out docs/results/cpu-prefix-disk-smollm2.json
@@ -148,11 +152,14 @@ def warm_request(client: httpx.Client, url: str, model: str) -> None:
     turn(client, url, model, [{"role": "user", "content": "Hi"}], 1)
 
 
-def last_turn(url: str, model: str, convs: list[list[dict]], max_tokens: int) -> list[dict]:
+def last_turn(url: str, model: str, convs: list[list[dict]], max_tokens: int,
+              warm_up: bool = True) -> list[dict]:
     rows = []
     with httpx.Client(timeout=600) as client:
-        warm_request(client, url, model)
+        if warm_up:
+            warm_request(client, url, model)
         for messages in convs:
+            settle(url)
             ttft, text, usage = turn(client, url, model, messages, max_tokens)
             rows.append({"ttft": ttft, "text": text, "prompt_tokens": usage.get("prompt_tokens"),
                          "cached_tokens": cached(usage)})
@@ -181,10 +188,11 @@ def main() -> None:
     name = Path(model).name if args.model_dir else args.model
     system = {"role": "system", "content": system_prompt()}
 
-    # 1. warm: play every conversation up to its last turn, time the last turn
+    # 1. warm: every conversation up to its next-to-last turn; the disk tier's folder as it
+    # is then; the last turns, timed
+    folder = Path(home) / "prefix-cache"
     proc, url = start(home, model, args.disk_bytes)
     convs: list[list[dict]] = []
-    warm = []
     try:
         with httpx.Client(timeout=600) as client:
             warm_request(client, url, name)
@@ -194,29 +202,34 @@ def main() -> None:
                     ask = ASKS[k % len(ASKS)]
                     messages.append({"role": "user",
                                      "content": f"Task: {TASKS[c % len(TASKS)]}. {ask}"})
-                    ttft, text, usage = turn(client, url, name, messages, args.max_tokens)
-                    if k < args.turns - 1:
-                        messages.append({"role": "assistant", "content": text})
-                convs.append(list(messages))
-                warm.append({"ttft": ttft, "text": text,
-                             "prompt_tokens": usage.get("prompt_tokens"),
-                             "cached_tokens": cached(usage)})
+                    if k == args.turns - 1:
+                        break
+                    _, text, _ = turn(client, url, name, messages, args.max_tokens)
+                    messages.append({"role": "assistant", "content": text})
+                convs.append(messages)
         disk_before = settle(url)
+        shutil.copytree(folder, Path(home) / "prefix-cache-snapshot")
+        warm = last_turn(url, name, convs, args.max_tokens, warm_up=False)
     finally:
         stop(proc)
-    files = sorted((Path(home) / "prefix-cache").glob("*/*.safetensors"))
-    # 2. restarted, disk tier on; 3. restarted, disk tier off
+    shutil.rmtree(folder)
+    (Path(home) / "prefix-cache-snapshot").rename(folder)
+    files = sorted(folder.glob("*/*.safetensors"))
+    disk_bytes = sum(f.stat().st_size for f in files)
+    # 2. restarted, disk tier on; 3. restarted, prefix cache off (today's cold prefill)
     proc, url = start(home, model, args.disk_bytes)
     try:
         disk = last_turn(url, name, convs, args.max_tokens)
         disk_after = disk_stats(url)
     finally:
         stop(proc)
-    proc, url = start(home, model, 0)
+    os.environ["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = "0"
+    proc, url = start(home, model, None)
     try:
         cold = last_turn(url, name, convs, args.max_tokens)
     finally:
         stop(proc)
+        del os.environ["MLXD_ENGINE__PREFIX_CACHE_BYTES"]
 
     med = {k: statistics.median(r["ttft"] for r in rows)
            for k, rows in (("warm", warm), ("disk", disk), ("cold", cold))}
@@ -230,21 +243,22 @@ def main() -> None:
         "max_tokens": args.max_tokens, "median_ttft_s": med,
         "disk_vs_warm": med["disk"] / med["warm"], "cold_vs_warm": med["cold"] / med["warm"],
         "greedy_text_identical": same,
-        "disk_files": len(files), "disk_bytes": sum(f.stat().st_size for f in files),
+        "disk_files": len(files), "disk_bytes": disk_bytes,
         "disk_stats_before_restart": disk_before, "disk_stats_after_restart": disk_after,
         "warm": warm, "disk": disk, "cold": cold,
     }
+    print(f"{result['machine']}, commit {result['commit']}, {result['date']}")
     print(f"model {model}: {args.conversations} conversations x {args.turns} turns, "
           f"{args.max_tokens} tokens per answer, greedy; turn {args.turns}, medians")
     print("| server | prompt tokens | cached tokens | TTFT (s) | vs warm |")
     print("| --- | --- | --- | --- | --- |")
     for label, key, rows in (("warm", "warm", warm), ("restarted, disk tier", "disk", disk),
-                             ("restarted, no disk tier", "cold", cold)):
+                             ("restarted, prefix cache off", "cold", cold)):
         print(f"| {label} | {statistics.median(r['prompt_tokens'] for r in rows):.0f} "
               f"| {statistics.median(r['cached_tokens'] for r in rows):.0f} "
               f"| {med[key]:.3f} | {med[key] / med['warm']:.2f}x |")
     print(f"greedy answers identical in all three: {same}; disk: {len(files)} files, "
-          f"{result['disk_bytes'] / 1e6:.1f} MB")
+          f"{disk_bytes / 1e6:.1f} MB")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.home is None:

@@ -337,7 +337,7 @@ class DiskPrefixCache:
     # -- the I/O threads -------------------------------------------------------------------
     def _write(self, tokens: np.ndarray, cache: list[Any], nbytes: int) -> None:
         key = hashlib.sha1(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
-        tmp = self.dir / f"{key}-{threading.get_ident()}{TMP_SUFFIX}"
+        tmp = self.dir / f"{key}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         final = self.dir / (key + SUFFIX)
         try:
             trimmable = can_trim_prompt_cache(cache)
