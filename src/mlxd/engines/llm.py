@@ -197,14 +197,15 @@ class LLMEngine(DecodeEngine):
             except Exception:  # noqa: BLE001 - a failed read is a miss, never a failure
                 log.exception("prefix cache on disk: read failed")
                 got = None
-            if got is not None and self.disk is not None:
-                if id(fut) not in inserted:
-                    tokens, cache = got
-                    self.prefix_cache.insert(tokens.tolist(), cache)
-                    inserted.add(id(fut))
-                self.disk.count_hit()
-            elif self.disk is not None:
-                self.disk.count_miss()
+            if got is not None and id(fut) not in inserted:
+                tokens, cache = got
+                self.prefix_cache.insert(tokens.tolist(), cache)
+                inserted.add(id(fut))
+            if self.disk is not None:  # a hit only if the memory tier took it (it fits)
+                if got is not None and self.prefix_cache.peek(seq.prompt_tokens) > 0:
+                    self.disk.count_hit()
+                else:
+                    self.disk.count_miss()
             self._pending.append(seq)
         self._loading = waiting
 
