@@ -305,6 +305,11 @@ class LLMEngine(DecodeEngine):
         self.prefix_cache.clear()
         return freed
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the disk tier's queued writes (any thread; before the process exits)."""
+        if self.disk is not None:
+            self.disk.flush(timeout)
+
     def next_deadline(self) -> float | None:
         """When held-back newcomers must be admitted even if no step happens before; while
         a disk-tier read is in flight, soon (the reader cannot wake the worker)."""
