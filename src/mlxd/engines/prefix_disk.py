@@ -176,7 +176,7 @@ class DiskPrefixCache:
                 "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "evictions": self.evictions, "removed_invalid": self.removed_bad,
-                "writes_pending": self._queued_bytes > 0}
+                "writes_pending": self._queued_bytes > 0, "writes_dropped": self.dropped}
 
     # -- start -----------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -197,7 +197,8 @@ class DiskPrefixCache:
                 self._check(meta)
                 tokens = _decode_tokens(meta["tokens"])
                 if f.stem != meta["key"] or len(tokens) < self.min_tokens:
-                    raise ValueError("name, key and tokens disagree")
+                    raise ValueError("its name and key disagree, or it is shorter than "
+                                     "prefix_cache_disk_min_tokens")
                 st = f.stat()
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self._remove_bad(f, exc)
