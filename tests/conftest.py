@@ -101,6 +101,8 @@ def make_settings(home: Path, model: str | Path, **sections):
     data = {
         "server": {"port": free_port()},
         "models": {"default": str(model), "dir": str(home / "models"), "auto_download": False},
+        # the prefix cache's disk tier stays inside the test's home, never ~/.mlxd
+        "engine": {"prefix_cache_dir": str(home / "prefix-cache")},
     }
     for k, v in sections.items():
         data.setdefault(k, {}).update(v)

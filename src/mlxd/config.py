@@ -352,6 +352,30 @@ class EngineSettings(_Section):
             "request shares its template's preamble)."
         ),
     )
+    prefix_cache_disk_bytes: int = Field(
+        2 << 30,
+        ge=0,
+        description=(
+            "Per chat model: the prefix cache's disk tier. KV caches of finished requests "
+            "(at least prefix_cache_disk_min_tokens long) are also written to "
+            "prefix_cache_dir, up to this many bytes, least recently used out first; they "
+            "serve later requests after the memory tier dropped them and after a restart. "
+            "0 turns the disk tier off (so does prefix_cache_bytes: 0)."
+        ),
+    )
+    prefix_cache_disk_min_tokens: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Only prefixes of at least this many tokens go to (and are read back from) the "
+            "disk tier: reading a short prefix from disk costs about what prefilling it does."
+        ),
+    )
+    prefix_cache_dir: Path | None = Field(
+        None,
+        description="Where the prefix cache's disk tier lives (default: "
+                    "$MLXD_HOME/prefix-cache); one folder per model fingerprint below it.",
+    )
     kv_bits: float | None = Field(
         None,
         ge=1,

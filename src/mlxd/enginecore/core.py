@@ -186,6 +186,19 @@ class EngineCore:
             except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
                 log.exception("model expiry sweep failed")
 
+    def flush_caches(self, timeout: float) -> None:
+        """Before the process exits: finish the disk writes the prefix caches queued (a
+        conversation that ended just before a stop is what the restart should find)."""
+        deadline = time.monotonic() + timeout
+        for entry in self.models.loaded():
+            flush = getattr(entry.engine, "flush", None)
+            if flush is None:
+                continue
+            try:
+                flush(max(deadline - time.monotonic(), 0.0))
+            except Exception:  # noqa: BLE001 - exiting anyway: what is written is written
+                log.warning("could not finish the disk writes of %s in time", entry.name)
+
     async def _watch_worker(self) -> None:
         """The device thread died: its sequences were failed; end the process so that the
         supervisor starts a clean core (MLX state of a dead thread is not to be trusted)."""
@@ -456,4 +469,12 @@ def main(run_dir: str, epoch: int) -> None:
 
         group.lead(settings)  # rank 0 of a tensor-parallel group (enginecore/group.py)
     core = EngineCore(settings, run_dir, epoch)
+
+    def terminate(*_: Any) -> None:
+        try:
+            core.flush_caches(5.0)  # the supervisor waits 10 s before a kill
+        finally:
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
     asyncio.run(core.run())

@@ -7,7 +7,10 @@ parsing belong to the front ends (engines/text.py, frontend/generation.py).
 Per sequence, on top of mlx-lm's batch: a sampler and logits processors (engines/sampling)
 when the request asks for more than the batch's shared sampler, a grammar that masks the
 logits every step (engines/structured), and the prefix cache (engines/prefix_cache): a new
-sequence starts from the KV cache of the longest prefix an earlier one left behind.
+sequence starts from the KV cache of the longest prefix an earlier one left behind. Its
+disk tier (engines/prefix_disk) keeps long prefixes across restarts: a sequence whose
+prefix is on disk waits outside the batch while the reader thread loads it, then starts as
+a memory-tier hit.
 
 With ``engine.speculative`` on, the batch is engines/spec_batch.py's, which can verify
 drafts (prompt lookup or a draft model, engines/speculative.py) in one forward pass.
@@ -34,6 +37,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.prefix_cache import PrefixCache
+from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
@@ -61,6 +65,9 @@ class LLMEngine(DecodeEngine):
         trust_remote_code: bool = False,
         prefix_cache_bytes: int = 0,
         prefix_cache_min_tokens: int = 0,
+        prefix_cache_disk_bytes: int = 0,
+        prefix_cache_disk_min_tokens: int = 256,
+        prefix_cache_dir: str | Path | None = None,
         adapter_path: str | Path | None = None,
         max_kv_size: int | None = None,
         speculative: str = "off",
@@ -124,6 +131,12 @@ class LLMEngine(DecodeEngine):
             self._pending: list[Sequence] = []
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
             self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
+            self.disk: DiskPrefixCache | None = None
+            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and prefix_cache_dir:
+                self.disk = self._open_disk_tier(Path(prefix_cache_dir),
+                                                 prefix_cache_disk_bytes,
+                                                 prefix_cache_disk_min_tokens)
+            self._loading: list[tuple[Sequence, Future]] = []  # waiting for a disk-tier read
             self._warm_phases: Iterator[list[Sequence]] | None = None
             self._warm_live: list[Sequence] = []
             self.speculator: Speculator | None = None
@@ -187,6 +200,23 @@ class LLMEngine(DecodeEngine):
         apply_dtype(model, config, dtype)
         return model
 
+    def _open_disk_tier(self, root: Path, max_bytes: int, min_tokens: int
+                        ) -> DiskPrefixCache | None:
+        """The disk tier in this model's fingerprint folder; None (and a warning) when the
+        folder cannot be used: the server still serves, from the memory tier alone."""
+        import mlx_lm
+
+        extra = {"dtype": str(self.dtype), "max_kv_size": self._settings["max_kv_size"],
+                 "mlx_lm": mlx_lm.__version__,
+                 "adapter": model_fingerprint(Path(self.adapter_path).expanduser(), {})
+                 if self.adapter_path else None}
+        try:
+            return DiskPrefixCache(root, model_fingerprint(self.path, extra), max_bytes,
+                                   min_tokens, self.name)
+        except OSError as exc:
+            log.warning("prefix cache on disk is off for %s: %s", self.name, exc)
+            return None
+
     def bind(self) -> None:
         """On the device thread: the batch, on that thread's stream. Everything before it
         (reading and evaluating the weights) may run on a loader thread, so that a load
@@ -237,9 +267,47 @@ class LLMEngine(DecodeEngine):
 
     # -- worker-thread API ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue a newcomer; :meth:`_admit` hands newcomers to the batch in groups."""
+        """Queue a newcomer; :meth:`_admit` hands newcomers to the batch in groups. A
+        newcomer whose prefix the disk tier holds (longer than what memory holds) waits for
+        its read first."""
         seq.t_added = time.monotonic()
+        disk = self.disk
+        if disk is not None and len(seq.prompt_tokens) > disk.min_tokens:
+            in_memory = self.prefix_cache.peek(seq.prompt_tokens)
+            entry, n = disk.match(seq.prompt_tokens)
+            if entry is not None and n > in_memory:
+                self._loading.append((seq, disk.load(entry)))
+                return
+            if entry is None and in_memory < disk.min_tokens:
+                disk.count_miss()
         self._pending.append(seq)
+
+    def _poll_loads(self) -> None:
+        """Newcomers whose disk-tier read finished join the queue; the prefix they read goes
+        into the memory tier, where :meth:`_cached_prefix` finds it."""
+        if not self._loading:
+            return
+        waiting, inserted = [], set()
+        for seq, fut in self._loading:
+            if not fut.done():
+                waiting.append((seq, fut))
+                continue
+            try:
+                got = fut.result()
+            except Exception:  # noqa: BLE001 - a failed read is a miss, never a failure
+                log.exception("prefix cache on disk: read failed")
+                got = None
+            if got is not None and id(fut) not in inserted:
+                tokens, cache = got
+                self.prefix_cache.insert(tokens.tolist(), cache)
+                inserted.add(id(fut))
+            if self.disk is not None:  # a hit only if the memory tier took it (it fits)
+                if got is not None and self.prefix_cache.peek(seq.prompt_tokens) > 0:
+                    self.disk.count_hit()
+                else:
+                    self.disk.count_miss()
+            self._pending.append(seq)
+        self._loading = waiting
 
     def _admit(self) -> list[tuple[Sequence, StepOutput]]:
         """Insert waiting newcomers into the batch, coalescing arrivals into one prefill.
@@ -255,6 +323,7 @@ class LLMEngine(DecodeEngine):
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
         """
         failed: list[tuple[Sequence, StepOutput]] = []
+        self._poll_loads()
         if not self._pending:
             return failed
         running = self.num_running
@@ -328,7 +397,9 @@ class LLMEngine(DecodeEngine):
         return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"prefix_cache": self.prefix_cache.stats()}
+        prefix: dict[str, Any] = self.prefix_cache.stats()
+        prefix["disk"] = self.disk.stats() if self.disk is not None else None
+        out: dict[str, Any] = {"prefix_cache": prefix}
         if self.speculator is not None:
             out["speculative"] = {"mode": self.speculator.mode,
                                   **self.speculator.stats.as_dict()}
@@ -368,17 +439,28 @@ class LLMEngine(DecodeEngine):
         self.prefix_cache.clear()
         return freed
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the disk tier's queued writes (any thread; before the process exits)."""
+        if self.disk is not None:
+            self.disk.flush(timeout)
+
     def next_deadline(self) -> float | None:
-        """When held-back newcomers must be admitted even if no step happens before."""
-        if not self._pending:
-            return None
-        return self._pending[0].t_added + min(0.025, 2 * self._step_ema)
+        """When held-back newcomers must be admitted even if no step happens before; while
+        a disk-tier read is in flight, soon (the reader cannot wake the worker)."""
+        due = [self._pending[0].t_added + min(0.025, 2 * self._step_ema)] if self._pending \
+            else []
+        if self._loading:
+            due.append(time.monotonic() + 0.002)
+        return min(due) if due else None
 
     def cancel(self, seq: Sequence) -> None:
         """Leave the batch now (client gone, or a stop string the front end saw); the KV
         cache goes to the prefix cache, as a finished sequence's does."""
         if seq in self._pending:
             self._pending.remove(seq)
+            seq.finished = True
+        elif any(s is seq for s, _ in self._loading):
+            self._loading = [(s, f) for s, f in self._loading if s is not seq]
             seq.finished = True
         elif seq.uid in self._seqs:
             del self._seqs[seq.uid]
@@ -387,9 +469,16 @@ class LLMEngine(DecodeEngine):
             caches = self._gen.remove([seq.uid],
                                       return_prompt_caches=self.prefix_cache.enabled)
             for cache, tokens in (caches or {}).values():
-                self.prefix_cache.insert(tokens, cache)
+                self._keep(tokens, cache)
+
+    def _keep(self, tokens: list[int], cache: list[Any]) -> None:
+        """A finished sequence's KV: into the memory tier, and written through to disk."""
+        self.prefix_cache.insert(tokens, cache)
+        if self.disk is not None and self._warm_phases is None:
+            self.disk.spill(tokens, cache)
 
     def has_work(self) -> bool:
+        self._poll_loads()
         return bool(self._seqs) or (bool(self._pending) and (
             self.num_running == 0 or time.monotonic() >= (self.next_deadline() or 0)))
 
@@ -399,7 +488,7 @@ class LLMEngine(DecodeEngine):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._seqs) + len(self._pending) - self.num_running
+        return len(self._seqs) + len(self._pending) + len(self._loading) - self.num_running
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One decode step for the running batch plus one prefill chunk for newcomers."""
@@ -440,18 +529,19 @@ class LLMEngine(DecodeEngine):
                 seq.finished = True
                 self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
-                    self.prefix_cache.insert(r.all_tokens, r.prompt_cache)
+                    self._keep(r.all_tokens, r.prompt_cache)
         return out
 
     # -- DecodeEngine hooks ----------------------------------------------------------------
     def _sequences(self) -> list[Sequence]:
-        return [*self._seqs.values(), *self._pending]
+        return [*self._seqs.values(), *self._pending, *(s for s, _ in self._loading)]
 
     def _reset(self) -> None:
         if self.speculator is not None:
             self.speculator.clear()
         self._seqs.clear()
         self._pending.clear()
+        self._loading.clear()
         self.prefix_cache.clear()  # may be what filled the memory
         try:
             if self._gen is not None:
@@ -571,7 +661,10 @@ class LLMEngine(DecodeEngine):
         """Drop every reference to the weights and caches so their memory really goes back."""
         self._seqs.clear()
         self._pending.clear()
+        self._loading.clear()
         self.prefix_cache.clear()
+        if self.disk is not None:
+            self.disk.close()  # the queued writes are what a restart will find
         if self._gen is not None:
             self._gen.close()
         self._gen = None

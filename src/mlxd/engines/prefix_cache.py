@@ -52,7 +52,7 @@ class _Entry:
     hashes: list[int]
 
 
-def _block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
+def block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens)."""
     n = len(tokens) if limit is None else min(limit, len(tokens))
     out, h = [], 0
@@ -63,7 +63,7 @@ def _block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
     return out
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
@@ -118,9 +118,25 @@ class PrefixCache:
 
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """(cache holding the first n prompt tokens, n); (None, 0) without a useful match."""
-        if not self._entries or len(tokens) < 2:
+        best_key, best_n = self._best(tokens)
+        if best_key is None:
             if self.enabled:
                 self.misses += 1
+            return None, 0
+        entry = self._entries[best_key]
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        self.tokens_saved += best_n
+        return _view(entry.cache, best_n), best_n
+
+    def peek(self, tokens: list[int]) -> int:
+        """How many prompt tokens :meth:`lookup` would serve now (no statistics, no LRU
+        touch): the disk tier reads a prefix only when it beats this."""
+        return self._best(tokens)[1]
+
+    def _best(self, tokens: list[int]) -> tuple[int | None, int]:
+        """(the entry serving the longest useful prefix of ``tokens``, its length)."""
+        if not self._entries or len(tokens) < 2:
             return None, 0
         limit = len(tokens) - 1  # the last prompt token always runs
         level, keys, _ = self._walk(tokens, limit)
@@ -135,19 +151,14 @@ class PrefixCache:
         best_key, best_n = None, 0
         for key in candidates:
             e = self._entries[key]
-            n = min(_common_prefix(e.tokens, want), limit)
+            n = min(common_prefix(e.tokens, want), limit)
             if not e.trimmable and n < len(e.tokens):
                 continue  # only a whole entry can serve, and only if it fits
             if n > best_n:
                 best_key, best_n = key, n
         if best_key is None or best_n == 0 or best_n < self.min_hit_tokens:
-            self.misses += 1
             return None, 0
-        entry = self._entries[best_key]
-        self._entries.move_to_end(best_key)
-        self.hits += 1
-        self.tokens_saved += best_n
-        return _view(entry.cache, best_n), best_n
+        return best_key, best_n
 
     def _walk(self, tokens: list[int], limit: int, ends: bool = False
               ) -> tuple[int, list[int], list[int]]:
@@ -155,7 +166,7 @@ class PrefixCache:
         (oldest first), and with ``ends`` the entries that end inside a block the walk passed:
         those that may be a prefix of ``tokens``)."""
         level, found, ending = 0, [], []
-        for lv, h in enumerate(_block_hashes(tokens, limit), 1):
+        for lv, h in enumerate(block_hashes(tokens, limit), 1):
             keys = self._index.get(h)
             if not keys:
                 break
@@ -180,12 +191,12 @@ class PrefixCache:
         _, deepest, ending = self._walk(tokens, len(tokens), ends=True)
         for key in dict.fromkeys([*deepest, *ending, *self._short]):
             e = self._entries[key]
-            n = _common_prefix(e.tokens, arr)
+            n = common_prefix(e.tokens, arr)
             if n == len(e.tokens) and (trimmable or n == len(arr)):
                 self._drop(key)
         key = self._next_key
         self._next_key += 1
-        hashes = _block_hashes(arr)
+        hashes = block_hashes(arr)
         # Materialise the extracted cache without waiting for it: until then its lazy copy
         # would keep the whole batch's KV buffer referenced, and every later in-place update
         # of the batch would have to copy that buffer instead of writing into it.

@@ -26,6 +26,9 @@ CORE_FAMILIES = frozenset({
     "mlxd:spec_decode_num_verify_steps", "mlxd:spec_decode_num_draft_tokens",
     "mlxd:spec_decode_num_accepted_tokens", "mlxd:spec_decode_num_emitted_tokens",
     "mlxd:spec_decode_draft_acceptance_rate", "mlxd:spec_decode_tokens_per_step",
+    "mlxd:prefix_cache_disk_hits", "mlxd:prefix_cache_disk_misses",
+    "mlxd:prefix_cache_disk_bytes", "mlxd:prefix_cache_disk_read_bytes",
+    "mlxd:prefix_cache_disk_written_bytes", "mlxd:prefix_cache_disk_evictions",
 })
 
 
@@ -152,6 +155,28 @@ spec_decode_tokens_per_step = Gauge(
     "mlxd:spec_decode_tokens_per_step",
     "Tokens a sequence emits per verify step since the model loaded (1 = no gain).",
     ["model"], registry=REGISTRY)
+
+# -- the prefix cache's disk tier (engines/prefix_disk.py) ------------------------------------
+prefix_disk_hits = Counter(
+    "mlxd:prefix_cache_disk_hits",
+    "Requests whose prompt prefix was read from the prefix cache's disk tier.", ["model"],
+    registry=REGISTRY)
+prefix_disk_misses = Counter(
+    "mlxd:prefix_cache_disk_misses",
+    "Long prompts the memory tier could not serve and the disk tier had nothing for.",
+    ["model"], registry=REGISTRY)
+prefix_disk_bytes = Gauge("mlxd:prefix_cache_disk_bytes",
+                          "Bytes of KV cache files in the disk tier.", ["model"],
+                          registry=REGISTRY)
+prefix_disk_read = Counter("mlxd:prefix_cache_disk_read_bytes",
+                           "Bytes read back from the disk tier.", ["model"],
+                           registry=REGISTRY)
+prefix_disk_written = Counter("mlxd:prefix_cache_disk_written_bytes",
+                              "Bytes written to the disk tier.", ["model"], registry=REGISTRY)
+prefix_disk_evictions = Counter(
+    "mlxd:prefix_cache_disk_evictions",
+    "Disk-tier files deleted to stay within engine.prefix_cache_disk_bytes.", ["model"],
+    registry=REGISTRY)
 
 # -- the model cache ------------------------------------------------------------------------
 models_loaded = Gauge("mlxd:models_loaded", "Models loaded now.", ["kind"], registry=REGISTRY)

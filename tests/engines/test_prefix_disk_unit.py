@@ -1,0 +1,152 @@
+"""The prefix cache's disk tier: index rebuilt from headers, LRU bound, redundancy, and
+files that must never be loaded (another model or version, truncated, corrupt)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache
+
+from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint, read_header
+
+
+def kv(n: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
+    out = []
+    for i in range(layers):
+        c = KVCache()
+        c.keys = (mx.arange(n * 8, dtype=mx.float32).reshape(1, 2, n, 4) + seed + i) \
+            .astype(mx.bfloat16)
+        c.values = c.keys * 2
+        c.offset = n
+        out.append(c)
+    return out
+
+
+def tier(path, max_bytes=1 << 24, fp="fp-a", **kw) -> DiskPrefixCache:
+    return DiskPrefixCache(path, fp, max_bytes, kw.pop("min_tokens", 32), "m", **kw)
+
+
+def write(d: DiskPrefixCache, tokens: list[int], cache=None) -> None:
+    assert d.spill(tokens, cache or kv(len(tokens)))
+    d.flush(10)
+
+
+def files(d: DiskPrefixCache) -> list[str]:
+    return sorted(p.name for p in d.dir.iterdir())
+
+
+def test_round_trip_and_index_rebuilt_after_a_restart(tmp_path):
+    d = tier(tmp_path)
+    toks = list(range(100, 180))
+    write(d, toks)
+    assert len(files(d)) == 1 and d.bytes_written == d.nbytes > 0
+    d.close()
+    again = tier(tmp_path)  # a restart: the index comes from the file headers
+    assert again.stats()["entries"] == 1
+    entry, n = again.match(toks[:50] + [1, 2, 3])
+    assert n == 50
+    tokens, cache = again.load(entry).result(10)
+    assert list(tokens) == toks
+    assert cache[0].offset == 80 and mx.array_equal(cache[1].values, kv(80)[1].values)
+    assert cache[0].keys.dtype == mx.bfloat16
+    assert again.match(list(range(20)) + toks)[0] is None  # shares no prefix
+    assert again.match(toks[:20] + [0] * 40)[0] is None  # 20 < min_tokens
+    # the whole prompt cached: the last prompt token still runs
+    assert again.match(toks)[1] == 79
+    # mlx-lm reads the file as its own prompt-cache format
+    assert load_prompt_cache(str(again.dir / files(again)[0]))[0].offset == 80
+
+
+def test_rotating_caches_round_trip(tmp_path):
+    d = tier(tmp_path)
+    rc = []
+    for c in kv(40):
+        r = RotatingKVCache(max_size=64, keep=0)
+        r.update_and_fetch(c.keys, c.values)
+        rc.append(r)
+    write(d, list(range(40)), rc)
+    _, cache = d.load(d.match(list(range(40)) + [7])[0]).result(10)
+    assert type(cache[0]) is RotatingKVCache and cache[0].max_size == 64
+    assert mx.array_equal(cache[0].keys[..., :40, :], rc[0].keys[..., :40, :])
+
+
+def test_lru_bound_and_redundant_prefixes(tmp_path):
+    d = tier(tmp_path)
+    write(d, list(range(40)))
+    one = d.nbytes
+    write(d, list(range(60)))  # extends the first: the first goes
+    assert d.stats()["entries"] == 1
+    assert not d.spill(list(range(50)), kv(50))  # a prefix of what is on disk: no write
+    # the next turn of a chat re-tokenizes the end of the last answer: an entry that
+    # differs from a newer one only in its last few tokens goes too...
+    write(d, list(range(200, 260)) + [7, 7, 7])
+    write(d, list(range(200, 260)) + [8] * 40)
+    assert d.stats()["entries"] == 2 and d.match(list(range(200, 263)) + [1])[1] == 60
+    # ...but one that differs in more than a block stays (another conversation)
+    write(d, list(range(300, 340)) + [1] * 30)
+    write(d, list(range(300, 340)) + [2] * 30)
+    assert d.stats()["entries"] == 4
+    d.close()
+
+    d = tier(tmp_path / "b", max_bytes=int(3.5 * one))
+    seqs = [list(range(s, s + 40)) for s in (1000, 2000, 3000)]
+    for s in seqs:
+        write(d, s)
+        time.sleep(0.01)
+    first = d.match(seqs[0] + [5])[0]
+    d.load(first).result(10)  # touched: now the most recently used
+    write(d, list(range(4000, 4040)))
+    assert d.nbytes <= d.max_bytes and d.evictions == 1
+    assert d.match(seqs[1] + [5])[0] is None  # the least recently used went
+    assert d.match(seqs[0] + [5])[0] is not None
+    d.close()
+    # the access order survived the restart (mtime): the next eviction takes seqs[2]
+    d = tier(tmp_path / "b", max_bytes=int(3.5 * one))
+    write(d, list(range(5000, 5040)))
+    assert d.match(seqs[2] + [5])[0] is None and d.match(seqs[0] + [5])[0] is not None
+
+
+def test_files_that_must_not_load_are_removed(tmp_path):
+    d = tier(tmp_path)
+    names: list[str] = []
+    for s in (0, 100, 200, 300, 400):  # names[i]: the file of range(100 i, 100 i + 40)
+        write(d, list(range(s, s + 40)))
+        names += [n for n in files(d) if n not in names]
+    d.close()
+    path = [d.dir / n for n in names]
+    # another model: a file written under fingerprint b, put in a's folder in place of one
+    other = tier(tmp_path, fp="fp-b")
+    write(other, list(range(0, 40)))
+    os.replace(other.dir / files(other)[0], path[0])
+    path[1].write_bytes(path[1].read_bytes()[:-7])  # truncated
+    raw = bytearray(path[2].read_bytes())  # another mlxd version (same header length)
+    i = raw.index(b'"0.mlxd_version":"') + len(b'"0.mlxd_version":"')
+    raw[i] = ord("9")
+    path[2].write_bytes(bytes(raw))
+    raw = bytearray(path[3].read_bytes())  # flipped bytes in the array data
+    raw[-5] ^= 0xFF
+    path[3].write_bytes(bytes(raw))
+    (d.dir / "junk.safetensors").write_bytes(b"not a safetensors file")
+
+    d = tier(tmp_path)
+    # at start: the other model's, the truncated, the other version's and the junk file
+    assert d.removed_bad == 4
+    assert sorted(files(d)) == sorted([names[3], names[4]])
+    # the corrupt data passes the header check and is caught by the checksum on reading
+    entry, _ = d.match(list(range(300, 340)) + [1])
+    assert d.load(entry).result(10) is None
+    assert files(d) == [names[4]] and d.match(list(range(300, 340)) + [1])[0] is None
+    assert d.load(d.match(list(range(400, 440)) + [1])[0]).result(10) is not None
+    assert read_header(d.dir / names[4])["fingerprint"] == "fp-a"
+
+
+def test_fingerprint_follows_the_files_and_the_options(tmp_path):
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    fp = model_fingerprint(tmp_path, {"dtype": "bfloat16"})
+    assert fp == model_fingerprint(tmp_path, {"dtype": "bfloat16"})
+    assert fp != model_fingerprint(tmp_path, {"dtype": "float32"})
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * 64)
+    assert fp != model_fingerprint(tmp_path, {"dtype": "bfloat16"})
