@@ -108,8 +108,11 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path, tool_qwen2
             # at least the whole prompt of the first server's last turn came from disk
             assert usage.prompt_tokens_details.cached_tokens >= last_prompt
         d = _disk(second)
-        assert d["hits"] == 2 and 0 < d["bytes_read"] <= on_disk
-        assert _metric(second, "mlxd:prefix_cache_disk_hits_total") == 2
+        # one read between them (bytes read <= the one file); both count as disk hits when
+        # the second arrives while the read is in flight, else it finds the prefix already
+        # in memory (how the two arrive is up to the machine's load)
+        assert d["hits"] in (1, 2) and 0 < d["bytes_read"] <= on_disk
+        assert _metric(second, "mlxd:prefix_cache_disk_hits_total") == d["hits"]
         assert _metric(second, "mlxd:prefix_cache_disk_read_bytes_total") == d["bytes_read"]
         # greedy output is that of a server that prefilled everything
         _, cold_said, _ = _converse(cold, _turns(2))
