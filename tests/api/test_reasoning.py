@@ -69,10 +69,18 @@ def test_thinking_in_the_anthropic_and_ollama_dialects(think_server):
                                thinking={"type": "enabled", "budget_tokens": 1024})
     assert m.content[0].type == "thinking" and m.content[0].thinking.strip(), m.content
     assert "".join(b.text for b in m.content if b.type == "text") == ""
+    m = claude.messages.create(model=MODEL, messages=ASK, max_tokens=16,
+                               thinking={"type": "disabled"})
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text.strip(), m.content
 
-    r = httpx.post(think_server.url + "/api/chat", timeout=60, json={
-        "model": MODEL, "messages": ASK, "stream": False, "think": True,
-        "options": {"num_predict": 16, "temperature": 0}})
-    assert r.status_code == 200, r.text
-    msg = r.json()["message"]
+    def ollama(think: bool) -> dict:
+        r = httpx.post(think_server.url + "/api/chat", timeout=60, json={
+            "model": MODEL, "messages": ASK, "stream": False, "think": think,
+            "options": {"num_predict": 16, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        return r.json()["message"]
+
+    msg = ollama(True)
     assert msg["thinking"].strip() and msg["content"] == ""
+    msg = ollama(False)
+    assert "thinking" not in msg and msg["content"].strip()
