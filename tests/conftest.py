@@ -149,6 +149,18 @@ def tool_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_qwen3(tmp_path_factory) -> Path:
+    """A tiny Qwen3 whose template opens a thinking part (``<think>`` tokens in its
+    vocabulary): its replies come back as reasoning. As slow as long-llama, so that the
+    web UI's test sees the reasoning arrive in pieces; 2048 tokens."""
+    from fixtures.thinking_models import make_tiny_thinking_model
+
+    return make_tiny_thinking_model(tmp_path_factory.mktemp("m") / "thinking-qwen3",
+                                    hidden_size=256, num_layers=4,
+                                    max_position_embeddings=2048, seed=2)
+
+
+@pytest.fixture(scope="session")
 def plain_llama(tmp_path_factory) -> Path:
     """A tiny llama with a plain ChatML template (no tools in it), 2048 tokens."""
     return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "plain-llama", "llama",

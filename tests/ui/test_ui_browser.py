@@ -46,6 +46,7 @@ EMBED = "tiny-embed"
 RERANK = "tiny-ce"
 SLOW = "long-llama"
 TOOLS = "tool-qwen2"
+THINK = "thinking-qwen3"
 
 
 def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -81,7 +82,8 @@ def hub(tmp_path_factory) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, hub) -> Iterator[Served]:
+def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3, hub
+           ) -> Iterator[Served]:
     pytest.importorskip("mlx_vlm")
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
@@ -101,6 +103,8 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, hub) -> Iterato
     pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
     # a template that speaks tools (Qwen2.5's syntax)
     pull(ModelStore(models), str(tool_qwen2), ModelSettings(dir=models), as_name=TOOLS)
+    # a template that opens a thinking part (<think> in the vocabulary, as Qwen3-Thinking)
+    pull(ModelStore(models), str(thinking_qwen3), ModelSettings(dir=models), as_name=THINK)
     port = free_port()
     env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
                HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
@@ -292,6 +296,46 @@ def test_tool_calls_are_shown_apart_from_the_answer(page, served):
     assert "<tool_call>" not in page.inner_text("[data-testid=reply] .content")
     assert "tool_calls" in page.inner_text("[data-testid=reply-stats]")  # finish reason
     page.uncheck("input[name=tools-on]")
+
+
+def test_reasoning_streams_into_its_own_panel(page, served):
+    page.goto(served.url + "/#playground")
+    page.reload()  # a fresh playground: no earlier settings or snippet
+    page.select_option("select[name=model]", THINK)
+    page.fill("input[name=max_tokens]", "300")
+    page.fill("input[name=temperature]", "0")
+    # the reasoning and the answer, every time the page changes them
+    page.evaluate("""() => { window.__think = [];
+        new MutationObserver(() => {
+          const r = document.querySelector('[data-testid=reply] .reasoning');
+          const c = document.querySelector('[data-testid=reply] .content');
+          window.__think.push([performance.now(), r ? r.textContent : '',
+                               c ? c.textContent : '']); })
+        .observe(document.querySelector('[data-testid=messages]'),
+                 {subtree: true, childList: true, characterData: true}); }""")
+    page.fill("textarea[name=prompt]", "Why is the sky blue?")
+    page.press("textarea[name=prompt]", "Enter")
+    page.locator("[data-testid=reply-stats]").wait_for()
+    assert "+ 300 completion tokens" in page.inner_text("[data-testid=reply-stats]")
+    panel = page.locator("[data-testid=reply] [data-testid=reasoning]")
+    final = panel.locator(".reasoning").text_content()
+    # the model never closes its thinking part: all of the reply is reasoning, shown open
+    # in its panel, none of it in the answer, and no marker shown
+    assert final.strip() and panel.get_attribute("open") is not None
+    assert page.text_content("[data-testid=reply] .content") == ""
+    assert "<think>" not in final and "</think>" not in final
+    assert panel.locator("summary").inner_text() == "reasoning"
+    seen = page.evaluate("window.__think")
+    assert all(answer == "" for _, _, answer in seen), seen
+    seen = [(t, s) for t, s, _ in seen if s]
+    assert all(final.startswith(s) for _, s in seen)
+    # streamed: part of it was on the page well before all of it
+    first_part = next(t for t, s in seen if s != final)
+    all_of_it = next(t for t, s in seen if s == final)
+    assert all_of_it - first_part > 300, seen
+    assert len({s for _, s in seen}) >= 3, seen
+    shot(page, "reasoning")
+    assert page.errors == []
 
 
 def test_an_image_reaches_the_vision_model(page, served, tmp_path):

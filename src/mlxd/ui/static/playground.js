@@ -30,7 +30,7 @@ function readImage(file) {
 
 function Reply({ m }) {
   return html`<div class="msg assistant" data-testid="reply">
-    ${m.reasoning && html`<details open=${!m.content}><summary>reasoning</summary>${m.reasoning}</details>`}
+    ${m.reasoning && html`<details data-testid="reasoning" open=${!m.content}><summary>reasoning</summary><span class="reasoning">${m.reasoning}</span></details>`}
     <span class="content">${m.content}</span>
     ${m.tool_calls && m.tool_calls.length > 0 && html`<div data-testid="tool-calls">
       ${m.tool_calls.map((t) => html`<pre>tool call: ${t.function.name}(${t.function.arguments})</pre>`)}</div>`}
