@@ -69,10 +69,15 @@ def _pull(models_dir: Path, src: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def osrv(tmp_path_factory, tiny_llama):
-    base = tmp_path_factory.mktemp("omni")
+def omni_dir(tmp_path_factory) -> Path:
+    return make_tiny_gemma4_audio(tmp_path_factory.mktemp("omni") / OMNI)
+
+
+@pytest.fixture(scope="module")
+def osrv(tmp_path_factory, tiny_llama, omni_dir):
+    base = tmp_path_factory.mktemp("omnisrv")
     home = base / "home"
-    manifests = [_pull(home / "models", make_tiny_gemma4_audio(base / OMNI)),
+    manifests = [_pull(home / "models", omni_dir),
                  _pull(home / "models", make_tiny_qwen2_vl(base / VLM))]
     assert {m["name"]: m["kind"] for m in manifests} == {OMNI: "vision", VLM: "vision"}
     s = make_settings(home, tiny_llama, models={"preload": [OMNI], "max_vision_models": 2},
@@ -123,14 +128,45 @@ def test_input_audio_reaches_the_model_through_the_openai_client(oai):
     assert abs(mp3.usage.prompt_tokens - long.usage.prompt_tokens) <= 2  # encoder padding
 
 
+def _logprobs(r: dict) -> list[float]:
+    return [t["logprob"] for t in r["choices"][0]["logprobs"]["content"]]
+
+
 def test_concurrent_audio_requests_share_the_batch(osrv):
+    """Clips of different lengths decode in one batch, each as it does alone."""
     parts = [audio_part(clip(0.5 + 0.1 * i, seed=i)) for i in range(4)]
-    with httpx.Client(base_url=osrv.url, timeout=120) as c, ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(lambda p: c.post(CHAT, json=ask(p, max_tokens=16)), parts))
-    assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
-    assert all(r.json()["choices"][0]["message"]["content"] for r in rs)
-    sizes = [r.json()["usage"]["prompt_tokens"] for r in rs]
+    with httpx.Client(base_url=osrv.url, timeout=120) as c:
+        def post(part: dict) -> dict:
+            r = c.post(CHAT, json=ask(part, max_tokens=16, logprobs=True))
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        solo = [post(p) for p in parts]
+        with ThreadPoolExecutor(4) as pool:
+            batched = list(pool.map(post, parts))
+    sizes = [r["usage"]["prompt_tokens"] for r in batched]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
+    for a, b in zip(solo, batched, strict=True):
+        assert b["choices"][0]["message"]["content"]
+        assert b["usage"] == a["usage"]
+        assert _logprobs(b) == pytest.approx(_logprobs(a), abs=1e-3)
+    eng = next(m for m in osrv.health()["models"] if m["name"] == OMNI)
+    assert eng["max_batch_size_seen"] >= 2
+
+
+def test_sequential_mode_takes_audio_too(tmp_path, tiny_llama, omni_dir):
+    """vision.batching off: the one-at-a-time path gets the audio features as well."""
+    _pull(tmp_path / "models", omni_dir)
+    srv = LiveServer(make_settings(tmp_path, tiny_llama, vision={"batching": False})).start()
+    try:
+        with srv.client() as c:
+            rs = [c.post(CHAT, json=ask(audio_part(clip(s)), logprobs=True)) for s in (0.5, 1)]
+    finally:
+        srv.stop()
+    assert [r.status_code for r in rs] == [200, 200], [r.text for r in rs]
+    short, long = (r.json() for r in rs)
+    assert long["usage"]["prompt_tokens"] - short["usage"]["prompt_tokens"] == 12
+    assert all(r["choices"][0]["message"]["content"] for r in (short, long))
 
 
 def test_broken_audio_is_400_and_too_much_is_413(osrv):
