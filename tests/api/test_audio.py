@@ -293,7 +293,8 @@ def test_bad_parameters_and_wrong_models_are_400(asrv):
         _err(r, 400)
 
 
-def test_audio_parts_in_chat_are_a_clear_400(asrv):
+def test_audio_parts_to_a_text_model_are_a_clear_400(asrv):
+    """Omni models take them (tests/api/test_omni_audio.py); a text model says it cannot."""
     import base64
 
     part = {"type": "input_audio",
@@ -303,7 +304,8 @@ def test_audio_parts_in_chat_are_a_clear_400(asrv):
             "model": "tiny-llama", "max_tokens": 2,
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
     err = _err(r, 400)
-    assert "audio" in err["message"] and err["param"] == "messages[0].content"
+    assert "does not accept audio" in err["message"]
+    assert err["param"] == "messages[0].content"
 
 
 # -- speech ---------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
         images=body.images(),
+        audio=body.audio(),
     )
     _chat_extras(req, body)
     gens = await submit_n(request, req, body.n)

@@ -19,7 +19,7 @@ from mlxd.api.wire import (
     WireModel,
 )
 from mlxd.core.errors import InvalidRequest
-from mlxd.core.types import ImageInput, SamplingParams
+from mlxd.core.types import AudioInput, ImageInput, SamplingParams
 
 Stop = str | Annotated[list[str], Field(max_length=4)] | None
 TokenId = Annotated[int, Field(ge=0)]
@@ -117,6 +117,20 @@ def _image_source(part: ContentPart, param: str) -> str:
                          "http(s) URL)", param=param)
 
 
+def _audio_part(part: ContentPart, param: str) -> tuple[str, str | None]:
+    """``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}}``."""
+    if part.type != "input_audio":
+        raise InvalidRequest(f"audio content parts must be 'input_audio' with base64 data "
+                             f"(got '{part.type}')", param=param)
+    body = (part.model_extra or {}).get("input_audio")
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest("an input_audio part needs input_audio.data (base64 audio)",
+                             param=param)
+    fmt = body.get("format")
+    return data, fmt if isinstance(fmt, str) else None
+
+
 class ChatMessage(WireModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -157,12 +171,24 @@ class ChatCompletionRequest(SamplingFields):
                         out.append(ImageInput(_image_source(part, param), param))
         return out or None
 
+    def audio(self) -> list[AudioInput] | None:
+        """The audio clips of every message, in order, each named by its message part."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type in AUDIO_PART_TYPES:
+                        param = f"messages[{i}].content[{j}]"
+                        out.append(AudioInput(*_audio_part(part, param), param))
+        return out or None
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates expect them: text content as a plain string.
 
-        A message with images keeps a list of ``{"type": "text", "text"}`` and
-        ``{"type": "image"}`` parts in order (the images themselves: :meth:`images`); only
-        vision models accept those (the runtime answers 400 for the others).
+        A message with images or audio keeps a list of ``{"type": "text", "text"}``,
+        ``{"type": "image"}`` and ``{"type": "audio"}`` parts in order (the media
+        themselves: :meth:`images`, :meth:`audio`); only vision models accept images, and
+        only those with an audio tower audio (the runtime answers 400 for the others).
         """
         out = []
         for i, m in enumerate(self.messages):
@@ -176,11 +202,7 @@ class ChatCompletionRequest(SamplingFields):
                     elif part.type in IMAGE_PART_TYPES:
                         parts.append({"type": "image"})
                     elif part.type in AUDIO_PART_TYPES:
-                        raise InvalidRequest(
-                            f"audio content parts ('{part.type}') are not accepted in chat: no "
-                            "model this server serves takes audio in messages yet; transcribe "
-                            "it with POST /v1/audio/transcriptions and send the text",
-                            param=f"messages[{i}].content")
+                        parts.append({"type": "audio"})
                     else:
                         raise InvalidRequest(
                             f"unsupported content part type '{part.type}'",

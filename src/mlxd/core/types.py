@@ -62,6 +62,17 @@ class ImageInput:
     param: str
 
 
+@dataclass(frozen=True)
+class AudioInput:
+    """One audio clip a chat message carries (OpenAI's ``input_audio`` part), not yet
+    decoded: ``data`` is its base64, ``format`` what the caller says it is (wav, mp3...).
+    In ``GenerateRequest.messages`` it sits at its place as a ``{"type": "audio"}`` part."""
+
+    data: str
+    format: str | None
+    param: str
+
+
 @dataclass
 class GenerateRequest:
     """One sequence to generate. ``prompt`` is text; ``prompt_tokens`` wins when given.
@@ -87,6 +98,7 @@ class GenerateRequest:
     template_kwargs: dict | None = None  # extra chat-template variables (enable_thinking...)
     user: str | None = None  # the caller's end-user id, logged
     images: list[ImageInput] | None = None  # only vision models accept them
+    audio: list[AudioInput] | None = None  # only vision models with an audio tower
 
 
 @dataclass

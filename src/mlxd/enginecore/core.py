@@ -299,7 +299,9 @@ class EngineCore:
 
     def _vision_prompt(self, engine: Any, m: p.Add) -> Any:
         """Decode and process a vision request's images (in a thread, off the loop)."""
-        from mlxd.engines.vlm import LoadedImage
+        import numpy as np
+
+        from mlxd.engines.vlm import LoadedAudio, LoadedImage
         from mlxd.runtime.images import decode_image
 
         v = m.vision
@@ -316,9 +318,11 @@ class EngineCore:
             from mlxd.observability import metrics
 
             metrics.vision_images_total.labels(engine.name).inc(len(images))
+        audio = [LoadedAudio(np.frombuffer(data, dtype="<f4"), param)
+                 for data, param in zip(v.audio, v.audio_params, strict=True)]
         return engine.encode_vision(messages=v.messages, prompt=v.prompt,
                                     prompt_tokens=v.prompt_tokens, images=images,
-                                    template_kwargs=v.template_kwargs)
+                                    template_kwargs=v.template_kwargs, audio=audio)
 
     def finished(self, rids: list[str]) -> None:
         """On the loop: these requests' last output went out; release their leases."""

@@ -55,7 +55,9 @@ def sampling_from_wire(s: Sampling) -> Any:
 
 class VisionInput(msgspec.Struct, array_like=True, gc=False):
     """A vision request as the core's vision adapter templates and processes it: the
-    messages (images as ``{"type": "image"}`` parts) and the images' raw bytes in order."""
+    messages (images as ``{"type": "image"}`` parts, audio as ``{"type": "audio"}``), the
+    images' raw bytes in order, and the audio clips the front end decoded: mono float32
+    samples (little-endian bytes) at the model's ``sample_rate``."""
 
     messages: list[dict] | None
     prompt: str | None
@@ -63,6 +65,8 @@ class VisionInput(msgspec.Struct, array_like=True, gc=False):
     images: list[bytes]
     image_params: list[str]
     template_kwargs: dict | None = None
+    audio: list[bytes] = msgspec.field(default_factory=list)
+    audio_params: list[str] = msgspec.field(default_factory=list)
 
 
 class Add(msgspec.Struct, tag="add", array_like=True, gc=False):

@@ -58,12 +58,25 @@ class VisionPrompt(list):
         self.digests = digests or []
 
 
+# What mlx-vlm processors return for audio (Gemma 4: log-mel features and their mask).
+AUDIO_INPUTS = ("input_features", "input_features_mask")
+
+
 @dataclass
 class LoadedImage:
     """A decoded image (PIL, RGB) and the sha256 of the bytes it came from."""
 
     image: Any
     digest: str
+    param: str = ""
+
+
+@dataclass
+class LoadedAudio:
+    """An ``input_audio`` clip as the front end decoded it: mono float32 samples at the
+    engine's ``sample_rate`` (numpy), and the message part it came from, for errors."""
+
+    samples: Any
     param: str = ""
 
 
@@ -251,37 +264,58 @@ class VisionEngine(DecodeEngine):
         )
 
     # -- thread-safe request preparation ---------------------------------------------------
+    @property
+    def sample_rate(self) -> int:
+        """The rate audio parts must be decoded to; 0 when the model takes no audio (no
+        audio tower, or a processor without a feature extractor)."""
+        fe = getattr(self.processor, "feature_extractor", None)
+        if fe is None or getattr(self.model, "audio_tower", None) is None:
+            return 0
+        return int(getattr(fe, "sampling_rate", 0) or 0)
+
     def encode_vision(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                        prompt_tokens: list[int] | None = None,
                        images: list[LoadedImage] | None = None,
-                       template_kwargs: dict | None = None) -> VisionPrompt:
+                       template_kwargs: dict | None = None,
+                       audio: list[LoadedAudio] | None = None) -> VisionPrompt:
         """Template, image-process and tokenize one request (any thread but the worker's)."""
         images = images or []
+        audio = audio or []
+        if audio and not self.sample_rate:
+            raise InvalidRequest(f"model '{self.name}' does not accept audio (it has no audio "
+                                 "encoder)", param=audio[0].param)
+        if len(audio) > 1 and not getattr(self.processor, "supports_multiple_audio", False):
+            raise InvalidRequest(f"model '{self.name}' takes one audio clip per request",
+                                 param=audio[1].param)
         if prompt_tokens is not None:
-            if images:
-                raise InvalidRequest("a token-id prompt cannot carry images", param="prompt")
+            if images or audio:
+                raise InvalidRequest("a token-id prompt cannot carry images or audio",
+                                     param="prompt")
             bad = [t for t in prompt_tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"token ids out of range: {bad[:5]}", param="prompt")
             return VisionPrompt(list(prompt_tokens))
         with self._prep_lock:
             if messages is not None:
-                text = self._template(messages, len(images), template_kwargs or {})
+                text = self._template(messages, len(images), len(audio),
+                                      template_kwargs or {})
             else:
                 text = prompt or ""
-            inputs = self._process(text, images)
+            inputs = self._process(text, images, audio)
         ids_arr = inputs.pop("input_ids")
         ids = ids_arr.reshape(-1).tolist() if hasattr(ids_arr, "reshape") else list(ids_arr[0])
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return VisionPrompt(ids, inputs, [im.digest for im in images])
 
-    def _template(self, messages: list[dict], n_images: int, template_kwargs: dict) -> str:
+    def _template(self, messages: list[dict], n_images: int, n_audio: int,
+                  template_kwargs: dict) -> str:
         from mlx_vlm.prompt_utils import apply_chat_template
 
         try:
             out = apply_chat_template(self.processor, self.model.config, messages,
-                                      num_images=n_images, **template_kwargs)
+                                      num_images=n_images, num_audios=n_audio,
+                                      **template_kwargs)
         except Exception as exc:  # jinja2 TemplateError, KeyError on odd messages...
             raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
         if not isinstance(out, str):  # some families return the last message (PaliGemma)
@@ -289,7 +323,8 @@ class VisionEngine(DecodeEngine):
             out = content if isinstance(content, str) else str(content)
         return out
 
-    def _process(self, text: str, images: list[LoadedImage]) -> dict:
+    def _process(self, text: str, images: list[LoadedImage], audio: list[LoadedAudio]
+                 ) -> dict:
         from mlx_vlm.utils import prepare_inputs
 
         chat_template = getattr(self.processor, "chat_template", None)
@@ -299,12 +334,14 @@ class VisionEngine(DecodeEngine):
             return dict(prepare_inputs(
                 self.processor,
                 images=[im.image for im in images] or None,
+                audio=[a.samples for a in audio] or None,
                 prompts=text,
                 image_token_index=getattr(self.model.config, "image_token_index", None),
                 add_special_tokens=add_special,
             ))
         except Exception as exc:  # noqa: BLE001 - the processor rejected these inputs
-            where = images[0].param if len(images) == 1 else "messages"
+            media = [*images, *audio]
+            where = media[0].param if len(media) == 1 else "messages"
             raise InvalidRequest(f"the model's processor could not prepare the input: {exc}",
                                  param=where) from exc
 
@@ -440,6 +477,10 @@ class VisionEngine(DecodeEngine):
             data["cached_image_features"] = feats
         emb = self.model.get_input_embeddings(input_ids, pixel_values, mask=mask, **data)
         data.pop("cached_image_features", None)
+        # The audio is in the embeddings now; its features (one length per clip) would
+        # only stop rows of different lengths from sharing a batch.
+        for key in AUDIO_INPUTS:
+            data.pop(key, None)
         kwargs = {**data, **{k: v for k, v in emb.to_dict().items() if v is not None}}
         mx.eval([v for v in kwargs.values() if isinstance(v, mx.array)])
         prompt.inputs = {}  # the pixels are in the embeddings now

@@ -5,12 +5,14 @@ model's context. Pure functions of the settings, the model's facts and the reque
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from dataclasses import replace
 from typing import Any
 
 from mlxd.config import Settings
-from mlxd.core.errors import ContextLengthExceeded, InvalidRequest
-from mlxd.core.types import GenerateRequest, SamplingParams
+from mlxd.core.errors import ContextLengthExceeded, InvalidRequest, PayloadTooLarge
+from mlxd.core.types import AudioInput, GenerateRequest, SamplingParams
 from mlxd.enginecore import protocol as p
 
 
@@ -32,15 +34,18 @@ def check_limits(settings: Settings, req: GenerateRequest) -> None:
 
 def check_images(settings: Settings, name: str, kind: str | None, req: GenerateRequest
                  ) -> None:
-    """400 for too many images, or images to a model known not to take them (no load)."""
+    """400 for too many images, or images or audio to a model known not to take them
+    (no load)."""
     images = req.images or []
     limit = settings.vision.max_images_per_request
     if len(images) > limit:
         raise InvalidRequest(f"{len(images)} images, more than this server accepts in "
                              f"one request ({limit})", param=_field(images[limit].param))
     if kind is not None and kind != "vision":
-        raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
-                             "model)", param=_field(images[0].param))
+        media = images or req.audio or []
+        what = "images" if images else "audio"
+        raise InvalidRequest(f"model '{name}' does not accept {what} (it is not a vision "
+                             "model)", param=_field(media[0].param))
 
 
 def check_text_only_features(name: str, req: GenerateRequest) -> None:
@@ -52,20 +57,49 @@ def check_text_only_features(name: str, req: GenerateRequest) -> None:
         raise InvalidRequest(f"model '{name}' does not support tools yet", param="tools")
 
 
-async def vision_input(settings: Settings, name: str, kind: str, req: GenerateRequest
-                       ) -> p.VisionInput:
+async def vision_input(settings: Settings, name: str, kind: str, req: GenerateRequest,
+                       sample_rate: int = 0) -> p.VisionInput:
+    """Images fetched to bytes and audio decoded to samples at the model's ``sample_rate``
+    (0: the model takes no audio), so the core gets media it only has to process."""
     if kind != "vision":
-        raise InvalidRequest(f"model '{name}' does not accept images (it is not a vision "
-                             "model)", param=_field((req.images or [])[0].param))
+        media = req.images or req.audio or []
+        what = "images" if req.images else "audio"
+        raise InvalidRequest(f"model '{name}' does not accept {what} (it is not a vision "
+                             "model)", param=_field(media[0].param))
     from mlxd.runtime.images import image_bytes
 
     vs = settings.vision
     refs = req.images or []
     data = [await asyncio.to_thread(image_bytes, ref, vs) for ref in refs]
+    clips = req.audio or []
+    if clips and sample_rate <= 0:
+        raise InvalidRequest(f"model '{name}' does not accept audio (it has no audio "
+                             "encoder)", param=_field(clips[0].param))
+    audio = [await asyncio.to_thread(audio_samples, settings, clip, sample_rate)
+             for clip in clips]
     return p.VisionInput(messages=req.messages, prompt=req.prompt,
                          prompt_tokens=req.prompt_tokens, images=data,
                          image_params=[r.param for r in refs],
-                         template_kwargs=req.template_kwargs)
+                         template_kwargs=req.template_kwargs,
+                         audio=audio, audio_params=[c.param for c in clips])
+
+
+def audio_samples(settings: Settings, clip: AudioInput, rate: int) -> bytes:
+    """One ``input_audio`` clip as mono float32 samples at ``rate`` (little-endian bytes):
+    413 past audio.max_upload_bytes or audio.max_duration_s, 400 for bad base64 or audio."""
+    from mlxd.frontend.audio import decode_audio
+
+    limit = settings.audio.max_upload_bytes
+    if len(clip.data) // 4 * 3 > limit:
+        raise PayloadTooLarge(f"the audio is larger than this server accepts ({limit} bytes; "
+                              "audio.max_upload_bytes)", param=clip.param)
+    try:
+        raw = base64.b64decode(clip.data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequest("input_audio.data is not valid base64", param=clip.param) from exc
+    samples = decode_audio(raw, rate, max_seconds=settings.audio.max_duration_s,
+                           param=clip.param)
+    return samples.astype("<f4", copy=False).tobytes()
 
 
 def tokenize_and_prepare(proc: Any, req: GenerateRequest) -> tuple[list[int], Any]:

@@ -255,7 +255,7 @@ class Runtime:
         prompts.check_limits(self.settings, req)
         name = self.catalog.resolve(req.model)
         note(model=name)
-        if req.images:
+        if req.images or req.audio:
             prompts.check_images(self.settings, name, self._known_kind(name), req)
         if req.user:
             note(user=req.user)
@@ -281,8 +281,9 @@ class Runtime:
             prompts.check_text_only_features(name, req)
         proc = await self.processor(info)
         vision = None
-        if kind == "vision" or req.images:
-            vision = await prompts.vision_input(self.settings, name, kind, req)
+        if kind == "vision" or req.images or req.audio:
+            vision = await prompts.vision_input(self.settings, name, kind, req,
+                                                info.get("sample_rate") or 0)
             tokens: list[int] = list(req.prompt_tokens or [])
             plan = None
             params = prompts.fit_to_context(self.settings, info, req, 0)
