@@ -87,7 +87,7 @@ def read_sentence_transformers(path: Path, *, decoder: bool) -> SentenceTransfor
                                      dense, bool(modules))
 
 
-def _dtype_for(setting: str) -> Any:
+def encoder_dtype(setting: str) -> Any:
     if setting == "float32" or (setting == "auto" and wants_float32()):
         return mx.float32
     if setting in ("float16", "bfloat16"):
@@ -160,7 +160,7 @@ class EmbeddingEngine(BatchingEncoder):
         self.decoder = mt not in bert.SUPPORTED_TYPES
         st = read_sentence_transformers(self.path, decoder=self.decoder)
         self.st = st
-        dt = _dtype_for(dtype)
+        dt = encoder_dtype(dtype)
         try:
             if self.decoder:
                 self.model = load_decoder(self.path, dt)

@@ -33,7 +33,7 @@ import numpy as np
 from mlxd.core.errors import InvalidRequest, ModelLoadError
 from mlxd.engines import bert
 from mlxd.engines.batching import BatchPolicy, EncodeItem
-from mlxd.engines.embed import _dtype_for
+from mlxd.engines.embed import encoder_dtype
 from mlxd.engines.encoder import BatchingEncoder, TextTokenizer, read_json, too_long
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class CrossEncoderEngine(BatchingEncoder):
         self.config = cfg
         try:
             self.model = bert.load_encoder(self.path, cfg, with_head=True,
-                                           dtype=_dtype_for(dtype))
+                                           dtype=encoder_dtype(dtype))
         except Exception as exc:  # noqa: BLE001 - one clear load error
             raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}"
                                  ) from exc
@@ -177,7 +177,7 @@ class LLMRerankEngine(BatchingEncoder):
         except Exception as exc:  # noqa: BLE001 - one clear load error
             raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}"
                                  ) from exc
-        dt = _dtype_for(dtype)
+        dt = encoder_dtype(dtype)
         if dt is not None and "quantization" not in config:
             model.apply(lambda x: x.astype(dt) if mx.issubdtype(x.dtype, mx.floating) else x)
         mx.eval(model.parameters())
