@@ -10,6 +10,7 @@ and errors, never words.
 from __future__ import annotations
 
 import io
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -252,6 +253,16 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
     assert err["param"] == "file"
     # the server still works
     assert _post(asrv, good).status_code == 200
+
+
+def test_a_server_without_the_audio_extra_says_501_not_400(asrv, monkeypatch):
+    """No PyAV on the server is the operator's to fix: 501 naming the extra, not a 400
+    blaming the caller's file."""
+    monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
+    err = _err(_post(asrv, wav(1.0)), 501)
+    assert err["code"] == "not_installed" and "mlxd[audio]" in err["message"]
+    monkeypatch.undo()
+    assert _post(asrv, wav(1.0)).status_code == 200
 
 
 def test_oversize_upload_and_overlong_audio_are_413(asrv):

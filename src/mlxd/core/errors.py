@@ -45,6 +45,15 @@ class Unavailable(MlxdError):
     type = "server_error"
 
 
+class NotInstalled(MlxdError):
+    """The request is fine, but this server lacks the optional part that serves it (an
+    extra such as ``mlxd[audio]``): the operator's to fix, not the caller's."""
+
+    status = 501
+    code = "not_installed"
+    type = "server_error"
+
+
 class ModelLoadError(MlxdError):
     status = 500
     code = "model_load_failed"

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxd.core.errors import InvalidRequest, PayloadTooLarge
+from mlxd.core.errors import InvalidRequest, NotInstalled, PayloadTooLarge
 
 # response_format -> (container, codec, sample rate or None for the model's)
 SPEECH_FORMATS: dict[str, tuple[str, str, int | None]] = {
@@ -36,8 +36,8 @@ def _av() -> Any:
     try:
         import av
     except ImportError as exc:  # pragma: no cover - the audio extra is missing
-        raise InvalidRequest("audio needs the audio extra on this server "
-                             "(pip install 'mlxd[audio]')") from exc
+        raise NotInstalled("audio needs the audio extra on this server "
+                           "(pip install 'mlxd[audio]')") from exc
     return av
 
 
