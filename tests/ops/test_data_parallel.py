@@ -22,7 +22,8 @@ def dp(tmp_path_factory, tiny_llama, tiny_qwen2):
     home = tmp_path_factory.mktemp("dp")
     install_into_store(home / "models", "spare", tiny_qwen2)
     srv = LiveServer(make_settings(home, tiny_llama, engine={
-        "devices": "cpu:2", "prefix_cache_min_tokens": 32})).start()
+        "devices": "cpu:2", "prefix_cache_min_tokens": 32,
+        "prefix_cache_disk_min_tokens": 32})).start()
     yield srv
     srv.stop()
 
@@ -109,6 +110,11 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(dp):
         assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
         first_cores.append(core)
     assert set(first_cores) == {0, 1}  # new conversations still spread over the cores
+    # each core keeps its prefix cache's disk tier in a folder of its own (two processes
+    # must not bound and evict one folder's files each on its own count)
+    root = dp.settings.engine.prefix_cache_dir
+    assert _wait(lambda: all(any((root / d).rglob("*.safetensors")) for d in ("cpu-0", "cpu-1")))
+    assert not any(root.glob("*/*.safetensors"))  # nothing in a shared fingerprint folder
 
 
 def _holders(srv, model: str) -> list[int]:

@@ -19,6 +19,7 @@ Parsing needs no MLX; how many GPUs there are is asked by the caller (``gpus``),
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,14 @@ def check(spec: str | None) -> str | None:
     if len(set(indices)) != len(indices):
         raise ValueError(f"'{spec}': a GPU is named twice (one engine core per device)")
     return ",".join(str(i) for i in indices)
+
+
+def core_folder_tag() -> str:
+    """This engine core's device as a folder name ("gpu-1", "cpu-0"), or "" for the one
+    core on the default device. Several cores keep their own on-disk state (the prefix
+    cache's disk tier) in folders of their own: each bounds, indexes and evicts its files
+    alone, which two processes sharing one folder could not do safely."""
+    return os.environ.get(DEVICE_ENV, "").replace(":", "-")
 
 
 def resolve(spec: str | None, gpus: Callable[[], int],

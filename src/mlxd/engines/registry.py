@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings, resolve_kv_quant_scheme
+from mlxd.core.devices import core_folder_tag
 from mlxd.core.errors import ModelLoadError
 
 
@@ -60,7 +61,8 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
             prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
             prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
-            prefix_cache_dir=e.prefix_cache_dir or settings.home / "prefix-cache",
+            prefix_cache_dir=(e.prefix_cache_dir or settings.home / "prefix-cache")
+            / core_folder_tag(),  # one folder per engine core when there are several
             adapter_path=opts["adapter_path"],
             max_kv_size=opts["max_kv_size"],
             speculative=e.speculative,
