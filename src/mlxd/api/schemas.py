@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
@@ -160,26 +161,24 @@ class ChatCompletionRequest(SamplingFields):
             top_logprobs=self.top_logprobs or 0,
         )
 
-    def images(self) -> list[ImageInput] | None:
-        """The images of every message, in order, each named by its message part."""
-        out = []
+    def _parts(self, types: Any) -> Iterator[tuple[Any, str]]:
+        """Every message's content parts of ``types``, in order, each with its name."""
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
-                    if part.type in IMAGE_PART_TYPES:
-                        param = f"messages[{i}].content[{j}]"
-                        out.append(ImageInput(_image_source(part, param), param))
+                    if part.type in types:
+                        yield part, f"messages[{i}].content[{j}]"
+
+    def images(self) -> list[ImageInput] | None:
+        """The images of every message, in order, each named by its message part."""
+        out = [ImageInput(_image_source(part, param), param)
+               for part, param in self._parts(IMAGE_PART_TYPES)]
         return out or None
 
     def audio(self) -> list[AudioInput] | None:
         """The audio clips of every message, in order, each named by its message part."""
-        out = []
-        for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                for j, part in enumerate(m.content):
-                    if part.type in AUDIO_PART_TYPES:
-                        param = f"messages[{i}].content[{j}]"
-                        out.append(AudioInput(*_audio_part(part, param), param))
+        out = [AudioInput(*_audio_part(part, param), param)
+               for part, param in self._parts(AUDIO_PART_TYPES)]
         return out or None
 
     def template_messages(self) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,18 @@ def _view(cache: list[Any], length: int) -> list[Any]:
                 d.trim(extra)
             out.append(d)
     return out
+
+
+def unindex(index: dict[Any, list[Any]], hashes: Iterable[Any], key: Any) -> None:
+    """Take ``key`` out of a block-hash index under each of its ``hashes`` (a hash left
+    with no entry goes too). Shared by the memory tier and the disk tier."""
+    for h in hashes:
+        keys = index.get(h)
+        if keys is not None:
+            if key in keys:
+                keys.remove(key)
+            if not keys:
+                del index[h]
 
 
 class PrefixCache:
@@ -214,13 +227,7 @@ class PrefixCache:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
         self._short.discard(key)
-        for h in e.hashes:
-            keys = self._index.get(h)
-            if keys is not None:
-                if key in keys:
-                    keys.remove(key)
-                if not keys:
-                    del self._index[h]
+        unindex(self._index, e.hashes, key)
 
     def clear(self) -> None:
         self._entries.clear()

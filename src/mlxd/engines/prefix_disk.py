@@ -51,7 +51,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, save_prompt_cache
 
 from mlxd import __version__
-from mlxd.engines.prefix_cache import BLOCK, block_hashes, common_prefix
+from mlxd.engines.prefix_cache import BLOCK, block_hashes, common_prefix, unindex
 from mlxd.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -245,13 +245,7 @@ class DiskPrefixCache:
         if e is None:
             return None
         self.nbytes -= e.nbytes
-        for h in e.hashes:
-            keys = self._index.get(h)
-            if keys is not None:
-                if key in keys:
-                    keys.remove(key)
-                if not keys:
-                    del self._index[h]
+        unindex(self._index, e.hashes, key)
         return e
 
     def _delete(self, key: str) -> None:
