@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+import mlxd_proc
 
 TOPICS = ["the ocean", "mountains", "old libraries", "trains", "gardens", "the moon",
           "bread baking", "rivers", "winter", "jazz music"]
@@ -41,33 +40,9 @@ FILLER = ("Please answer carefully and stay on topic; I am taking notes for a sc
           "and want clear, simple sentences that a ten year old could follow. ")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(home: str, model: str, cache_bytes: int | None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1"}
-    if cache_bytes is not None:
-        env["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = str(cache_bytes)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--port", str(port),
-                             "--model", model, "--log-level", "warning"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-2000:])
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    env = {} if cache_bytes is None else {"MLXD_ENGINE__PREFIX_CACHE_BYTES": str(cache_bytes)}
+    return mlxd_proc.start(home, model, env, timeout=300)
 
 
 def turn(client: httpx.Client, url: str, model: str, messages: list[dict],
@@ -131,8 +106,7 @@ def main() -> None:
             results[label] = [conversation(url, args.model, t, args.turns, args.max_tokens)
                               for t in topics]
         finally:
-            proc.terminate()
-            proc.wait(60)
+            mlxd_proc.stop(proc, 60)
     print(f"model {args.model}, {args.conversations} conversations x {args.turns} turns, "
           f"{args.max_tokens} tokens per answer, greedy; medians")
     print("| turn | prompt tokens | cached (on) | TTFT cache on (s) | TTFT cache off (s) "

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
+import mlxd_proc
 
 TOOLS = ["read_file", "write_file", "list_directory", "search_code", "run_tests",
          "run_shell", "git_diff", "git_commit", "open_issue", "comment_on_issue",
@@ -65,42 +65,9 @@ def system_prompt() -> str:
     return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(home: str, model: str, disk_bytes: int | None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1"}
-    if disk_bytes is not None:
-        env["MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES"] = str(disk_bytes)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--port", str(port),
-                             "--model", model, "--log-level", "warning"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-2000:])
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("server did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+    env = {} if disk_bytes is None else {"MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES": str(disk_bytes)}
+    return mlxd_proc.start(home, model, env)
 
 
 def turn(client: httpx.Client, url: str, model: str, messages: list[dict],
@@ -211,7 +178,7 @@ def main() -> None:
         shutil.copytree(folder, Path(home) / "prefix-cache-snapshot")
         warm = last_turn(url, name, convs, args.max_tokens, warm_up=False)
     finally:
-        stop(proc)
+        mlxd_proc.stop(proc)
     shutil.rmtree(folder)
     (Path(home) / "prefix-cache-snapshot").rename(folder)
     files = sorted(folder.glob("*/*.safetensors"))
@@ -222,13 +189,13 @@ def main() -> None:
         disk = last_turn(url, name, convs, args.max_tokens)
         disk_after = disk_stats(url)
     finally:
-        stop(proc)
+        mlxd_proc.stop(proc)
     os.environ["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = "0"
     proc, url = start(home, model, None)
     try:
         cold = last_turn(url, name, convs, args.max_tokens)
     finally:
-        stop(proc)
+        mlxd_proc.stop(proc)
         del os.environ["MLXD_ENGINE__PREFIX_CACHE_BYTES"]
 
     med = {k: statistics.median(r["ttft"] for r in rows)

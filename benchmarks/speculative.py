@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import mlxd_proc
 
 TEXTS = [
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. "
@@ -62,38 +62,15 @@ ASKS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
           max_batch: int | None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1",
-           "MLXD_MODELS__DTYPE": dtype, "MLXD_ENGINE__SPECULATIVE": mode,
+    env = {"MLXD_MODELS__DTYPE": dtype, "MLXD_ENGINE__SPECULATIVE": mode,
            "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0"}  # every request prefills: same work
     if draft and mode == "draft":
         env["MLXD_ENGINE__DRAFT_MODEL"] = draft
     if max_batch is not None:
         env["MLXD_ENGINE__SPECULATIVE_MAX_BATCH"] = str(max_batch)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--port", str(port),
-                             "--model", model, "--log-level", "warning"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-2000:])
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError("server did not start")
+    return mlxd_proc.start(home, model, env)
 
 
 def one(url: str, prompt: str, max_tokens: int) -> dict:
@@ -192,8 +169,7 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                 for m, (_, url) in servers.items()]
     finally:
         for proc, _ in servers.values():
-            proc.terminate()
-            proc.wait(30)
+            mlxd_proc.stop(proc, 30)
 
 
 def main() -> None:
