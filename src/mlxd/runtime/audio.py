@@ -9,6 +9,8 @@ and memory budget treat them as they treat every other model.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -31,51 +33,49 @@ class AudioService:
                                  param="model")
         return name
 
+    @contextlib.asynccontextmanager
+    async def _leased(self, model: str | None, default: str | None, keep_alive: Any,
+                      kind: str, needs: str) -> AsyncIterator[tuple[Any, Any]]:
+        """Admission, then a lease on the model for the request (``needs``: what the
+        request needs when the model is of another kind)."""
+        name = self._name(model, default)
+        async with self.encoders.admitted():
+            lease = await self.rt.models.acquire(name, keep_alive)
+            try:
+                entry = lease.entry
+                note(model=entry.name)
+                if entry.kind != kind:
+                    raise InvalidRequest(f"model '{entry.name}' is a {entry.kind} model; "
+                                         f"{needs}", param="model")
+                yield entry, lease.engine
+            finally:
+                lease.release()
+
     async def transcribe(self, model: str | None, audio: bytes, task: str = "transcribe",
                          language: str | None = None, prompt: str | None = None,
                          temperature: float = 0.0, words: bool = False,
                          keep_alive: Any = None) -> dict[str, Any]:
         from mlxd.engines.stt import WindowOptions, windows
 
-        name = self._name(model, self.rt.settings.audio.default_stt)
         samples = np.frombuffer(audio, dtype=np.float32)
-        async with self.encoders.admitted():
-            lease = await self.rt.models.acquire(name, keep_alive)
-            try:
-                entry, engine = lease.entry, lease.engine
-                note(model=entry.name)
-                if entry.kind != "stt":
-                    raise InvalidRequest(
-                        f"model '{entry.name}' is a {entry.kind} model; transcription needs a "
-                        "speech-to-text (Whisper) model", param="model")
-                opts = WindowOptions(task=task, language=language or None,
-                                     prompt=prompt or None, temperature=float(temperature),
-                                     words=bool(words))
-                engine.check_options(opts)
-                pieces = windows(samples)
-                results = await self.encoders.run_job(engine,
-                                                      engine.new_windows_job(pieces, opts))
-                return {"model": entry.name, "duration": samples.size / engine.sample_rate,
-                        "window_seconds": engine.window_seconds, "windows": results}
-            finally:
-                lease.release()
+        async with self._leased(model, self.rt.settings.audio.default_stt, keep_alive, "stt",
+                                "transcription needs a speech-to-text (Whisper) model"
+                                ) as (entry, engine):
+            opts = WindowOptions(task=task, language=language or None,
+                                 prompt=prompt or None, temperature=float(temperature),
+                                 words=bool(words))
+            engine.check_options(opts)
+            results = await self.encoders.run_job(
+                engine, engine.new_windows_job(windows(samples), opts))
+            return {"model": entry.name, "duration": samples.size / engine.sample_rate,
+                    "window_seconds": engine.window_seconds, "windows": results}
 
     async def speak(self, model: str | None, text: str, voice: str | None = None,
                     speed: float = 1.0, keep_alive: Any = None) -> dict[str, Any]:
-        name = self._name(model, self.rt.settings.audio.default_tts)
-        async with self.encoders.admitted():
-            lease = await self.rt.models.acquire(name, keep_alive)
-            try:
-                entry, engine = lease.entry, lease.engine
-                note(model=entry.name)
-                if entry.kind != "tts":
-                    raise InvalidRequest(
-                        f"model '{entry.name}' is a {entry.kind} model; speech needs a "
-                        "text-to-speech model", param="model")
-                out = await self.encoders.run_job(engine,
-                                                  engine.new_speech_job([text], voice, speed))
-                audio = np.ascontiguousarray(out[0], dtype=np.float32)
-                return {"model": entry.name, "audio": audio.tobytes(),
-                        "sample_rate": engine.sample_rate, "speed_applied": engine.native_speed}
-            finally:
-                lease.release()
+        async with self._leased(model, self.rt.settings.audio.default_tts, keep_alive, "tts",
+                                "speech needs a text-to-speech model") as (entry, engine):
+            out = await self.encoders.run_job(engine,
+                                              engine.new_speech_job([text], voice, speed))
+            audio = np.ascontiguousarray(out[0], dtype=np.float32)
+            return {"model": entry.name, "audio": audio.tobytes(),
+                    "sample_rate": engine.sample_rate, "speed_applied": engine.native_speed}
