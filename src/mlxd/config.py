@@ -922,7 +922,7 @@ def load_settings(
     if explicit and not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     data = read_yaml(path) if path.is_file() else {}
-    clean = _drop_none(overrides or {})
+    clean = drop_none(overrides or {})
     _yaml_data = data
     try:
         # Validate the file alone first, so errors name the file rather than "settings".
@@ -938,11 +938,12 @@ def load_settings(
         _yaml_data = {}
 
 
-def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+def drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    """Flags the user did not give are None: drop them (and sections left empty)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            sub = _drop_none(v)
+            sub = drop_none(v)
             if sub:
                 out[k] = sub
         elif v is not None:

@@ -72,19 +72,6 @@ def settings_for(config: Path | None, overrides: dict | None = None) -> Settings
     return load_settings(config, overrides)
 
 
-def drop_none(d: dict[str, Any]) -> dict[str, Any]:
-    """Flags the user did not give are None: drop them (and sections left empty)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            sub = drop_none(v)
-            if sub:
-                out[k] = sub
-        elif v is not None:
-            out[k] = v
-    return out
-
-
 def client_headers(settings: Settings) -> dict[str, str]:
     """An API key for CLI commands that call the server (``mlxd ps``): ``MLXD_API_KEY``,
     else the first key the configuration gives the server itself."""

@@ -17,7 +17,8 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors, drop_none
+from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors
+from mlxd.config import drop_none
 
 SECRET_FIELDS = {("security", "api_keys")}
 
