@@ -25,6 +25,17 @@ blas.preload(os.environ.get("MLXD_BLAS", "auto"))
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
 
 
+def require(module: str):
+    """An optional extra's module for a test module. Outside CI a missing one skips (a
+    developer may install only some extras); under CI, where scripts/test.sh installs every
+    extra the tests use, a missing one fails instead of skipping what it should prove."""
+    if os.environ.get("CI"):
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

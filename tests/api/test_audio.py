@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from conftest import require  # noqa: E402
 
-av = pytest.importorskip("av")  # the [audio] extra
-pytest.importorskip("mlx_audio")
+av = require("av")  # the [audio] extra
+require("mlx_audio")
 
 import openai  # noqa: E402
 from conftest import LiveServer, make_settings  # noqa: E402

@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from conftest import require  # noqa: E402
 
-av = pytest.importorskip("av")  # the [audio] extra decodes uploads
-pytest.importorskip("mlx_vlm")  # the [vision] extra serves the model
+av = require("av")  # the [audio] extra decodes uploads
+require("mlx_vlm")  # the [vision] extra serves the model
 
 import openai  # noqa: E402
 from conftest import LiveServer, make_settings  # noqa: E402

@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("mlx_vlm")  # the [vision] extra
+require("mlx_vlm")  # the [vision] extra
 
 from conftest import LiveServer, make_settings  # noqa: E402
 from fixtures.tiny_vlm import make_tiny_qwen2_vl, make_tiny_vlm_adapter  # noqa: E402

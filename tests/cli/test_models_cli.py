@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, require
 from fixtures.gguf_writer import llama_metadata, llama_tensors, write_gguf
 from fixtures.tiny_models import make_tiny_chat_model
 from fixtures.wheel_index import wheel_index
@@ -275,7 +275,7 @@ def test_ps_against_a_server(tmp_path):
 
 def test_pull_speech_models_then_list_their_kinds(tmp_path):
     """`mlxd pull` of a Whisper and a Soprano directory: kinds stt and tts from their files."""
-    pytest.importorskip("mlx_audio")
+    require("mlx_audio")
     from fixtures.tiny_audio import make_tiny_soprano, make_tiny_whisper
 
     env = _env(tmp_path)

@@ -8,8 +8,9 @@ import importlib
 from types import SimpleNamespace
 
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("mlx_vlm")  # the [vision] extra
+require("mlx_vlm")  # the [vision] extra
 
 from mlxd.engines.vlm_features import FeatureCache, FeatureEncoder  # noqa: E402
 

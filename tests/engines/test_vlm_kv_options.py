@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("mlx_vlm")  # the [vision] extra
+require("mlx_vlm")  # the [vision] extra
 
 from fixtures.tiny_vlm import make_tiny_qwen2_vl  # noqa: E402
 

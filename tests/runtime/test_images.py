@@ -9,8 +9,9 @@ import ipaddress
 import threading
 
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("PIL")
+require("PIL")
 
 from PIL import Image  # noqa: E402
 

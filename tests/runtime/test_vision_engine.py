@@ -6,8 +6,9 @@ import hashlib
 import io
 
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("mlx_vlm")
+require("mlx_vlm")
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

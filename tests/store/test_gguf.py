@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import require
 from fixtures.gguf_writer import (
     CHAT_TEMPLATE,
     HIDDEN,
@@ -202,7 +203,7 @@ def test_other_bpe_pre_tokenizers(tmp_path, pre):
 
 
 def test_sentencepiece_tokenizer_matches_spm(tmp_path):
-    spm = pytest.importorskip("sentencepiece")
+    spm = require("sentencepiece")
     corpus = [
         "the quick brown fox jumps over the lazy dog",
         "hello world, hello there; general kenobi",

@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from conftest import require  # noqa: E402
 
-pytest.importorskip("playwright")
+require("playwright")
 
 from conftest import free_port  # noqa: E402
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
@@ -84,7 +85,7 @@ def hub(tmp_path_factory) -> Iterator[FakeHub]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3, hub
            ) -> Iterator[Served]:
-    pytest.importorskip("mlx_vlm")
+    require("mlx_vlm")
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
     base = tmp_path_factory.mktemp("ui")
