@@ -40,6 +40,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
+from mlxd.core.blocks import chained_block_hashes
+
 BLOCK = 16
 _CANDIDATES = 4  # entries compared at the deepest shared block (the most recent ones)
 
@@ -55,13 +57,8 @@ class _Entry:
 
 def block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens)."""
-    n = len(tokens) if limit is None else min(limit, len(tokens))
-    out, h = [], 0
     seq = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
-    for i in range(0, n - n % BLOCK, BLOCK):
-        h = hash((h, *seq[i:i + BLOCK]))
-        out.append(h)
-    return out
+    return chained_block_hashes(seq, BLOCK, limit=limit)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

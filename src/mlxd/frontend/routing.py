@@ -19,18 +19,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from mlxd.core.blocks import chained_block_hashes
+
 BLOCK = 32  # tokens per hashed block
 MAX_ENTRIES = 1 << 17  # block hashes remembered (least recently used out first)
 
 
 def block_hashes(model: str, tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chained hash of each whole block of ``tokens`` (a partial last block: none)."""
-    out: list[int] = []
-    h = hash(model)
-    for start in range(0, len(tokens) - block + 1, block):
-        h = hash((h, *tokens[start:start + block]))
-        out.append(h)
-    return out
+    """The chained hash of each whole block of ``tokens``, per model (a partial last
+    block: none)."""
+    return chained_block_hashes(tokens, block, seed=model)
 
 
 class PrefixRouter:
