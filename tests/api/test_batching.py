@@ -117,7 +117,13 @@ def test_streaming_disconnect_frees_every_choice(start_server, long_llama):
     srv = start_server(long_llama)
     body = {"model": "long-llama", "messages": [{"role": "user", "content": "go"}],
             "max_tokens": 4000, "stream": True, "n": 2,
-            "response_format": {"type": "json_object"}}
+            # structured output on both choices; a string no shorter than max_tokens so that
+            # neither choice can finish on its own while the test watches (a bare
+            # json_object lets a random model close the object after a few tokens)
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "long", "schema": {
+                    "type": "object", "required": ["text"],
+                    "properties": {"text": {"type": "string", "minLength": 4000}}}}}}
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200

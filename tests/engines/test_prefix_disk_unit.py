@@ -150,3 +150,49 @@ def test_fingerprint_follows_the_files_and_the_options(tmp_path):
     assert fp != model_fingerprint(tmp_path, {"dtype": "float32"})
     (tmp_path / "model.safetensors").write_bytes(b"\1" * 64)
     assert fp != model_fingerprint(tmp_path, {"dtype": "bfloat16"})
+
+
+def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama):
+    """The race CI once lost: the second of two requests continuing one conversation arrives
+    after the disk read of the first finished but before the device thread took it into
+    memory. It must wait on that read, not read the same file again."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    def engine() -> LLMEngine:
+        e = LLMEngine("m", tiny_llama, prefix_cache_bytes=1 << 26, prefix_cache_dir=tmp_path,
+                      prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32)
+        e.bind()
+        return e
+
+    def run(e: LLMEngine, prompts: list[list[int]], settle=None) -> None:
+        seqs = [e.new_sequence(p, SamplingParams(max_tokens=2, temperature=0.0))
+                for p in prompts]
+        for s in seqs:
+            s.handle = None
+            e.add(s)
+            s.t_added = 0.0
+            if settle:
+                settle()
+        for _ in range(500):
+            if not e.has_work():
+                break
+            e.step()
+        assert all(s.finished for s in seqs)
+
+    first = engine()
+    prompt = first.encode_prompt("the quick brown fox jumps over the lazy dog " * 6)
+    run(first, [prompt])
+    first.close()  # the spilled conversation is on disk
+
+    second = engine()
+    try:
+        assert second.disk.stats()["entries"] == 1
+        on_disk = second.disk.stats()["bytes"]
+        # each newcomer is added only once the reads in flight are done
+        run(second, [prompt + [5, 6], prompt + [7, 8]],
+            settle=lambda: [f.result(10) for _, f in second._loading])
+        st = second.disk.stats()
+        assert st["hits"] == 2 and st["bytes_read"] == on_disk
+    finally:
+        second.close()

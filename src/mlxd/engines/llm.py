@@ -137,6 +137,10 @@ class LLMEngine(DecodeEngine):
                                                  prefix_cache_disk_bytes,
                                                  prefix_cache_disk_min_tokens)
             self._loading: list[tuple[Sequence, Future]] = []  # waiting for a disk-tier read
+            # Reads not yet taken into the memory tier, by entry: a newcomer arriving after a
+            # read finished but before this thread inserted its prefix shares that read
+            # instead of starting a second one of the same file.
+            self._reads: dict[str, Future] = {}
             self._warm_phases: Iterator[list[Sequence]] | None = None
             self._warm_live: list[Sequence] = []
             self.speculator: Speculator | None = None
@@ -276,7 +280,10 @@ class LLMEngine(DecodeEngine):
             in_memory = self.prefix_cache.peek(seq.prompt_tokens)
             entry, n = disk.match(seq.prompt_tokens)
             if entry is not None and n > in_memory:
-                self._loading.append((seq, disk.load(entry)))
+                fut = self._reads.get(entry.key)
+                if fut is None:
+                    fut = self._reads[entry.key] = disk.load(entry)
+                self._loading.append((seq, fut))
                 return
             if entry is None and in_memory < disk.min_tokens:
                 disk.count_miss()
@@ -308,6 +315,12 @@ class LLMEngine(DecodeEngine):
                     self.disk.count_miss()
             self._pending.append(seq)
         self._loading = waiting
+        self._prune_reads()
+
+    def _prune_reads(self) -> None:
+        """Forget the reads no waiting newcomer holds (taken in, or all their readers gone)."""
+        live = {id(f) for _, f in self._loading}
+        self._reads = {k: f for k, f in self._reads.items() if id(f) in live}
 
     def _admit(self) -> list[tuple[Sequence, StepOutput]]:
         """Insert waiting newcomers into the batch, coalescing arrivals into one prefill.
@@ -461,6 +474,7 @@ class LLMEngine(DecodeEngine):
             seq.finished = True
         elif any(s is seq for s, _ in self._loading):
             self._loading = [(s, f) for s, f in self._loading if s is not seq]
+            self._prune_reads()
             seq.finished = True
         elif seq.uid in self._seqs:
             del self._seqs[seq.uid]
@@ -542,6 +556,7 @@ class LLMEngine(DecodeEngine):
         self._seqs.clear()
         self._pending.clear()
         self._loading.clear()
+        self._reads.clear()
         self.prefix_cache.clear()  # may be what filled the memory
         try:
             if self._gen is not None:
@@ -662,6 +677,7 @@ class LLMEngine(DecodeEngine):
         self._seqs.clear()
         self._pending.clear()
         self._loading.clear()
+        self._reads.clear()
         self.prefix_cache.clear()
         if self.disk is not None:
             self.disk.close()  # the queued writes are what a restart will find
