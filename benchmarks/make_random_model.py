@@ -25,6 +25,11 @@ SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, intermediate_size=18944,
                        tie_word_embeddings=False),
+    # Qwen2.5's vocabulary on a toy body: what the front end holds for a 151,936-token
+    # tokenizer (benchmarks/memory_soak.py), at a speed a CPU serves
+    "qwen2.5-vocab-tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128,
+                               tie_word_embeddings=True),
 }
 VOCAB = 151936
 SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}

@@ -3,8 +3,13 @@
     python benchmarks/memory_soak.py [--model smollm2-135m-instruct] [--requests 1000]
 
 Starts `mlxd serve`, reads RSS from /proc and MLX's active/cache/peak from /health, sends
-N requests at concurrency C (a third streaming, a third non-streaming, a third streaming
-requests that the client abandons after two chunks), then reads everything again.
+N requests at concurrency C (in turn: streaming, non-streaming, streaming requests that the
+client abandons after two chunks, and non-streaming structured output with a JSON schema),
+then reads everything again.
+
+RSS is read per process: the front end(s) (the `mlxd serve` process, and uvicorn's worker
+processes with --api-workers > 1) hold HTTP, templating, tokenizing and detokenizing; the
+engine core(s) hold MLX, the weights and the caches. `rss_bytes` is their sum.
 """
 
 from __future__ import annotations
@@ -32,27 +37,58 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    kids = [int(x) for x in out.split()]
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def processes(pid: int) -> dict[str, list[int]]:
+    """The serving tree's processes by role (uvicorn's multiprocess manager, with
+    --api-workers > 1, is a front end that serves nothing: it counts as "manager")."""
+    roles: dict[str, list[int]] = {"front_end": [], "engine_core": [], "other": []}
+    for p in [pid, *descendants(pid)]:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "mlxd.enginecore" in cmd:
+            roles["engine_core"].append(p)
+        elif p == pid or "multiprocessing" in cmd or "mlxd" in cmd:
+            roles["front_end"].append(p)
+        else:
+            roles["other"].append(p)  # e.g. a resource tracker
+    return roles
+
+
 def snapshot(url: str, pid: int) -> dict:
     h = httpx.get(url + "/health", timeout=30).json()
-    return {"rss_bytes": rss_bytes(pid), "mlx": h.get("memory", {}),
-            "weights_bytes": sum(m.get("memory_bytes", 0) for m in h.get("models", [])),
+    roles = processes(pid)
+    by_role = {role: [rss_bytes(p) for p in pids] for role, pids in roles.items()}
+    return {"rss_bytes": sum(sum(v) for v in by_role.values()), "rss_by_role": by_role,
+            "mlx": h.get("memory", {}),
+            "weights_bytes": h.get("memory", {}).get("models_bytes", 0),
             "prefix_cache_bytes": sum((m.get("prefix_cache") or {}).get("bytes", 0)
                                       for m in h.get("models", []))}
 
 
 async def soak(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> dict:
     rng = random.Random(0)
-    counts = {"stream": 0, "plain": 0, "cancelled": 0, "errors": 0}
+    counts = {"stream": 0, "plain": 0, "cancelled": 0, "schema": 0, "errors": 0}
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
-        kind = ("stream", "plain", "cancelled")[i % 3]
+        kind = ("stream", "plain", "cancelled", "schema")[i % 4]
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0.7,
                 "messages": [{"role": "user", "content": f"Say something about {rng.random()}"}],
-                "stream": kind != "plain"}
+                "stream": kind in ("stream", "cancelled")}
+        if kind == "schema":  # each a new schema: grammars are compiled, not only cached
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "required": [f"k{i}"],
+                                        "properties": {f"k{i}": {"type": "string"}}}}}
         async with sem:
             try:
-                if kind == "plain":
+                if not body["stream"]:
                     r = await client.post(url + "/v1/chat/completions", json=body)
                     r.raise_for_status()
                 else:
@@ -79,6 +115,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--api-workers", type=int, default=1)
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefix-cache-bytes", type=int, default=None,
                     help="engine.prefix_cache_bytes for the server (0: off)")
@@ -89,16 +126,19 @@ def main() -> None:
     if args.prefix_cache_bytes is not None:
         env["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = str(args.prefix_cache_bytes)
     proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", args.model,
-                             "--port", str(port), "--log-level", "warning"], env=env)
+                             "--port", str(port), "--log-level", "warning",
+                             "--api-workers", str(args.api_workers)], env=env)
     try:
         wait_healthy(url, proc, "/health")
         time.sleep(2)
         idle = snapshot(url, proc.pid)
         # one warm round so allocator pools and caches reach their working size
-        asyncio.run(soak(url, args.model, 30, args.concurrency, args.max_tokens))
+        # a model given as a folder is served under the folder's name
+        name = Path(args.model).name if os.path.isdir(args.model) else args.model
+        asyncio.run(soak(url, name, 30, args.concurrency, args.max_tokens))
         warm = snapshot(url, proc.pid)
         t0 = time.time()
-        counts = asyncio.run(soak(url, args.model, args.requests, args.concurrency,
+        counts = asyncio.run(soak(url, name, args.requests, args.concurrency,
                                   args.max_tokens))
         took = time.time() - t0
         time.sleep(2)
@@ -106,8 +146,13 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    res = {"idle": idle, "warm": warm, "after": after, "counts": counts, "seconds": took,
+    res = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "machine": f"{os.uname().machine} {os.cpu_count()} cpus", "idle": idle, "warm": warm, "after": after, "counts": counts, "seconds": took,
            "overhead_idle_bytes": idle["rss_bytes"] - idle["weights_bytes"],
+           # what #11 bounds: each front end's RSS (it holds no weights)
+           "front_end_rss_max_bytes": {k: max(v["rss_by_role"]["front_end"])
+                                       for k, v in (("idle", idle), ("warm", warm),
+                                                    ("after", after))},
            "growth_vs_warm": (after["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"],
            "growth_vs_warm_excluding_prefix_cache":
                (after["rss_bytes"] - after["prefix_cache_bytes"] - warm["rss_bytes"]

@@ -93,6 +93,28 @@ def test_unsupported_or_invalid_schema_is_400(client, agent_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_lark_grammars_with_tokens_the_vocabulary_lacks_are_400(agent_server, stream):
+    """Front ends validate grammars without a tokenizer (engines/structured.py); what only
+    the vocabulary can refute is refuted by the engine core, still as a 400 before any
+    output, and a grammar naming a token the vocabulary has is served."""
+    url = agent_server.url + "/v1/chat/completions"
+    for grammar in ('start: "a" <[999999]>', 'start: "a" <|no_such_token|>'):
+        r = httpx.post(url, json={"model": "tool-qwen2", "messages": MSG, "stream": stream,
+                                  "max_tokens": 5,
+                                  "response_format": {"type": "lark", "grammar": grammar}},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "token" in err["message"].lower()
+        assert err["param"] == "response_format"
+    r = httpx.post(url, json={"model": "tool-qwen2", "messages": MSG, "max_tokens": 5,
+                              "response_format": {"type": "lark",
+                                                  "grammar": 'start: "ok" <|im_end|>'}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+
+
 def test_ollama_format_json_and_schema(agent_server):
     c = ollama.Client(host=agent_server.url)
     r = c.chat(model="tool-qwen2", messages=MSG, format=PERSON,

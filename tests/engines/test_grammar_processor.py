@@ -73,3 +73,24 @@ def test_unsupported_grammars_are_invalid_requests(compiler):
         gc.from_constraint(OutputConstraint("json_schema", "{nope"))
     with pytest.raises(InvalidRequest):
         gc.matcher(gc.from_constraint(OutputConstraint("lark", "start: undefined_rule")))
+
+
+def test_a_front_ends_compiler_validates_without_a_tokenizer(compiler):
+    """masks=False (front ends): the same 400s for what a grammar alone shows, the same
+    tool-call literals, and no llguidance tokenizer built (its tries are the memory)."""
+    full, tok = compiler
+    fe = GrammarCompiler(tok, 512, sorted(tok.eos_token_ids), masks=False)
+    fe.check(fe.from_constraint(OutputConstraint("json_schema", '{"type": "object"}')))
+    for bad in (OutputConstraint("json_schema", '{"not": {}}'),
+                OutputConstraint("lark", "start: undefined_rule"),
+                OutputConstraint("regex", "[a-")):
+        with pytest.raises(InvalidRequest):
+            fe.check(fe.from_constraint(bad))
+        with pytest.raises(InvalidRequest):
+            full.check(full.from_constraint(bad))
+    for text in ("<|im_end|>", "<|endoftext|>", "plain words"):
+        # a token where llguidance itself reads one (every added token), else the text
+        ids = tok.encode(text, add_special_tokens=False)
+        as_token = len(ids) == 1 and full.lltok.is_special_token(ids[0])
+        assert fe.literal(text) == (f"<[{ids[0]}]>" if as_token else json.dumps(text))
+    assert fe._lltok is None

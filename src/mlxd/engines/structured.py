@@ -47,12 +47,22 @@ TOOL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
 
 
 class GrammarCompiler:
-    """One model's grammar front end: its llguidance tokenizer and validated grammars."""
+    """One model's grammar front end: its llguidance tokenizer and validated grammars.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    ``masks=False`` is the front ends' kind: they validate grammars but never mask logits,
+    so they build no llguidance tokenizer (it copies the whole vocabulary into tries: 60-90
+    MB for a 150k-token vocabulary, docs/benchmarks.md) and validate without one. What only
+    a tokenizer can find (a token id or special-token name in a user's Lark grammar that
+    the vocabulary lacks) the engine core finds when it builds the request's matcher, and
+    the request still ends in a 400 before any output.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 masks: bool = True) -> None:
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self.vocab_size = vocab_size
         self.eos = list(eos_token_ids)
+        self.masks = masks
         self._lltok: Any = None
         self._lock = threading.Lock()
         self._valid: OrderedDict[str, str] = OrderedDict()  # grammar -> "" or error
@@ -107,25 +117,38 @@ class GrammarCompiler:
         """A Lark terminal for ``text``: the special token itself when the tokenizer has it as
         one (``<tool_call>`` in Qwen's vocabulary), else the characters."""
         ids = list(self._hf.encode(text, add_special_tokens=False))
-        if len(ids) == 1 and self.lltok.is_special_token(ids[0]):
+        # llguidance reads every added token (special or not) as a token, never as text
+        if len(ids) == 1 and ids[0] in getattr(self._hf, "added_tokens_decoder", {}):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
     # -- checking and matching -------------------------------------------------------------
-    def matcher(self, grammar: str, param: str = "response_format") -> Any:
-        """A fresh matcher for ``grammar``; an unsupported grammar or schema is a 400."""
+    def check(self, grammar: str, param: str = "response_format") -> None:
+        """Raise a 400 (InvalidRequest) for an unsupported grammar or schema."""
+        if self.masks:
+            self.matcher(grammar, param)
+        else:
+            self._validate(grammar, param, None)
+
+    def _validate(self, grammar: str, param: str, lltok: Any) -> None:
         import llguidance
 
         with self._lock:
             err = self._valid.get(grammar)
         if err is None:
-            err = llguidance.LLMatcher.validate_grammar(grammar, self.lltok)
+            err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
             with self._lock:
                 self._valid[grammar] = err
                 while len(self._valid) > 256:
                     self._valid.popitem(last=False)
         if err and not err.startswith("WARNING"):
             raise InvalidRequest(f"this schema or grammar is not supported: {err}", param=param)
+
+    def matcher(self, grammar: str, param: str = "response_format") -> Any:
+        """A fresh matcher for ``grammar``; an unsupported grammar or schema is a 400."""
+        import llguidance
+
+        self._validate(grammar, param, self.lltok)
         m = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
             raise InvalidRequest(f"this schema or grammar is not supported: {m.get_error()}",

@@ -46,23 +46,48 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
     if eos is None:
         eos = (config.get("text_config") or {}).get("eos_token_id")
     try:
-        return _load(Path(path), {"trust_remote_code": trust_remote_code},
-                     eos_token_ids=eos)
+        tok = _load(Path(path), {"trust_remote_code": trust_remote_code},
+                    eos_token_ids=eos)
     except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
+    _drop_build_inputs(getattr(tok, "_tokenizer", tok))
+    return tok
+
+
+def _drop_build_inputs(hf: Any) -> None:
+    """Free the Python copy of the vocabulary a family's tokenizer class was built from.
+
+    transformers' per-family classes (Qwen2Tokenizer, LlamaTokenizer, ...) parse
+    ``tokenizer.json`` into a Python dict and list, build the Rust tokenizer from them, and
+    keep both as ``_vocab`` and ``_merges``; only ``save_pretrained`` of a few families
+    reads them again, which mlxd never calls on a loaded tokenizer. For a 150k-token
+    vocabulary with its merges that is 15-40 MB in every front end and engine core
+    (docs/benchmarks.md). Everything else reads the Rust tokenizer, which stays.
+    """
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # a slow (pure Python) tokenizer keeps what it encodes with
+        return
+    if not isinstance(getattr(hf, "_tokenizer", None), Tokenizer):
+        return
+    for attr in ("_vocab", "_merges"):
+        if isinstance(hf.__dict__.get(attr), (dict, list)):
+            del hf.__dict__[attr]
 
 
 class TextProcessor:
     """Thread-safe helpers over one model's tokenizer."""
 
     def __init__(self, name: str, tokenizer: Any, vocab_size: int,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, *, masks: bool = True) -> None:
+        """``masks=False``: a front end's, which validates grammars but never constrains
+        decoding (see :class:`GrammarCompiler`)."""
         self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids if eos_token_ids is not None
                                     else getattr(tokenizer, "eos_token_ids", []) or [])
-        self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
+        self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, masks=masks)
         self.tool_format: ToolFormat = tool_format(tokenizer)
 
     @property
@@ -158,13 +183,13 @@ class TextProcessor:
                 # tool_choice "auto": the answer follows the schema, or the model calls tools
                 schema = json.loads(c.spec) if c.kind == "json_schema" else {"type": "object"}
                 if isinstance(schema, dict):
-                    self.grammar.matcher(grammar)  # the schema alone must be supported
+                    self.grammar.check(grammar)  # the schema alone must be supported
                     answer = "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema})
                     names = [t.get("function", t).get("name") for t in tools or []]
                     grammar = tool_call_grammar(self.grammar, fmt, tools or [], names,
                                                 req.parallel_tool_calls, answer=answer)
         if grammar is not None:
-            self.grammar.matcher(grammar, param)  # validates: an unsupported one is a 400
+            self.grammar.check(grammar, param)  # an unsupported one is a 400
         arm = tuple(tok.think_end_tokens) if grammar is not None and reasoning else None
         if splitter is None and grammar is None:
             return None

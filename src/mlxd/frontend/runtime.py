@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.config import Settings
+from mlxd.core import heap
 from mlxd.core.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -110,6 +111,7 @@ class Runtime:
         await self._warm_processors()
         gc.collect()
         gc.freeze()  # start-up objects out of the cyclic collector's walks (see enginecore)
+        heap.release_free_memory()  # what imports and tokenizer loads freed (core/heap.py)
         # the event loop shares the GIL with ZeroMQ's reader: hand it over in 0.5 ms, not 5
         # (measured with the engine core's same setting, docs/benchmarks.md)
         sys.setswitchinterval(0.0005)
@@ -238,7 +240,9 @@ class Runtime:
                                      trust_remote_code=self.settings.models.trust_remote_code)
                 vocab = info["vocab_size"] or len(tok)
                 eos = info["eos_token_ids"] or None
-                return TextProcessor(info["name"], tok, vocab, eos)
+                proc = TextProcessor(info["name"], tok, vocab, eos, masks=False)
+                heap.release_free_memory()  # the parse's temporaries (core/heap.py)
+                return proc
 
             fut = asyncio.ensure_future(asyncio.to_thread(load))
             self._loading[key] = fut
