@@ -27,5 +27,5 @@ command -v redis-server >/dev/null 2>&1 \
   || echo "note: redis-server missing: the shared rate-limit tests are skipped (.ci/run installs it)" >&2
 
 export HF_HUB_OFFLINE=1
-.venv/bin/ruff check src tests scripts
+.venv/bin/ruff check src tests scripts benchmarks
 .venv/bin/python -m pytest -q "$@"
