@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings
+from mlxd.core import heap
 from mlxd.core.errors import (
     InsufficientStorage,
     MlxdError,
@@ -326,6 +327,7 @@ class ModelManager:
         metrics.model_loaded(name, kind, entry.size, took)
         log.info("loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size),
                  path, took)
+        heap.release_free_memory()  # the loaders' parse temporaries (core/heap.py)
         return entry
 
     def _evictable(self, kind: str | None = None) -> list[LoadedModel]:
