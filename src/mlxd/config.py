@@ -533,6 +533,17 @@ class BackendSettings(_Section):
             "CBLAS symbols."
         ),
     )
+    cudnn_attention: bool = Field(
+        False,
+        description=(
+            "CUDA: let MLX run attention over several query positions (prefill, speculative "
+            "verify steps) through cuDNN's fused kernel. cuDNN builds an execution graph per "
+            "exact shape, and a server's prompts all differ in length, so most prefills "
+            "paid a graph build that stalled the whole batch; off, MLX's own kernels serve "
+            "every shape (docs/benchmarks.md, attention shapes). Sets "
+            "MLX_CUDA_USE_CUDNN_SDPA in the engine-core processes."
+        ),
+    )
 
 
 class VisionSettings(_Section):

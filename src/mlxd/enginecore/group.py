@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxd.backend_env import core_env
 from mlxd.config import Settings, rank_hosts
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     hosts = _hosts(settings, n)
     dist = settings.engine.distributed
     ports = [dist.port + i for i in range(2 * n)] if dist.port else _free_ports(2 * n)
-    common = {"MLX_WORLD_SIZE": str(n), "MLXD_TP_BACKEND": be}
+    # ranks on other hosts get only these (over ssh): the MLX switches travel with them
+    common = {"MLX_WORLD_SIZE": str(n), "MLXD_TP_BACKEND": be, **core_env(settings.backend)}
     if be == "ring":
         hostfile = run_dir / f"hosts-{epoch}.json"
         hostfile.write_text(json.dumps([[f"{h['ip']}:{ports[i]}"] for i, h in

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlxd.backend_env import core_env
 from mlxd.config import ConfigError, Settings
 from mlxd.core.devices import DEFAULT, Device, resolve
 
@@ -68,7 +69,8 @@ class CoreSupervisor:
         self.epoch += 1
         settings_file = self.run_dir / "settings.pkl"
         settings_file.write_bytes(pickle.dumps(self.settings))
-        env = {**os.environ, **self.device.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.device.env, **core_env(self.settings.backend),
+               "PYTHONUNBUFFERED": "1"}
         if self.settings.engine.tensor_parallel > 1:  # a group of rank processes
             from mlxd.enginecore import group
 
