@@ -67,6 +67,8 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
                 runs = [(args.seed + 1, 1, 8)]
             for seed, per_client, max_tokens in [*runs, (args.seed, args.requests_per_client,
                                                          args.max_tokens)]:
+                measured = args.metrics and seed == args.seed
+                before = _ttft_parts(url) if measured else {}
                 if args.client_procs > 1:
                     r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
                                                     args.min_words, args.max_words,
@@ -75,6 +77,8 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
                     r = asyncio.run(serve_bench.run_level(url, model, c, per_client,
                                                           max_tokens, seed, args.min_words,
                                                           args.max_words))
+                if measured:
+                    r["server_side"] = _diff_parts(before, _ttft_parts(url))
             print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
                   f"errors {r['errors']}", flush=True)
             levels.append(r)
@@ -86,6 +90,32 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+# Where a request's time to first token goes, from the server's own histograms (sums and
+# counts, so a level's mean is the difference of two snapshots): queue = arrival in the engine
+# -> joining a batch; ttft = the server's time to first token.
+_PARTS = ("mlxd:request_queue_time_seconds", "mlxd:time_to_first_token_seconds",
+          "mlxd:e2e_request_latency_seconds")
+
+
+def _ttft_parts(url: str) -> dict[str, tuple[float, float]]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for name in _PARTS:
+            for suffix, idx in (("_sum", 0), ("_count", 1)):
+                if line.startswith(name + suffix):
+                    out.setdefault(name, [0.0, 0.0])[idx] += float(line.split()[-1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _diff_parts(a: dict, b: dict) -> dict[str, float | None]:
+    res = {}
+    for name in _PARTS:
+        (s0, n0), (s1, n1) = a.get(name, (0.0, 0.0)), b.get(name, (0.0, 0.0))
+        res[name.split(":", 1)[1] + "_mean"] = (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    return res
 
 
 ENGINE = r"""
@@ -177,9 +207,13 @@ def bench_engine(args) -> list[dict]:
     params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": args.seed,
               "min_words": args.min_words, "max_words": args.max_words,
               "max_tokens": args.max_tokens, "short_warmup": args.short_warmup}
+    env = dict(os.environ)
+    for kv in filter(None, args.engine_env.split(",")):
+        k, _, v = kv.partition("=")
+        env[k] = v
     proc = subprocess.run([sys.executable, "-c", ENGINE, args.model_dir,
                            str(Path(__file__).parent), json.dumps(params)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
@@ -206,12 +240,20 @@ def main() -> None:
     ap.add_argument("--api-workers", type=int, default=1,
                     help="mlxd front-end processes (mlxd serve --api-workers)")
     ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
+    ap.add_argument("--engine-env", default="",
+                    help="KEY=VAL,... for the engine-alone process only (e.g. "
+                         "MLX_CUDA_USE_CUDNN_SDPA=0, the setting mlxd's engine core uses)")
+    ap.add_argument("--metrics", action="store_true",
+                    help="per level, the server's mean queue time, TTFT and latency from "
+                         "/metrics (mlxd only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
     skip = set(args.skip.split(","))
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     results: dict = {"model_dir": args.model_dir, "max_tokens": args.max_tokens,
+                     "engine_env": args.engine_env,
+                     "mlxd_env": {k: v for k, v in os.environ.items() if k.startswith("MLXD_")},
                      "api_workers": args.api_workers, "command": " ".join(sys.argv),
                      "requests_per_client": args.requests_per_client,
                      "machine": f"{platform.node()} {platform.machine()} "
