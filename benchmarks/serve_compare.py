@@ -67,7 +67,7 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
                 runs = [(args.seed + 1, 1, 8)]
             for seed, per_client, max_tokens in [*runs, (args.seed, args.requests_per_client,
                                                          args.max_tokens)]:
-                measured = args.metrics and seed == args.seed
+                measured = getattr(args, "metrics", False) and seed == args.seed
                 before = _ttft_parts(url) if measured else {}
                 if args.client_procs > 1:
                     r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
