@@ -67,30 +67,29 @@ for n in (4096, 4096, 8192, 8192):
     ms, _ = prefill(1, n)
     rows.append({"batch": 1, "tokens": n, "ms": round(ms, 2)})
 out["long_prefill"] = rows
+
+
+# n forward passes of `positions` new tokens per row, each timed; with `keep`, the cache is
+# cut back after each pass to `keep` of them (a verify step's accepted run)
+def steps(cache, batch, positions, n, keep=None):
+    times = []
+    for _ in range(n):
+        x = ids(batch, positions)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        model(x, cache=cache)
+        mx.eval([c.state for c in cache])
+        times.append(round((time.perf_counter() - t0) * 1000, 2))
+        if keep is not None:
+            for c in cache:
+                c.trim(positions - keep)
+    return times
+
+
 # verify steps: 5 positions against a cache that grows by one accepted token per step
-_, cache = prefill(1, 300)
-ver = []
-for i in range(24):
-    x = ids(1, 5)
-    mx.synchronize()
-    t0 = time.perf_counter()
-    model(x, cache=cache)
-    mx.eval([c.state for c in cache])
-    ver.append(round((time.perf_counter() - t0) * 1000, 2))
-    for c in cache:
-        c.trim(4)  # keep one of the five
-out["verify_5_ms"] = ver
+out["verify_5_ms"] = steps(prefill(1, 300)[1], 1, 5, 24, keep=1)
 # decode at batch 16
-_, cache = prefill(16, 200)
-dec = []
-for i in range(40):
-    x = ids(16, 1)
-    mx.synchronize()
-    t0 = time.perf_counter()
-    model(x, cache=cache)
-    mx.eval([c.state for c in cache])
-    dec.append(round((time.perf_counter() - t0) * 1000, 2))
-out["decode_b16_ms"] = dec
+out["decode_b16_ms"] = steps(prefill(16, 200)[1], 16, 1, 40)
 print("RESULT " + json.dumps(out))
 """
 
