@@ -197,8 +197,9 @@ def test_overview_loads_without_console_errors(page, served):
     page.goto(served.url + "/")
     facts = page.locator("[data-testid=facts]")
     facts.wait_for()
-    assert re.search(r"v\d+\.\d+", facts.inner_text())
-    assert "backend cpu" in facts.inner_text()
+    # version, backend, BLAS (its name, the details are on the Server card), uptime, status
+    assert re.fullmatch(r"v\d+\.\d+\S* · backend cpu · BLAS \w+ · up (\d+[dhm] )?\d+[hms]"
+                        r" · ok · forget key", facts.inner_text()), facts.inner_text()
     page.locator("[data-testid=loaded] tr[data-model=tiny-llama]").wait_for()
     row = page.inner_text("[data-testid=loaded] tr[data-model=tiny-llama]")
     assert "chat" in row and "yes" in row  # the default model is pinned
