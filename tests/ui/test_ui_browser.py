@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -168,6 +169,27 @@ def shot(page, name: str) -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+
+
+def access_log(served: Served) -> list[str]:
+    """The access-log lines the server wrote (text format: time, level, logger, line)."""
+    marker = " INFO mlxd.access: "
+    return [ln.split(marker, 1)[1] for ln in served.log.read_text().splitlines()
+            if marker in ln]
+
+
+def settle(served: Served, timeout: float = 15) -> dict:
+    """/health once no request is in flight and no model has one running (a cancelled
+    stream's slot freed)."""
+    deadline = time.time() + timeout
+    with served.client() as c:  # without a key /health says only whether it is up
+        while True:
+            h = c.get("/health").json()
+            if h["requests_in_flight"] == 0 and all(m.get("running", 0) == 0
+                                                    for m in h["models"]):
+                return h
+            assert time.time() < deadline, h
+            time.sleep(0.1)
 
 
 def test_without_a_key_the_page_asks_for_one_and_shows_nothing(browser, served):
@@ -380,6 +402,40 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
     assert page.errors == []
 
 
+def test_stop_ends_the_reply_and_frees_the_slot(page, served):
+    page.click("text=Clear")
+    page.select_option("select[name=model]", SLOW)
+    page.fill("input[name=max_tokens]", "4000")  # the slow model: tens of seconds of it
+    page.fill("textarea[name=prompt]", "Tell me a long story.")
+    page.press("textarea[name=prompt]", "Enter")
+    page.wait_for_function(  # under way: some of the reply is on the page
+        "() => (document.querySelector('[data-testid=reply] .content') || {}).textContent")
+    page.click("button:text-is('Stop')")
+    stats = page.locator("[data-testid=reply-stats]")
+    stats.wait_for()
+    assert re.search(r"· stopped · request \w+$", stats.inner_text()), stats.inner_text()
+    assert page.locator("button:text-is('Stop')").count() == 0
+    assert page.locator("[data-testid=reply] .err").count() == 0
+    # no usage chunk comes after a Stop: the reply links the server's record, which counts
+    # the tokens it sent before the client went, fewer than asked for
+    link = page.locator("[data-testid=reply-request]")
+    rid = link.get_attribute("href").removeprefix("#requests/")
+    deadline = time.time() + 15
+    with served.client() as c:
+        while not (mine := [r for r in c.get("/ui/api/requests").json()["requests"]
+                            if r["request_id"] == rid]):
+            assert time.time() < deadline, f"no record of {rid}"
+            time.sleep(0.1)
+    assert mine[0]["model"] == SLOW and 0 < mine[0]["completion_tokens"] < 4000, mine
+    settle(served)  # the slot is free: nothing running on the server
+    link.click()  # and the link opens that record
+    line = page.locator("[data-testid=log-line]")
+    line.wait_for()
+    assert f"rid={rid}" in line.inner_text()
+    assert f"tokens={mine[0]['prompt_tokens']}+{mine[0]['completion_tokens']}" in line.inner_text()
+    assert page.errors == []
+
+
 def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     page.goto(served.url + "/#overview")
     # every text the progress display shows, as the page changes it
@@ -452,8 +508,28 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     first.locator("a").click()
     line = page.inner_text("[data-testid=log-line]")
     assert f"rid={rid}" in line and "key=ui-tester" in line
+    assert line in access_log(served)  # the very line the server logged
     assert page.url.endswith(f"#requests/{rid}")
     shot(page, "requests")
+    # a link opened in a fresh page opens its request's row; a client's own request id
+    # may hold any text, "/", "#" and spaces too, and the link still carries it
+    odd = "ui check/1 #a"
+    with served.client() as c:
+        assert c.get("/v1/models", headers={"X-Request-ID": odd}).status_code == 200
+    fresh = page.context.new_page()
+    try:
+        fresh.goto(f"{served.url}/#requests/{quote(odd, safe='')}")
+        fresh.locator("[data-testid=log-line]").wait_for()
+        assert fresh.get_attribute("[data-testid=requests] tr.sel", "data-rid") == odd
+        assert fresh.inner_text("[data-testid=log-line]") in access_log(served)
+        assert 'rid="ui check/1 #a"' in fresh.inner_text("[data-testid=log-line]")
+        # and one followed on a page already showing the list (a pasted link) opens too
+        fresh.evaluate("(rid) => { location.hash = '#requests/' + rid; }", rid)
+        fresh.wait_for_function(
+            "(rid) => document.querySelector('[data-testid=requests] tr.sel')"
+            "?.dataset.rid === rid", arg=rid)
+    finally:
+        fresh.close()
     assert page.errors == []
 
 
