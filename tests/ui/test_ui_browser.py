@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -465,22 +466,71 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     assert page.errors == []
 
 
+def chart_sums(page) -> dict[str, float]:
+    """Every chart series' sum over the window, by "chart/series"."""
+    return page.evaluate("""() => Object.fromEntries(
+        [...document.querySelectorAll('[data-chart] [data-series]')].map((e) =>
+          [e.closest('[data-chart]').dataset.chart + '/' + e.dataset.series,
+           parseFloat(e.dataset.sum)]))""")
+
+
 def test_charts_update_after_traffic(page, served):
-    with served.client() as c:  # traffic from outside the page counts too
-        for _ in range(3):
-            r = c.post("/v1/chat/completions", json={
-                "model": "tiny-llama", "max_tokens": 8,
-                "messages": [{"role": "user", "content": "hi"}]})
-            assert r.status_code == 200
-        assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
-                      ).status_code in (400, 404)
-    peak = "() => parseFloat(document.querySelector('[data-chart={}] [data-series=\"{}\"]')" \
-           ".dataset.peak)"
-    page.wait_for_function(peak.format("tokens", "generated") + " > 0")
-    page.wait_for_function(peak.format("ttft", "mean TTFT") + " > 0")
-    page.wait_for_function(peak.format("status", "2xx") + " >= 1")
-    page.wait_for_function(peak.format("status", "4xx") + " >= 1")
-    assert int(page.get_attribute("[data-chart=tokens]", "data-points")) >= 2
+    # what the charts held before this test's traffic: wait for a point sampled after now,
+    # so that no earlier request can still arrive and pass for this test's
+    now = time.time()
+    page.wait_for_function(
+        f"() => parseFloat(document.querySelector('[data-testid=charts]').dataset.last) > {now}")
+    before = chart_sums(page)
+    points = int(page.get_attribute("[data-chart=tokens]", "data-points"))
+    # two slow streams held open (the queue chart must see them running), and traffic from
+    # outside the page: it counts too
+    release, errors = threading.Event(), []
+
+    def hold() -> None:
+        try:
+            with served.client() as c, c.stream("POST", "/v1/chat/completions", json={
+                    "model": SLOW, "max_tokens": 4000, "stream": True,
+                    "messages": [{"role": "user", "content": "a long one"}]}) as r:
+                assert r.status_code == 200
+                for _ in r.iter_lines():
+                    if release.is_set():
+                        break
+        except Exception as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    held = [threading.Thread(target=hold) for _ in range(2)]
+    for t in held:
+        t.start()
+    try:
+        with served.client() as c:
+            for _ in range(3):
+                r = c.post("/v1/chat/completions", json={
+                    "model": "tiny-llama", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200
+            assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
+                          ).status_code in (400, 404)
+        # above: the tokens, first tokens and running requests of the new points; the
+        # three answered chats and the one refused
+        above = {k: before[k] for k in ("tokens/generated", "tokens/prompt",
+                                        "ttft/mean TTFT", "queue/running")}
+        above |= {"status/2xx": before["status/2xx"] + 2.5,
+                  "status/4xx": before["status/4xx"] + 0.5}
+        page.wait_for_function("""(above) => {
+            const now = {};
+            for (const e of document.querySelectorAll('[data-chart] [data-series]'))
+              now[e.closest('[data-chart]').dataset.chart + '/' + e.dataset.series] =
+                parseFloat(e.dataset.sum);
+            return Object.keys(above).every((k) => now[k] > above[k]); }""", arg=above)
+    finally:
+        release.set()
+        for t in held:
+            t.join(30)
+    assert errors == []
+    assert float(page.get_attribute("[data-chart=queue] [data-series=running]", "data-peak")
+                 ) >= 1
+    assert int(page.get_attribute("[data-chart=tokens]", "data-points")) > points
+    settle(served)  # the held streams, closed, are cancelled on the server
 
 
 def test_requests_view_lists_filters_and_links_the_log_line(page, served):
