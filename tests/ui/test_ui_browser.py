@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -363,6 +364,51 @@ def test_reasoning_streams_into_its_own_panel(page, served):
     assert page.errors == []
 
 
+def test_system_prompt_sampling_fields_and_stop_strings(page, served):
+    page.select_option("select[name=model]", "tiny-llama")
+    page.fill("textarea[name=system]", "Answer in one line.")
+    page.fill("input[name=temperature]", "1")  # sampled: the seed decides the text
+    page.fill("input[name=top_p]", "0.9")
+    page.fill("input[name=seed]", "1234")
+    page.fill("input[name=max_tokens]", "24")
+
+    def ask() -> tuple[dict, str, str]:
+        """One fresh exchange: the request the page sent, the reply, its stats line."""
+        page.click("text=Clear")
+        page.fill("textarea[name=prompt]", "Say something.")
+        with page.expect_request(lambda r: r.method == "POST"
+                                 and r.url.endswith("/v1/chat/completions")) as sent:
+            page.press("textarea[name=prompt]", "Enter")
+        page.locator("[data-testid=reply-stats]").wait_for()
+        return (sent.value.post_data_json, page.text_content("[data-testid=reply] .content"),
+                page.inner_text("[data-testid=reply-stats]"))
+
+    body, first, stats = ask()
+    assert body["messages"] == [{"role": "system", "content": "Answer in one line."},
+                                {"role": "user", "content": "Say something."}]
+    assert (body["temperature"], body["top_p"], body["seed"], body["max_tokens"]) == (
+        1, 0.9, 1234, 24)
+    assert "stop" not in body and "· length ·" in stats, stats
+    assert ask()[1] == first  # the same seed, the same text
+    # a stop string from the middle of that text: the same reply, cut before it
+    k = next(i for i in range(len(first) // 2, len(first) - 3)
+             if not any(c.isspace() for c in first[i:i + 3]))
+    stop = first[k:k + 3]
+    page.fill("textarea[name=stop]", f"{stop}\n\n")  # blank lines are no stop strings
+    body, cut, stats = ask()
+    assert body["stop"] == [stop]
+    assert cut == first[:first.index(stop)] and "· stop ·" in stats, (first, stop, cut)
+    page.click("button:text-is('Ollama')")  # the snippet carries them, by Ollama's names
+    page.locator("[data-testid=snippet] pre").wait_for()
+    argv = shlex.split(page.inner_text("[data-testid=snippet] pre"))  # as a shell reads it
+    options = json.loads(argv[argv.index("-d") + 1])["options"]
+    assert options == {"temperature": 1, "top_p": 0.9, "seed": 1234, "num_predict": 24,
+                       "stop": [stop]}
+    for field in ("textarea[name=system]", "textarea[name=stop]", "input[name=seed]"):
+        page.fill(field, "")  # the next tests' requests carry none of them
+    assert page.errors == []
+
+
 def test_an_image_reaches_the_vision_model(page, served, tmp_path):
     def images_seen() -> float:
         text = httpx.get(served.url + "/metrics", timeout=10).text
@@ -463,6 +509,41 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     assert partial, seen
     page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']").wait_for()
     shot(page, "overview")
+    assert page.errors == []
+
+
+def test_remove_and_unload_ask_then_the_rows_go(page, served):
+    with served.client() as c:
+        def tags() -> set[str]:
+            return {m["name"] for m in c.get("/api/tags").json()["models"]}
+
+        def loaded() -> set[str]:
+            return {m["name"] for m in c.get("/health").json()["models"]}
+
+        # the expiry column: never for the pinned default, the keep-alive left for others
+        # (the vision model is loaded since the image test; the tool model was evicted)
+        expires = page.locator(f"[data-testid=loaded] tr[data-model={VLM}] td").nth(4)
+        m = re.fullmatch(r"in (\d+)m \d+s", expires.inner_text())
+        assert m and int(m.group(1)) < 30, expires.inner_text()  # keep_alive: 30m
+        assert page.locator("[data-testid=loaded] tr[data-model=tiny-llama] td").nth(4
+                            ).inner_text() == "never"
+        row = page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']")
+        asked: list[str] = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        row.locator("button:text-is('Remove')").click()
+        assert asked == [f"Remove {HUB_REPO} from the store?"]
+        assert HUB_REPO in tags() and row.count() == 1  # "Cancel" kept it
+        page.once("dialog", lambda d: d.accept())
+        row.locator("button:text-is('Remove')").click()
+        row.wait_for(state="detached")
+        assert HUB_REPO not in tags()
+        assert VLM in loaded()
+        page.locator(f"[data-testid=loaded] tr[data-model={VLM}] button:text-is('Unload')"
+                     ).click()
+        page.locator(f"[data-testid=loaded] tr[data-model={VLM}]").wait_for(state="detached")
+        assert VLM not in loaded()
+        assert VLM in tags()  # unloaded, still in the store
+        assert page.locator(f"[data-testid=store] tr[data-model={VLM}]").count() == 1
     assert page.errors == []
 
 
