@@ -7,7 +7,8 @@ hosts are unreachable here, so Playwright drives the system's Chromium
 (``executable_path``); .ci/run installs it, and on CI its absence fails these tests.
 
 ``MLXD_UI_SCREENSHOTS=DIR`` also saves a screenshot of each view there (docs/ui/ holds the
-README's).
+README's); that run pulls the store's models from /tmp/mlxd-models/ (their "source" in the
+store table), not from pytest's long temporary paths.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +53,7 @@ RERANK = "tiny-ce"
 SLOW = "long-llama"
 TOOLS = "tool-qwen2"
 THINK = "thinking-qwen3"
+SHOTS = os.environ.get("MLXD_UI_SCREENSHOTS")
 
 
 def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -98,17 +101,23 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
     from mlxd.store.local import ModelStore
     from mlxd.store.pull import pull
 
+    # where the store's models are pulled from: the store table shows it as their source,
+    # so the screenshots' run uses a short path a reader can take in
+    src = Path(tempfile.gettempdir()) / "mlxd-models" if SHOTS else base / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir()
     models = base / "home" / "models"  # into the store, as `mlxd pull DIR` puts them
     for name, make in ((VLM, make_tiny_qwen2_vl), (EMBED, make_tiny_bert_embedder),
                        (RERANK, make_tiny_cross_encoder)):
-        pull(ModelStore(models), str(make(base / name)), ModelSettings(dir=models),
+        pull(ModelStore(models), str(make(src / name)), ModelSettings(dir=models),
              as_name=name)
-    # a slower model: its tokens come over a second or more, so the page shows them arrive
-    pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
-    # a template that speaks tools (Qwen2.5's syntax)
-    pull(ModelStore(models), str(tool_qwen2), ModelSettings(dir=models), as_name=TOOLS)
-    # a template that opens a thinking part (<think> in the vocabulary, as Qwen3-Thinking)
-    pull(ModelStore(models), str(thinking_qwen3), ModelSettings(dir=models), as_name=THINK)
+    # a slower model: its tokens come over a second or more, so the page shows them arrive;
+    # a template that speaks tools (Qwen2.5's syntax); a template that opens a thinking
+    # part (<think> in the vocabulary, as Qwen3-Thinking)
+    for name, model in ((SLOW, long_llama), (TOOLS, tool_qwen2), (THINK, thinking_qwen3)):
+        shutil.copytree(model, src / name)
+        pull(ModelStore(models), str(src / name), ModelSettings(dir=models), as_name=name)
+    shutil.copytree(tiny_llama, src / "tiny-llama")  # the default: the store lists it too
     port = free_port()
     env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
                HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
@@ -116,9 +125,9 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
     env.pop("HF_HUB_OFFLINE", None)
     log = base / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
-                                 "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve",
+                                 "--model", str(src / "tiny-llama"), "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     srv = Served(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.time() + 120
@@ -138,6 +147,7 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(src, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +177,9 @@ def page(browser, served):
 
 
 def shot(page, name: str) -> None:
-    out = os.environ.get("MLXD_UI_SCREENSHOTS")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
 
 
 def access_log(served: Served) -> list[str]:
@@ -195,12 +204,13 @@ def settle(served: Served, timeout: float = 15) -> dict:
 
 
 def test_without_a_key_the_page_asks_for_one_and_shows_nothing(browser, served):
-    ctx = browser.new_context()
+    ctx = browser.new_context(viewport={"width": 960, "height": 400})  # its screenshot's size
     pg = ctx.new_page()
     try:
         pg.goto(served.url + "/")
         pg.get_by_text("API key needed").wait_for()
         assert pg.locator("[data-testid=facts]").count() == 0  # no server data shown
+        shot(pg, "api-key")
         assert httpx.get(served.url + "/ui/api/overview").status_code == 401
         pg.fill("input[name=api-key]", "not-the-key")
         pg.click("text=Use key")
