@@ -7,7 +7,8 @@ hosts are unreachable here, so Playwright drives the system's Chromium
 (``executable_path``); .ci/run installs it, and on CI its absence fails these tests.
 
 ``MLXD_UI_SCREENSHOTS=DIR`` also saves a screenshot of each view there (docs/ui/ holds the
-README's).
+README's); that run pulls the store's models from /tmp/mlxd-models/ (their "source" in the
+store table), not from pytest's long temporary paths.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -48,6 +53,7 @@ RERANK = "tiny-ce"
 SLOW = "long-llama"
 TOOLS = "tool-qwen2"
 THINK = "thinking-qwen3"
+SHOTS = os.environ.get("MLXD_UI_SCREENSHOTS")
 
 
 def png(seed: int = 0, size: tuple[int, int] = (32, 24)) -> bytes:
@@ -95,17 +101,23 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
     from mlxd.store.local import ModelStore
     from mlxd.store.pull import pull
 
+    # where the store's models are pulled from: the store table shows it as their source,
+    # so the screenshots' run uses a short path a reader can take in
+    src = Path(tempfile.gettempdir()) / "mlxd-models" if SHOTS else base / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir()
     models = base / "home" / "models"  # into the store, as `mlxd pull DIR` puts them
     for name, make in ((VLM, make_tiny_qwen2_vl), (EMBED, make_tiny_bert_embedder),
                        (RERANK, make_tiny_cross_encoder)):
-        pull(ModelStore(models), str(make(base / name)), ModelSettings(dir=models),
+        pull(ModelStore(models), str(make(src / name)), ModelSettings(dir=models),
              as_name=name)
-    # a slower model: its tokens come over a second or more, so the page shows them arrive
-    pull(ModelStore(models), str(long_llama), ModelSettings(dir=models), as_name=SLOW)
-    # a template that speaks tools (Qwen2.5's syntax)
-    pull(ModelStore(models), str(tool_qwen2), ModelSettings(dir=models), as_name=TOOLS)
-    # a template that opens a thinking part (<think> in the vocabulary, as Qwen3-Thinking)
-    pull(ModelStore(models), str(thinking_qwen3), ModelSettings(dir=models), as_name=THINK)
+    # a slower model: its tokens come over a second or more, so the page shows them arrive;
+    # a template that speaks tools (Qwen2.5's syntax); a template that opens a thinking
+    # part (<think> in the vocabulary, as Qwen3-Thinking)
+    for name, model in ((SLOW, long_llama), (TOOLS, tool_qwen2), (THINK, thinking_qwen3)):
+        shutil.copytree(model, src / name)
+        pull(ModelStore(models), str(src / name), ModelSettings(dir=models), as_name=name)
+    shutil.copytree(tiny_llama, src / "tiny-llama")  # the default: the store lists it too
     port = free_port()
     env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
                HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
@@ -113,9 +125,9 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
     env.pop("HF_HUB_OFFLINE", None)
     log = base / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
-                                 "--port", str(port)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve",
+                                 "--model", str(src / "tiny-llama"), "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     srv = Served(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.time() + 120
@@ -135,6 +147,7 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(src, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -164,19 +177,40 @@ def page(browser, served):
 
 
 def shot(page, name: str) -> None:
-    out = os.environ.get("MLXD_UI_SCREENSHOTS")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(out) / f"{name}.png"), full_page=True)
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SHOTS) / f"{name}.png"), full_page=True)
+
+
+def access_log(served: Served) -> list[str]:
+    """The access-log lines the server wrote (text format: time, level, logger, line)."""
+    marker = " INFO mlxd.access: "
+    return [ln.split(marker, 1)[1] for ln in served.log.read_text().splitlines()
+            if marker in ln]
+
+
+def settle(served: Served, timeout: float = 15) -> dict:
+    """/health once no request is in flight and no model has one running (a cancelled
+    stream's slot freed)."""
+    deadline = time.time() + timeout
+    with served.client() as c:  # without a key /health says only whether it is up
+        while True:
+            h = c.get("/health").json()
+            if h["requests_in_flight"] == 0 and all(m.get("running", 0) == 0
+                                                    for m in h["models"]):
+                return h
+            assert time.time() < deadline, h
+            time.sleep(0.1)
 
 
 def test_without_a_key_the_page_asks_for_one_and_shows_nothing(browser, served):
-    ctx = browser.new_context()
+    ctx = browser.new_context(viewport={"width": 960, "height": 400})  # its screenshot's size
     pg = ctx.new_page()
     try:
         pg.goto(served.url + "/")
         pg.get_by_text("API key needed").wait_for()
         assert pg.locator("[data-testid=facts]").count() == 0  # no server data shown
+        shot(pg, "api-key")
         assert httpx.get(served.url + "/ui/api/overview").status_code == 401
         pg.fill("input[name=api-key]", "not-the-key")
         pg.click("text=Use key")
@@ -197,8 +231,9 @@ def test_overview_loads_without_console_errors(page, served):
     page.goto(served.url + "/")
     facts = page.locator("[data-testid=facts]")
     facts.wait_for()
-    assert re.search(r"v\d+\.\d+", facts.inner_text())
-    assert "backend cpu" in facts.inner_text()
+    # version, backend, BLAS (its name, the details are on the Server card), uptime, status
+    assert re.fullmatch(r"v\d+\.\d+\S* · backend cpu · BLAS \w+ · up (\d+[dhm] )?\d+[hms]"
+                        r" · ok · forget key", facts.inner_text()), facts.inner_text()
     page.locator("[data-testid=loaded] tr[data-model=tiny-llama]").wait_for()
     row = page.inner_text("[data-testid=loaded] tr[data-model=tiny-llama]")
     assert "chat" in row and "yes" in row  # the default model is pinned
@@ -339,6 +374,51 @@ def test_reasoning_streams_into_its_own_panel(page, served):
     assert page.errors == []
 
 
+def test_system_prompt_sampling_fields_and_stop_strings(page, served):
+    page.select_option("select[name=model]", "tiny-llama")
+    page.fill("textarea[name=system]", "Answer in one line.")
+    page.fill("input[name=temperature]", "1")  # sampled: the seed decides the text
+    page.fill("input[name=top_p]", "0.9")
+    page.fill("input[name=seed]", "1234")
+    page.fill("input[name=max_tokens]", "24")
+
+    def ask() -> tuple[dict, str, str]:
+        """One fresh exchange: the request the page sent, the reply, its stats line."""
+        page.click("text=Clear")
+        page.fill("textarea[name=prompt]", "Say something.")
+        with page.expect_request(lambda r: r.method == "POST"
+                                 and r.url.endswith("/v1/chat/completions")) as sent:
+            page.press("textarea[name=prompt]", "Enter")
+        page.locator("[data-testid=reply-stats]").wait_for()
+        return (sent.value.post_data_json, page.text_content("[data-testid=reply] .content"),
+                page.inner_text("[data-testid=reply-stats]"))
+
+    body, first, stats = ask()
+    assert body["messages"] == [{"role": "system", "content": "Answer in one line."},
+                                {"role": "user", "content": "Say something."}]
+    assert (body["temperature"], body["top_p"], body["seed"], body["max_tokens"]) == (
+        1, 0.9, 1234, 24)
+    assert "stop" not in body and "· length ·" in stats, stats
+    assert ask()[1] == first  # the same seed, the same text
+    # a stop string from the middle of that text: the same reply, cut before it
+    k = next(i for i in range(len(first) // 2, len(first) - 3)
+             if not any(c.isspace() for c in first[i:i + 3]))
+    stop = first[k:k + 3]
+    page.fill("textarea[name=stop]", f"{stop}\n\n")  # blank lines are no stop strings
+    body, cut, stats = ask()
+    assert body["stop"] == [stop]
+    assert cut == first[:first.index(stop)] and "· stop ·" in stats, (first, stop, cut)
+    page.click("button:text-is('Ollama')")  # the snippet carries them, by Ollama's names
+    page.locator("[data-testid=snippet] pre").wait_for()
+    argv = shlex.split(page.inner_text("[data-testid=snippet] pre"))  # as a shell reads it
+    options = json.loads(argv[argv.index("-d") + 1])["options"]
+    assert options == {"temperature": 1, "top_p": 0.9, "seed": 1234, "num_predict": 24,
+                       "stop": [stop]}
+    for field in ("textarea[name=system]", "textarea[name=stop]", "input[name=seed]"):
+        page.fill(field, "")  # the next tests' requests carry none of them
+    assert page.errors == []
+
+
 def test_an_image_reaches_the_vision_model(page, served, tmp_path):
     def images_seen() -> float:
         text = httpx.get(served.url + "/metrics", timeout=10).text
@@ -379,6 +459,40 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
     assert page.errors == []
 
 
+def test_stop_ends_the_reply_and_frees_the_slot(page, served):
+    page.click("text=Clear")
+    page.select_option("select[name=model]", SLOW)
+    page.fill("input[name=max_tokens]", "4000")  # the slow model: tens of seconds of it
+    page.fill("textarea[name=prompt]", "Tell me a long story.")
+    page.press("textarea[name=prompt]", "Enter")
+    page.wait_for_function(  # under way: some of the reply is on the page
+        "() => (document.querySelector('[data-testid=reply] .content') || {}).textContent")
+    page.click("button:text-is('Stop')")
+    stats = page.locator("[data-testid=reply-stats]")
+    stats.wait_for()
+    assert re.search(r"· stopped · request \w+$", stats.inner_text()), stats.inner_text()
+    assert page.locator("button:text-is('Stop')").count() == 0
+    assert page.locator("[data-testid=reply] .err").count() == 0
+    # no usage chunk comes after a Stop: the reply links the server's record, which counts
+    # the tokens it sent before the client went, fewer than asked for
+    link = page.locator("[data-testid=reply-request]")
+    rid = link.get_attribute("href").removeprefix("#requests/")
+    deadline = time.time() + 15
+    with served.client() as c:
+        while not (mine := [r for r in c.get("/ui/api/requests").json()["requests"]
+                            if r["request_id"] == rid]):
+            assert time.time() < deadline, f"no record of {rid}"
+            time.sleep(0.1)
+    assert mine[0]["model"] == SLOW and 0 < mine[0]["completion_tokens"] < 4000, mine
+    settle(served)  # the slot is free: nothing running on the server
+    link.click()  # and the link opens that record
+    line = page.locator("[data-testid=log-line]")
+    line.wait_for()
+    assert f"rid={rid}" in line.inner_text()
+    assert f"tokens={mine[0]['prompt_tokens']}+{mine[0]['completion_tokens']}" in line.inner_text()
+    assert page.errors == []
+
+
 def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     page.goto(served.url + "/#overview")
     # every text the progress display shows, as the page changes it
@@ -408,22 +522,106 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     assert page.errors == []
 
 
+def test_remove_and_unload_ask_then_the_rows_go(page, served):
+    with served.client() as c:
+        def tags() -> set[str]:
+            return {m["name"] for m in c.get("/api/tags").json()["models"]}
+
+        def loaded() -> set[str]:
+            return {m["name"] for m in c.get("/health").json()["models"]}
+
+        # the expiry column: never for the pinned default, the keep-alive left for others
+        # (the vision model is loaded since the image test; the tool model was evicted)
+        expires = page.locator(f"[data-testid=loaded] tr[data-model={VLM}] td").nth(4)
+        m = re.fullmatch(r"in (\d+)m \d+s", expires.inner_text())
+        assert m and int(m.group(1)) < 30, expires.inner_text()  # keep_alive: 30m
+        assert page.locator("[data-testid=loaded] tr[data-model=tiny-llama] td").nth(4
+                            ).inner_text() == "never"
+        row = page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']")
+        asked: list[str] = []
+        page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        row.locator("button:text-is('Remove')").click()
+        assert asked == [f"Remove {HUB_REPO} from the store?"]
+        assert HUB_REPO in tags() and row.count() == 1  # "Cancel" kept it
+        page.once("dialog", lambda d: d.accept())
+        row.locator("button:text-is('Remove')").click()
+        row.wait_for(state="detached")
+        assert HUB_REPO not in tags()
+        assert VLM in loaded()
+        page.locator(f"[data-testid=loaded] tr[data-model={VLM}] button:text-is('Unload')"
+                     ).click()
+        page.locator(f"[data-testid=loaded] tr[data-model={VLM}]").wait_for(state="detached")
+        assert VLM not in loaded()
+        assert VLM in tags()  # unloaded, still in the store
+        assert page.locator(f"[data-testid=store] tr[data-model={VLM}]").count() == 1
+    assert page.errors == []
+
+
+def chart_sums(page) -> dict[str, float]:
+    """Every chart series' sum over the window, by "chart/series"."""
+    return page.evaluate("""() => Object.fromEntries(
+        [...document.querySelectorAll('[data-chart] [data-series]')].map((e) =>
+          [e.closest('[data-chart]').dataset.chart + '/' + e.dataset.series,
+           parseFloat(e.dataset.sum)]))""")
+
+
 def test_charts_update_after_traffic(page, served):
-    with served.client() as c:  # traffic from outside the page counts too
-        for _ in range(3):
-            r = c.post("/v1/chat/completions", json={
-                "model": "tiny-llama", "max_tokens": 8,
-                "messages": [{"role": "user", "content": "hi"}]})
-            assert r.status_code == 200
-        assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
-                      ).status_code in (400, 404)
-    peak = "() => parseFloat(document.querySelector('[data-chart={}] [data-series=\"{}\"]')" \
-           ".dataset.peak)"
-    page.wait_for_function(peak.format("tokens", "generated") + " > 0")
-    page.wait_for_function(peak.format("ttft", "mean TTFT") + " > 0")
-    page.wait_for_function(peak.format("status", "2xx") + " >= 1")
-    page.wait_for_function(peak.format("status", "4xx") + " >= 1")
-    assert int(page.get_attribute("[data-chart=tokens]", "data-points")) >= 2
+    # what the charts held before this test's traffic: wait for a point sampled after now,
+    # so that no earlier request can still arrive and pass for this test's
+    now = time.time()
+    page.wait_for_function(
+        f"() => parseFloat(document.querySelector('[data-testid=charts]').dataset.last) > {now}")
+    before = chart_sums(page)
+    points = int(page.get_attribute("[data-chart=tokens]", "data-points"))
+    # two slow streams held open (the queue chart must see them running), and traffic from
+    # outside the page: it counts too
+    release, errors = threading.Event(), []
+
+    def hold() -> None:
+        try:
+            with served.client() as c, c.stream("POST", "/v1/chat/completions", json={
+                    "model": SLOW, "max_tokens": 4000, "stream": True,
+                    "messages": [{"role": "user", "content": "a long one"}]}) as r:
+                assert r.status_code == 200
+                for _ in r.iter_lines():
+                    if release.is_set():
+                        break
+        except Exception as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    held = [threading.Thread(target=hold) for _ in range(2)]
+    for t in held:
+        t.start()
+    try:
+        with served.client() as c:
+            for _ in range(3):
+                r = c.post("/v1/chat/completions", json={
+                    "model": "tiny-llama", "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200
+            assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
+                          ).status_code in (400, 404)
+        # above: the tokens, first tokens and running requests of the new points; the
+        # three answered chats and the one refused
+        above = {k: before[k] for k in ("tokens/generated", "tokens/prompt",
+                                        "ttft/mean TTFT", "queue/running")}
+        above |= {"status/2xx": before["status/2xx"] + 2.5,
+                  "status/4xx": before["status/4xx"] + 0.5}
+        page.wait_for_function("""(above) => {
+            const now = {};
+            for (const e of document.querySelectorAll('[data-chart] [data-series]'))
+              now[e.closest('[data-chart]').dataset.chart + '/' + e.dataset.series] =
+                parseFloat(e.dataset.sum);
+            return Object.keys(above).every((k) => now[k] > above[k]); }""", arg=above)
+    finally:
+        release.set()
+        for t in held:
+            t.join(30)
+    assert errors == []
+    assert float(page.get_attribute("[data-chart=queue] [data-series=running]", "data-peak")
+                 ) >= 1
+    assert int(page.get_attribute("[data-chart=tokens]", "data-points")) > points
+    settle(served)  # the held streams, closed, are cancelled on the server
 
 
 def test_requests_view_lists_filters_and_links_the_log_line(page, served):
@@ -451,8 +649,28 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     first.locator("a").click()
     line = page.inner_text("[data-testid=log-line]")
     assert f"rid={rid}" in line and "key=ui-tester" in line
+    assert line in access_log(served)  # the very line the server logged
     assert page.url.endswith(f"#requests/{rid}")
     shot(page, "requests")
+    # a link opened in a fresh page opens its request's row; a client's own request id
+    # may hold any text, "/", "#" and spaces too, and the link still carries it
+    odd = "ui check/1 #a"
+    with served.client() as c:
+        assert c.get("/v1/models", headers={"X-Request-ID": odd}).status_code == 200
+    fresh = page.context.new_page()
+    try:
+        fresh.goto(f"{served.url}/#requests/{quote(odd, safe='')}")
+        fresh.locator("[data-testid=log-line]").wait_for()
+        assert fresh.get_attribute("[data-testid=requests] tr.sel", "data-rid") == odd
+        assert fresh.inner_text("[data-testid=log-line]") in access_log(served)
+        assert 'rid="ui check/1 #a"' in fresh.inner_text("[data-testid=log-line]")
+        # and one followed on a page already showing the list (a pasted link) opens too
+        fresh.evaluate("(rid) => { location.hash = '#requests/' + rid; }", rid)
+        fresh.wait_for_function(
+            "(rid) => document.querySelector('[data-testid=requests] tr.sel')"
+            "?.dataset.rid === rid", arg=rid)
+    finally:
+        fresh.close()
     assert page.errors == []
 
 

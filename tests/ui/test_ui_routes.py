@@ -1,5 +1,6 @@
 """The web UI's routes over HTTP (no browser): what is public, what needs a key, the
-request list and the stats ring, ``server.ui: false``, and the vendored files' checksums.
+request list and the stats ring, ``server.ui: false`` (on the app, and on a running server
+through the environment), and the vendored files' checksums.
 tests/ui/test_ui_browser.py drives the page itself."""
 
 from __future__ import annotations
@@ -129,6 +130,25 @@ def test_ui_off_is_404(tmp_path, tiny_llama):
     client = TestClient(create_app(s))  # no lifespan: the routes alone
     for path in ("/", "/ui/", "/ui/static/app.js", "/ui/api/overview", "/ui/api/stats"):
         assert client.get(path).status_code == 404, path
+
+
+def test_ui_off_on_a_running_server(start_server, tiny_llama, monkeypatch):
+    """The switch as an operator flips it (the environment), on a server that started:
+    the page, its files and its data routes are gone while the API still answers."""
+    monkeypatch.setenv("MLXD_SERVER__UI", "false")
+    srv = start_server(tiny_llama)
+    assert srv.settings.server.ui is False
+    with srv.client() as c:
+        for path in ("/", "/ui/", "/ui/static/app.js", "/ui/api/overview",
+                     "/ui/api/requests", "/ui/api/stats"):
+            r = c.get(path)
+            assert r.status_code == 404, path
+            assert r.json()["error"]["type"] == "invalid_request_error", path  # OpenAI's
+        assert c.get("/health").json()["status"] == "ok"
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-llama"]
+        r = c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_vendored_files_match_their_checksums():

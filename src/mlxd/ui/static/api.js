@@ -33,10 +33,12 @@ export async function call(path, { method = "GET", body, signal } = {}) {
   return ct.includes("json") ? r.json() : r.text();
 }
 
-// POST and read the answer as a stream of lines; `onLine` gets each non-empty line.
-export async function streamLines(path, body, onLine, signal) {
+// POST and read the answer as a stream of lines; `onLine` gets each non-empty line, and
+// `onResponse` the response before its body (its headers: the request id).
+export async function streamLines(path, body, onLine, signal, onResponse) {
   const r = await fetch(path, { method: "POST", signal, body: JSON.stringify(body),
     headers: headers({ "Content-Type": "application/json" }) });
+  if (onResponse) onResponse(r);
   if (r.status === 401) throw new NeedKey(await errorText(r));
   if (!r.ok) throw new Error(`${r.status}: ${await errorText(r)}`);
   const reader = r.body.getReader();
@@ -57,13 +59,13 @@ export async function streamLines(path, body, onLine, signal) {
 }
 
 // Server-sent events from the OpenAI-compatible API: `onEvent` gets each parsed `data:`.
-export async function streamSSE(path, body, onEvent, signal) {
+export async function streamSSE(path, body, onEvent, signal, onResponse) {
   await streamLines(path, body, (line) => {
     if (!line.startsWith("data:")) return;
     const data = line.slice(5).trim();
     if (data === "[DONE]") return;
     onEvent(JSON.parse(data));
-  }, signal);
+  }, signal, onResponse);
 }
 
 export function fmtBytes(n) {

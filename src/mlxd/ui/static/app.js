@@ -71,16 +71,15 @@ function App() {
 
 function Header({ view, info }) {
   const h = info && info.health;
+  // one string: htm drops whitespace that holds a line break, and with it the spaces
+  // around the separators ("openblas· up 29s ·ok")
+  const facts = info && [`v${info.version}`, `backend ${info.backend}`,
+    `BLAS ${info.blas.split(" (")[0]}`, `up ${fmtDuration(h && h.uptime_s)}`].join(" · ");
   return html`<header>
     <h1>mlxd</h1>
     <nav>${Object.entries(VIEWS).map(([k, label]) =>
       html`<a href="#${k}" class=${view === k ? "active" : ""} data-view=${k}>${label}</a>`)}</nav>
-    ${info && html`<span class="facts" data-testid="facts">
-      v${info.version} · backend ${info.backend} · BLAS ${info.blas.split(" (")[0]}
-      · up ${fmtDuration(h && h.uptime_s)} ·
-      <span class=${h && h.status === "ok" ? "ok" : "err"}>${h ? h.status : "?"}</span>
-      ${getKey() && html` · <a href="#" onClick=${(e) => { e.preventDefault(); setKey(""); location.reload(); }}>forget key</a>`}
-    </span>`}
+    ${info && html`<span class="facts" data-testid="facts">${facts} · <span class=${h && h.status === "ok" ? "ok" : "err"}>${h ? h.status : "?"}</span>${getKey() && html` · <a href="#" onClick=${(e) => { e.preventDefault(); setKey(""); location.reload(); }}>forget key</a>`}</span>`}
   </header>`;
 }
 

@@ -36,11 +36,13 @@ function Chart({ spec, points }) {
     return () => { window.removeEventListener("resize", onResize); plot.current.destroy(); };
   }, []);
   useEffect(() => { if (plot.current) plot.current.setData(data); }, [points]);
-  // totals over the window, per series: what the tests (and a glance) read
+  // per series over the window: the peak, shown for a glance, and the sum (data-sum), which
+  // any new traffic raises where the peak need not (what the tests read)
   const sums = spec.series.map((label, i) => {
     const vals = data[i + 1].filter((v) => v != null);
     const peak = vals.length ? Math.max(...vals) : 0;
-    return html`<span data-series=${label} data-peak=${peak}>${label} peak ${+peak.toFixed(2)}</span>`;
+    const sum = vals.reduce((a, v) => a + v, 0);
+    return html`<span data-series=${label} data-peak=${peak} data-sum=${sum}>${label} peak ${+peak.toFixed(2)}</span>`;
   });
   return html`<div class="card" data-chart=${spec.id} data-points=${points.length}>
     <div class="chart-title"><strong>${spec.title}</strong><span class="muted row">${sums}</span></div>
@@ -64,6 +66,8 @@ export function Charts({ onAuthError }) {
     let timer = setTimeout(tick, 0);
     return () => { stop = true; clearTimeout(timer); };
   }, []);
-  return html`<div class="grid charts" data-testid="charts">
+  // data-last: the server time of the newest point, so a reader knows which traffic is in
+  const last = points.length ? points[points.length - 1].t : 0;
+  return html`<div class="grid charts" data-testid="charts" data-last=${last}>
     ${CHARTS.map((c) => html`<${Chart} key=${c.id} spec=${c} points=${points} />`)}</div>`;
 }

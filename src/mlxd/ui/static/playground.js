@@ -4,6 +4,7 @@
 import { html, useState, useRef, useEffect } from "./vendor/preact-htm.module.js";
 import { call, streamSSE, NeedKey, getKey, copyText } from "./api.js";
 import { asCurl, asPython, asOllama } from "./snippets.js";
+import { requestLink } from "./requests.js";
 
 // The models a picker offers: the store's, and loaded ones the store does not list (a
 // directory given to `mlxd serve --model`).
@@ -37,7 +38,7 @@ function Reply({ m }) {
     ${m.error && html`<p class="err">${m.error}</p>`}
     ${m.stats && html`<div class="meta" data-testid="reply-stats">
       ${m.stats.prompt_tokens ?? "?"} prompt + ${m.stats.completion_tokens ?? "?"} completion tokens
-      · first token ${m.stats.ttft_ms} ms · ${m.stats.tok_s} tok/s · ${m.stats.finish || ""}</div>`}
+      · first token ${m.stats.ttft_ms} ms · ${m.stats.tok_s} tok/s · ${m.stats.finish || ""}${m.rid && html` · <a href=${requestLink(m.rid)} data-testid="reply-request">request ${m.rid.slice(0, 12)}</a>`}</div>`}
   </div>`;
 }
 
@@ -128,7 +129,11 @@ function Chat({ info, onAuthError }) {
           if (c.finish_reason) finish = c.finish_reason;
         }
         update();
-      }, ctl.signal);
+      }, ctl.signal, (r) => {
+        // the server's record of this request (its log line, its token counts: all that
+        // is left of them after Stop, since no usage chunk comes then)
+        reply.rid = r.headers.get("X-Request-ID");
+      });
     } catch (e) {
       if (e instanceof NeedKey) onAuthError();
       else if (e.name !== "AbortError") reply.error = String(e.message || e);

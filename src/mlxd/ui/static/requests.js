@@ -5,13 +5,24 @@ import { call, NeedKey } from "./api.js";
 
 const cls = (s) => `status-${String(s)[0]}xx`;
 
+// A request id comes from the client (X-Request-ID): any text, "/" and "#" included, so
+// it is percent-encoded in the link and decoded from everything after "#requests/".
+export const requestLink = (rid) => `#requests/${encodeURIComponent(rid)}`;
+
+function ridFromHash() {
+  const h = location.hash.replace(/^#\/?/, "");
+  const i = h.indexOf("/");
+  if (i < 0 || i === h.length - 1) return null;
+  try { return decodeURIComponent(h.slice(i + 1)); } catch { return h.slice(i + 1); }
+}
+
 export function Requests({ onAuthError }) {
   const [items, setItems] = useState([]);
   const [q, setQ] = useState("");
   const [status, setStatus] = useState("all");
   const [limit, setLimit] = useState(200);
   const [auto, setAuto] = useState(true);
-  const [open, setOpen] = useState(location.hash.split("/")[1] || null);
+  const [open, setOpen] = useState(ridFromHash());
   const [err, setErr] = useState("");
 
   const load = async () => {
@@ -25,11 +36,18 @@ export function Requests({ onAuthError }) {
     return () => clearInterval(t);
   }, [limit, auto]);
 
+  // a link followed while this view is shown (a reply's request link, a pasted URL)
+  useEffect(() => {
+    const onHash = () => setOpen(ridFromHash());
+    window.addEventListener("hashchange", onHash);
+    return () => window.removeEventListener("hashchange", onHash);
+  }, []);
+
   const needle = q.trim().toLowerCase();
   const shown = items.filter((r) => (status === "all" || cls(r.status) === `status-${status}`)
     && (!needle || [r.request_id, r.route, r.path, r.model, r.key, r.method, r.status]
       .some((v) => v != null && String(v).toLowerCase().includes(needle))));
-  const select = (id) => { const next = open === id ? null : id; setOpen(next); history.replaceState(null, "", next ? `#requests/${next}` : "#requests"); };
+  const select = (id) => { const next = open === id ? null : id; setOpen(next); history.replaceState(null, "", next ? requestLink(next) : "#requests"); };
 
   return html`<div class="card">
     <div class="row" style="margin-bottom:.6rem">
@@ -47,7 +65,7 @@ export function Requests({ onAuthError }) {
     ${shown.map((r) => html`
       <tr class=${open === r.request_id ? "sel" : ""} data-rid=${r.request_id}>
         <td>${new Date(r.time * 1000).toLocaleTimeString()}</td>
-        <td><a href="#requests/${r.request_id}" onClick=${(e) => { e.preventDefault(); select(r.request_id); }}>${r.request_id.slice(0, 12)}</a></td>
+        <td><a href=${requestLink(r.request_id)} onClick=${(e) => { e.preventDefault(); select(r.request_id); }}>${r.request_id.slice(0, 12)}</a></td>
         <td>${r.method} ${r.route}</td><td>${r.model || ""}</td>
         <td class=${"num " + cls(r.status)}>${r.status}</td>
         <td class="num">${r.prompt_tokens != null ? `${r.prompt_tokens}+${r.completion_tokens || 0}` : ""}</td>
