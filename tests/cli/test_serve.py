@@ -132,12 +132,17 @@ def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
         assert message in out and "Traceback" not in out
 
 
-def test_devices_with_tensor_parallel_exit_2(tmp_path):
-    p = _mlxd("serve", "--devices", "cpu:2", "--tensor-parallel", "2", "--port",
-              str(free_port()), env=_env(tmp_path))
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 2, out
-    assert "cannot be combined yet" in out and "Traceback" not in out
+def test_split_models_with_several_devices_or_both_splits_exit_2(tmp_path):
+    """A rank group per device is not built yet (one check for both kinds of split); nor are
+    both kinds of split at once."""
+    for args, message in [
+            (("--devices", "cpu:2", "--pipeline-parallel", "2"),
+             "engine.pipeline_parallel > 1 cannot be combined yet"),
+            (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "cannot both be above 1")]:
+        p = _mlxd("serve", *args, "--port", str(free_port()), env=_env(tmp_path))
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 2, out
+        assert message in out and "Traceback" not in out
 
 
 def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):

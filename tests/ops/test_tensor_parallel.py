@@ -1,6 +1,7 @@
-"""engine.tensor_parallel: 2 ranks on loopback (mx.distributed's ring backend, CPU) serve
-the tiny model sharded, with the token ids one process gives; a rank killed -> the group's
-requests end with 503, the group restarts with its model, and serves again."""
+"""engine.tensor_parallel and engine.pipeline_parallel: 2 ranks on loopback (mx.distributed's
+ring backend, CPU) serve the tiny models split (sharded, or a layer each), with the token ids
+one process gives; a rank killed -> the group's requests end with 503, the group restarts
+with its model, and serves again. Both modes compare against one single-process server."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp):
     group = h["engine_core"]["tensor_parallel"]
     assert group["size"] == 2 and group["backend"] == "ring"
     assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
+    assert group["mode"] == "tensor"
     assert "tensor_parallel" not in one.health()["engine_core"]
     expected = _run(one)
     assert [e[2] for e in expected[:4]] == [6, 9, 12, 15]
@@ -335,3 +337,62 @@ def test_a_hosts_file_that_cannot_start_the_group_stops_the_start(tmp_path, tiny
         load_settings(None, {"engine": {"tensor_parallel": 2, "distributed": {
             "hosts": str(hosts), "port": 41000}}})
 
+
+# -- pipeline parallel: a run of layers per rank -----------------------------------------------
+
+PP_MODEL = "tiny-qwen2"
+# ~70 prompt tokens: with 16-token prefill steps, several pipelined chunks (whose outputs no
+# rank evaluates) before the last one
+LONG = " ".join(f"w{i}" for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def pp(tmp_path_factory, tiny_qwen2, tiny_llama):
+    """Two ranks, one layer each of the tiny Qwen2 (its mlx-lm class pipelines); Llama's
+    does not, and is installed to be refused."""
+    srv = _server(tmp_path_factory.mktemp("pp2"), tiny_qwen2, {"tiny-llama": tiny_llama},
+                  engine={"pipeline_parallel": 2, "prefill_step_size": 16})
+    yield srv
+    srv.stop()
+
+
+def _pp_requests() -> list[dict]:
+    reqs = _requests(PP_MODEL, second=None)
+    reqs.append({"model": PP_MODEL, "prompt": LONG, "max_tokens": 7, "temperature": 0,
+                 "logprobs": 1, "return_tokens_as_token_ids": True})
+    return reqs
+
+
+def test_two_pipeline_ranks_give_the_tokens_of_one_process(one, pp):
+    h = pp.health()
+    group = h["engine_core"]["pipeline_parallel"]
+    assert (group["mode"], group["size"], group["backend"]) == ("pipeline", 2, "ring")
+    assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == pp.core_pid
+    assert "tensor_parallel" not in h["engine_core"]
+    cores = httpx.get(pp.url + "/api/ps").json()["engine_cores"]
+    assert cores[0]["pipeline_parallel"]["rank_pids"] == group["rank_pids"]
+    r = httpx.post(pp.url + "/v1/completions", timeout=60,
+                   json={"model": PP_MODEL, "prompt": LONG, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] > 3 * 16  # LONG takes several prefill steps
+    expected = _run(one, _pp_requests())
+    assert expected[-1][2] == 7
+    assert _run(pp, _pp_requests()) == expected
+    # a model whose mlx-lm class has no pipelining fails its load, naming why; the group
+    # serves on, in step
+    r = httpx.post(pp.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert "has no pipeline parallelism in mlx-lm" in r.json()["error"]["message"]
+    assert _run(pp, _pp_requests()) == expected
+
+
+def test_a_killed_pipeline_rank_fails_the_groups_requests_and_the_group_restarts(one, pp):
+    _kill_a_rank_and_see_the_group_restart(pp, 1, PP_MODEL, "pipeline_parallel")
+    assert _run(pp, _pp_requests()) == _run(one, _pp_requests())
+
+
+def test_tensor_and_pipeline_parallel_at_once_are_refused():
+    from mlxd.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="cannot both be above 1"):
+        load_settings(None, {"engine": {"tensor_parallel": 2, "pipeline_parallel": 2}})

@@ -71,7 +71,7 @@ class CoreSupervisor:
         settings_file.write_bytes(pickle.dumps(self.settings))
         env = {**os.environ, **self.device.env, **core_env(self.settings.backend),
                "PYTHONUNBUFFERED": "1"}
-        if self.settings.engine.tensor_parallel > 1:  # a group of rank processes
+        if self.settings.engine.rank_group_size > 1:  # a group of rank processes
             from mlxd.enginecore import group
 
             self._proc = group.spawn(self.settings, self.run_dir, self.epoch, env)
@@ -131,11 +131,12 @@ def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
                           os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if len(devices) > 1 and settings.engine.tensor_parallel > 1:
+    if len(devices) > 1 and settings.engine.rank_group_size > 1:
         # each rank takes the next GPU of CUDA_VISIBLE_DEVICES, which a per-device core
         # narrows to its own one: groups of devices per core are not built yet
-        raise ConfigError("engine.devices (several engine cores) and engine.tensor_parallel "
-                          "> 1 cannot be combined yet: choose one")
+        raise ConfigError(f"engine.devices (several engine cores) and engine."
+                          f"{settings.engine.parallel_mode}_parallel > 1 cannot be combined "
+                          "yet: choose one")
     return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
 
 
