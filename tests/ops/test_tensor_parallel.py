@@ -129,11 +129,19 @@ def _run(srv: LiveServer, reqs: list[dict] | None = None) -> list[tuple]:
         return list(pool.map(one, reqs))
 
 
-def test_two_ranks_give_the_tokens_of_one_process(one, tp):
+def test_two_ranks_give_the_tokens_of_one_process(one, tp, tmp_path):
     h = tp.health()
     group = h["engine_core"]["tensor_parallel"]
     assert group["size"] == 2 and group["backend"] == "ring"
     assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
+    # `mlxd ps` shows the group: mode, size, backend and the ranks' pids in rank order
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "cli-home"),
+               MLXD_SERVER__PORT=str(tp.port))
+    out = subprocess.run([sys.executable, "-m", "mlxd", "ps"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert ["CORE", "PARALLEL", "RANKS", "BACKEND", "RANK", "PIDS"] in rows
+    assert ["0", "tensor", "2", "ring", ",".join(map(str, group["rank_pids"]))] in rows
     assert group["mode"] == "tensor"
     assert "tensor_parallel" not in one.health()["engine_core"]
     expected = _run(one)
