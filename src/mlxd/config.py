@@ -302,8 +302,9 @@ class EngineSettings(_Section):
         description=(
             "Engine cores (data parallel, one per device, each with its own copy of the "
             "models; requests are routed by load and prefix affinity): unset: one core on "
-            "the default device; 'all': one per GPU; '0,1': those GPUs (on CUDA each core "
-            "sees only its own); 'cpu' or 'cpu:N': N cores on the CPU."
+            "the default device; 'all': one per GPU (one on the CPU when MLX sees none); "
+            "'0,1': those GPUs (on CUDA each core sees only its own); 'cpu' or 'cpu:N': N "
+            "cores on the CPU."
         ),
     )
     affinity_slack: int = Field(
