@@ -258,14 +258,21 @@ class ModelSettings(_Section):
 
 
 class DistributedSettings(_Section):
-    """How the ranks of a tensor-parallel engine core reach each other (MLX's own
-    ``mx.distributed``): see engine.tensor_parallel."""
+    """How the ranks of a tensor- or pipeline-parallel engine core reach each other (MLX's
+    own ``mx.distributed``): see engine.tensor_parallel and engine.pipeline_parallel.
+
+    Only the backends that form a group from processes mlxd starts itself are offered: ring
+    and NCCL are set up by environment variables. MLX's MPI backend forms a group only from
+    a world that ``mpirun`` launched (README, "Tensor and pipeline parallel", says why that
+    is not offered), and JACCL (RDMA over Thunderbolt 5) exists only in macOS 26.2+ builds
+    of MLX, which no test here can reach."""
 
     backend: Literal["auto", "ring", "nccl"] = Field(
         "auto",
         description=(
             "mx.distributed backend of the rank group: 'ring' (TCP, any machine), 'nccl' "
-            "(NVIDIA GPUs), 'auto': nccl when MLX sees CUDA, else ring."
+            "(NVIDIA GPUs), 'auto': nccl when MLX sees CUDA, else ring. MPI and JACCL are "
+            "not offered (see the README)."
         ),
     )
     hosts: Path | None = Field(
@@ -295,8 +302,9 @@ class EngineSettings(_Section):
         description=(
             "Engine cores (data parallel, one per device, each with its own copy of the "
             "models; requests are routed by load and prefix affinity): unset: one core on "
-            "the default device; 'all': one per GPU; '0,1': those GPUs (on CUDA each core "
-            "sees only its own); 'cpu' or 'cpu:N': N cores on the CPU."
+            "the default device; 'all': one per GPU (one on the CPU when MLX sees none); "
+            "'0,1': those GPUs (on CUDA each core sees only its own); 'cpu' or 'cpu:N': N "
+            "cores on the CPU."
         ),
     )
     affinity_slack: int = Field(
@@ -315,6 +323,17 @@ class EngineSettings(_Section):
             "Ranks one model is sharded over (mlx-lm tensor parallelism over mx.distributed): "
             "the engine core becomes a group of this many processes that step in lockstep; "
             "rank 0 schedules. Text models only; 1: one process, no sharding."
+        ),
+    )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks one model's layers are split over (mlx-lm's pipeline parallelism over "
+            "mx.distributed, for the models whose mlx-lm class offers it: Qwen2/2.5, "
+            "Qwen3-MoE, DeepSeek-V2/V3, GLM-4-MoE...): the engine core becomes a group of "
+            "this many processes that step in lockstep, each running its run of layers; "
+            "rank 0 schedules. Text models only; 1: off. Not with tensor_parallel above 1."
         ),
     )
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
@@ -465,19 +484,37 @@ class EngineSettings(_Section):
             raise ValueError("engine.speculative is 'draft' but engine.draft_model is not set")
         return self
 
+    @property
+    def parallel_mode(self) -> Literal["tensor", "pipeline"]:
+        """How a rank group splits a model (``engine.pipeline_parallel`` above 1: layers)."""
+        return "pipeline" if self.pipeline_parallel > 1 else "tensor"
+
+    @property
+    def rank_group_size(self) -> int:
+        """Processes the engine core is made of: 1 unless a model is split over ranks."""
+        return max(self.tensor_parallel, self.pipeline_parallel)
+
     @model_validator(mode="after")
     def _rank_hosts(self) -> EngineSettings:
-        """A hosts file that cannot start the group stops the start, naming the key."""
+        """A hosts file that cannot start the group stops the start, naming the key; so do
+        both kinds of split at once."""
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            # mlx-lm's pipelined forward pass sends, receives and gathers over MLX's global
+            # group, so combining both needs sub-groups, which the ring backend cannot split
+            raise ValueError("engine.pipeline_parallel and engine.tensor_parallel cannot both "
+                             "be above 1: choose one")
         d = self.distributed
-        if d.hosts is not None and self.tensor_parallel > 1:
-            hosts = rank_hosts(d.hosts, self.tensor_parallel)
+        if d.hosts is not None and self.rank_group_size > 1:
+            hosts = rank_hosts(d.hosts, self.rank_group_size,
+                               f"engine.{self.parallel_mode}_parallel")
             if not d.port and any(h["ssh"] is not None for h in hosts):
                 raise ValueError("engine.distributed.port: set it when engine.distributed.hosts "
                                  "spans hosts (ranks elsewhere cannot be told free ports)")
         return self
 
 
-def rank_hosts(path: Path, n: int) -> list[dict[str, Any]]:
+def rank_hosts(path: Path, n: int, size_key: str = "engine.tensor_parallel"
+               ) -> list[dict[str, Any]]:
     """An mlx.launch hostfile, one entry per rank: ``{"ssh": host, or None for this host
     (rank 0), "ip": the address the other ranks reach it at}``."""
     import json
@@ -492,8 +529,7 @@ def rank_hosts(path: Path, n: int) -> list[dict[str, Any]]:
         raise ValueError(f"{key}: cannot read {path} as an mlx.launch hostfile "
                          f"([{{\"ssh\": host, \"ips\": [ip]}}, ...]): {exc}") from None
     if len(out) != n:
-        raise ValueError(f"{key}: {path} lists {len(out)} hosts, but engine.tensor_parallel "
-                         f"is {n}")
+        raise ValueError(f"{key}: {path} lists {len(out)} hosts, but {size_key} is {n}")
     missing = [i for i, h in enumerate(out) if not h["ip"]]
     if missing:
         raise ValueError(f"{key}: host {missing[0]} in {path} has no \"ips\" (the ranks "

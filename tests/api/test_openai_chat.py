@@ -228,3 +228,29 @@ def test_logprobs_when_streaming(client):
     offsets = [o for c in chunks if c.choices[0].logprobs
                for o in c.choices[0].logprobs.text_offset]
     assert tokens == ref.tokens and offsets == ref.text_offset
+
+
+def test_logprobs_name_tokens_by_id_on_request(client, tokenizer):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token (and alternative) by id,
+    which a byte piece's text cannot do; text, offsets and streams are otherwise the same."""
+    ckw = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=5, temperature=0,
+               logprobs=2)
+    plain = client.completions.create(**ckw).choices[0]
+    by_id = client.completions.create(extra_body={"return_tokens_as_token_ids": True},
+                                      **ckw).choices[0]
+    assert by_id.text == plain.text
+    assert all(t.startswith("token_id:") for t in by_id.logprobs.tokens)
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
+    assert [tokenizer.decode([i]) for i in ids] == plain.logprobs.tokens
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset
+    assert all(k.startswith("token_id:") for top in by_id.logprobs.top_logprobs for k in top)
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+              temperature=0, logprobs=True, top_logprobs=1)
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = client.chat.completions.create(stream=True, **kw,
+                                            extra_body={"return_tokens_as_token_ids": True})
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.content]
+    assert [tokenizer.decode([int(x.token.removeprefix("token_id:"))]) for x in streamed] == \
+        [x.token for x in full]
+    assert all(x.top_logprobs[0].token.startswith("token_id:") for x in streamed)

@@ -34,11 +34,14 @@ def test_bad_config_file_exits_2_naming_the_key(tmp_path):
 
 
 def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
+    """Also ``--devices all`` on a host without a GPU: every device MLX has is the CPU, so
+    one engine core there (cpu:0), and the log says so."""
     port = free_port()
     env = _env(tmp_path)
     env["MLXD_ENGINE__MAX_NUM_SEQS"] = "4"  # env reaches the process
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port),
-              "--preload", str(tiny_qwen2), "--log-format", "json", env=env)
+              "--preload", str(tiny_qwen2), "--log-format", "json", "--devices", "all",
+              env=env)
     try:
         deadline = time.time() + 90
         while True:
@@ -52,6 +55,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
             assert time.time() < deadline
             time.sleep(0.2)
         assert {m["name"] for m in r.json()["models"]} == {"tiny-llama", "tiny-qwen2"}
+        assert [c["device"] for c in r.json()["engine_cores"]] == ["cpu:0"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -62,6 +66,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
     assert p.returncode in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in out
     assert '"logger": "mlxd.access"' in out  # structured json logs, one line per request
+    assert "engine.devices all: MLX sees no GPU, so one engine core on the CPU" in out
 
 
 def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
@@ -132,12 +137,17 @@ def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
         assert message in out and "Traceback" not in out
 
 
-def test_devices_with_tensor_parallel_exit_2(tmp_path):
-    p = _mlxd("serve", "--devices", "cpu:2", "--tensor-parallel", "2", "--port",
-              str(free_port()), env=_env(tmp_path))
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 2, out
-    assert "cannot be combined yet" in out and "Traceback" not in out
+def test_split_models_with_several_devices_or_both_splits_exit_2(tmp_path):
+    """A rank group per device is not built yet (one check for both kinds of split); nor are
+    both kinds of split at once."""
+    for args, message in [
+            (("--devices", "cpu:2", "--pipeline-parallel", "2"),
+             "engine.pipeline_parallel > 1 cannot be combined yet"),
+            (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "cannot both be above 1")]:
+        p = _mlxd("serve", *args, "--port", str(free_port()), env=_env(tmp_path))
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 2, out
+        assert message in out and "Traceback" not in out
 
 
 def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):

@@ -1,11 +1,14 @@
-"""engine.tensor_parallel: 2 ranks on loopback (mx.distributed's ring backend, CPU) serve
-the tiny model sharded, with the tokens one process gives; a rank killed -> the group's
-requests end with 503, the group restarts with its model, and serves again."""
+"""engine.tensor_parallel and engine.pipeline_parallel: 2 ranks on loopback (mx.distributed's
+ring backend, CPU) serve the tiny models split (sharded, or a layer each), with the token ids
+one process gives; a rank killed -> the group's requests end with 503, the group restarts
+with its model, and serves again. Both modes compare against one single-process server."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,44 +75,78 @@ def tp(tmp_path_factory, tiny_llama, others):
     srv.stop()
 
 
-def _requests() -> list[dict]:
+def _requests(model: str = MODEL, second: str | None = "tiny-qwen2") -> list[dict]:
     """Greedy rows of different lengths in one batch (they join and leave it at different
-    steps), one with log-probabilities, a seeded sampled row, a grammar-constrained row
-    (processors on rank 0), and a row for a second sharded model stepping alongside."""
-    reqs = [{"prompt": p, "max_tokens": 6 + 3 * i, "temperature": 0}
-            for i, p in enumerate(PROMPTS)]
+    steps), one with its top-2 alternatives, a seeded sampled row, a grammar-constrained row
+    (processors on rank 0), and a row for a second split model stepping alongside. Every
+    row names its tokens by id (logprobs with vLLM's return_tokens_as_token_ids)."""
+    ids = {"return_tokens_as_token_ids": True}
+    reqs = [{"model": model, "prompt": p, "max_tokens": 6 + 3 * i, "temperature": 0,
+             "logprobs": 1, **ids} for i, p in enumerate(PROMPTS)]
     reqs[0]["logprobs"] = 2
-    reqs.append({"prompt": "once upon", "max_tokens": 10, "temperature": 0.9, "seed": 7})
-    reqs.append({"messages": [{"role": "user", "content": "json please"}], "max_tokens": 12,
-                 "temperature": 0, "response_format": {"type": "json_object"}})
-    reqs.append({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 8,
-                 "temperature": 0})
+    reqs.append({"model": model, "prompt": "once upon", "max_tokens": 10, "temperature": 0.9,
+                 "seed": 7, "logprobs": 1, **ids})
+    reqs.append({"model": model, "messages": [{"role": "user", "content": "json please"}],
+                 "max_tokens": 12, "temperature": 0, "response_format": {"type": "json_object"},
+                 "logprobs": True, **ids})
+    if second is not None:
+        reqs.append({"model": second, "prompt": "hello there", "max_tokens": 8,
+                     "temperature": 0, "logprobs": 1, **ids})
     return reqs
 
 
-def _run(srv: LiveServer) -> list[tuple]:
+def _token_ids(choice: dict) -> tuple[list[int], list[list[int]]]:
+    """A choice's token ids and, per token, its top alternatives' ids (sorted)."""
+    lp = choice["logprobs"]
+    if "content" in lp:  # chat
+        names = [t["token"] for t in lp["content"]]
+        tops = [[a["token"] for a in t["top_logprobs"]] for t in lp["content"]]
+    else:
+        names, tops = lp["tokens"], [list(t) for t in lp["top_logprobs"]]
+
+    def as_id(name: str) -> int:
+        assert name.startswith("token_id:"), name
+        return int(name.removeprefix("token_id:"))
+
+    return [as_id(n) for n in names], [sorted(as_id(n) for n in t) for t in tops]
+
+
+def _run(srv: LiveServer, reqs: list[dict] | None = None) -> list[tuple]:
+    """Each request's (token ids, their top alternatives' ids, completion tokens, finish
+    reason), all sent at once."""
     def one(body: dict) -> tuple:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        r = httpx.post(srv.url + path, json={"model": MODEL, **body}, timeout=60)
+        r = httpx.post(srv.url + path, json=body, timeout=60)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        lp = choice.get("logprobs") or {}
-        top = [sorted(t) for t in lp.get("top_logprobs") or []]  # the top-2 token strings
-        return text, r.json()["usage"]["completion_tokens"], lp.get("tokens"), top
+        ids, tops = _token_ids(choice)
+        n = r.json()["usage"]["completion_tokens"]
+        assert len(ids) == n
+        return ids, tops, n, choice["finish_reason"]
 
-    with ThreadPoolExecutor(len(_requests())) as pool:
-        return list(pool.map(one, _requests()))
+    reqs = reqs if reqs is not None else _requests()
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(one, reqs))
 
 
-def test_two_ranks_give_the_tokens_of_one_process(one, tp):
+def test_two_ranks_give_the_tokens_of_one_process(one, tp, tmp_path):
     h = tp.health()
     group = h["engine_core"]["tensor_parallel"]
     assert group["size"] == 2 and group["backend"] == "ring"
     assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
+    # `mlxd ps` shows the group: mode, size, backend and the ranks' pids in rank order
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "cli-home"),
+               MLXD_SERVER__PORT=str(tp.port))
+    out = subprocess.run([sys.executable, "-m", "mlxd", "ps"], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert ["CORE", "PARALLEL", "RANKS", "BACKEND", "RANK", "PIDS"] in rows
+    assert ["0", "tensor", "2", "ring", ",".join(map(str, group["rank_pids"]))] in rows
+    assert group["mode"] == "tensor"
     assert "tensor_parallel" not in one.health()["engine_core"]
     expected = _run(one)
-    assert [e[1] for e in expected[:4]] == [6, 9, 12, 15] and len(expected[0][3]) == 6
+    assert [e[2] for e in expected[:4]] == [6, 9, 12, 15]
+    assert all(len(top) == 2 for top in expected[0][1])  # the top-2 alternatives' ids
     assert _run(tp) == expected
     # a stream whose client leaves mid-way: rank 0 removes the row, the followers too,
     # and the batch stays in step for the next requests
@@ -165,8 +202,8 @@ def test_a_model_that_does_not_divide_over_the_ranks_fails_its_load(one, tp, tmp
     assert _run(tp) == _run(one)
 
 
-def _stream(url: str, out: list, started: threading.Event) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+def _stream(url: str, model: str, out: list, started: threading.Event) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": "go"}],
             "max_tokens": 200, "stream": True}
     text = ""
     try:
@@ -182,34 +219,51 @@ def _stream(url: str, out: list, started: threading.Event) -> None:
         out.append((0, repr(exc)))
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-def test_a_killed_rank_fails_the_groups_requests_and_the_group_restarts(one, tp, rank):
-    before = tp.health()
-    pids = before["engine_core"]["tensor_parallel"]["rank_pids"]
-    tp.fault("slow_steps", model=MODEL, seconds=0.02)
+def _kill_a_rank_and_see_the_group_restart(srv: LiveServer, rank: int, model: str,
+                                           key: str = "tensor_parallel") -> None:
+    """Four streams and one non-streaming request in flight, then kill -9 of ``rank``: every
+    one of them ends with a 503 in OpenAI's shape (the streams with an error event), new
+    requests get 503 + Retry-After until a new group, with none of the old ranks, has
+    loaded the pinned model again."""
+    before = srv.health()
+    pids = before["engine_core"][key]["rank_pids"]
+    srv.fault("slow_steps", model=model, seconds=0.02)
     results: list = []
     started = [threading.Event() for _ in range(4)]
-    threads = [threading.Thread(target=_stream, args=(tp.url, results, ev)) for ev in started]
+    threads = [threading.Thread(target=_stream, args=(srv.url, model, results, ev))
+               for ev in started]
+    whole: list[httpx.Response] = []
+    threads.append(threading.Thread(target=lambda: whole.append(httpx.post(
+        srv.url + "/v1/completions", timeout=60,
+        json={"model": model, "prompt": "go on", "max_tokens": 200}))))
     for t in threads:
         t.start()
     assert all(ev.wait(20) for ev in started)
+    assert _wait(lambda: srv.core("status")["requests_in_flight"] == 5, 20)
     os.kill(pids[rank], signal.SIGKILL)  # kill -9 of one rank, from outside
-    assert _wait(lambda: httpx.get(tp.url + "/health").status_code == 503, 5)
-    r = httpx.post(tp.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"]
     for t in threads:
         t.join(30)
-    assert len(results) == 4
+    assert len(results) == 4 and len(whole) == 1
     for status, text in results:
         assert status == 200 and "service_unavailable" in text, text[-300:]
         assert text.endswith("data: [DONE]")
+    assert whole[0].status_code == 503, whole[0].text
+    assert whole[0].json()["error"]["code"] == "service_unavailable"
     # every rank of the old group is gone; a new group loaded the pinned model
     assert _wait(lambda: not any(_alive(p) for p in pids), 10)
-    assert _wait(lambda: httpx.get(tp.url + "/health").status_code == 200, 90)
-    h = tp.health()
-    new = h["engine_core"]["tensor_parallel"]["rank_pids"]
+    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
+    h = srv.health()
+    new = h["engine_core"][key]["rank_pids"]
     assert not set(new) & set(pids) and h["worker_restarts"] == before["worker_restarts"] + 1
-    assert MODEL in [m["name"] for m in h["models"]]
+    assert model in [m["name"] for m in h["models"]]
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_rank_fails_the_groups_requests_and_the_group_restarts(one, tp, rank):
+    _kill_a_rank_and_see_the_group_restart(tp, rank, MODEL)
     assert _run(tp) == _run(one)
 
 
@@ -226,9 +280,6 @@ def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path,
     rank 1 is started the way it is on another host (over ssh, its hostfile and settings
     written there, commands over TCP; the ``ssh`` here is a stand-in that runs the remote
     command on this machine, over loopback). SIGTERM leaves no rank behind."""
-    import subprocess
-    import sys
-
     from conftest import free_port
 
     bin_dir = tmp_path / "bin"
@@ -275,9 +326,6 @@ def _healthy(url: str) -> bool:
 
 
 def test_a_hosts_file_that_cannot_start_the_group_stops_the_start(tmp_path, tiny_llama):
-    import subprocess
-    import sys
-
     from mlxd.config import ConfigError, load_settings
 
     hosts = tmp_path / "hosts.json"
@@ -296,3 +344,63 @@ def test_a_hosts_file_that_cannot_start_the_group_stops_the_start(tmp_path, tiny
     with pytest.raises(ConfigError, match='host 1 .* has no "ips"'):
         load_settings(None, {"engine": {"tensor_parallel": 2, "distributed": {
             "hosts": str(hosts), "port": 41000}}})
+
+
+# -- pipeline parallel: a run of layers per rank -----------------------------------------------
+
+PP_MODEL = "tiny-qwen2"
+# ~70 prompt tokens: with 16-token prefill steps, several pipelined chunks (whose outputs no
+# rank evaluates) before the last one
+LONG = " ".join(f"w{i}" for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def pp(tmp_path_factory, tiny_qwen2, tiny_llama):
+    """Two ranks, one layer each of the tiny Qwen2 (its mlx-lm class pipelines); Llama's
+    does not, and is installed to be refused."""
+    srv = _server(tmp_path_factory.mktemp("pp2"), tiny_qwen2, {"tiny-llama": tiny_llama},
+                  engine={"pipeline_parallel": 2, "prefill_step_size": 16})
+    yield srv
+    srv.stop()
+
+
+def _pp_requests() -> list[dict]:
+    reqs = _requests(PP_MODEL, second=None)
+    reqs.append({"model": PP_MODEL, "prompt": LONG, "max_tokens": 7, "temperature": 0,
+                 "logprobs": 1, "return_tokens_as_token_ids": True})
+    return reqs
+
+
+def test_two_pipeline_ranks_give_the_tokens_of_one_process(one, pp):
+    h = pp.health()
+    group = h["engine_core"]["pipeline_parallel"]
+    assert (group["mode"], group["size"], group["backend"]) == ("pipeline", 2, "ring")
+    assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == pp.core_pid
+    assert "tensor_parallel" not in h["engine_core"]
+    cores = httpx.get(pp.url + "/api/ps").json()["engine_cores"]
+    assert cores[0]["pipeline_parallel"]["rank_pids"] == group["rank_pids"]
+    r = httpx.post(pp.url + "/v1/completions", timeout=60,
+                   json={"model": PP_MODEL, "prompt": LONG, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] > 3 * 16  # LONG takes several prefill steps
+    expected = _run(one, _pp_requests())
+    assert expected[-1][2] == 7
+    assert _run(pp, _pp_requests()) == expected
+    # a model whose mlx-lm class has no pipelining fails its load, naming why; the group
+    # serves on, in step
+    r = httpx.post(pp.url + "/v1/completions", timeout=60,
+                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    assert "has no pipeline parallelism in mlx-lm" in r.json()["error"]["message"]
+    assert _run(pp, _pp_requests()) == expected
+
+
+def test_a_killed_pipeline_rank_fails_the_groups_requests_and_the_group_restarts(one, pp):
+    _kill_a_rank_and_see_the_group_restart(pp, 1, PP_MODEL, "pipeline_parallel")
+    assert _run(pp, _pp_requests()) == _run(one, _pp_requests())
+
+
+def test_tensor_and_pipeline_parallel_at_once_are_refused():
+    from mlxd.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="cannot both be above 1"):
+        load_settings(None, {"engine": {"tensor_parallel": 2, "pipeline_parallel": 2}})

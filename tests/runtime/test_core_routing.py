@@ -1,8 +1,11 @@
 """The pieces of data parallelism that are pure logic: which devices ``engine.devices``
-names, and which core the router picks (the served behaviour is in
-tests/ops/test_data_parallel.py)."""
+names, how the GPU count is read from its probe, and which core the router picks (the
+served behaviour is in tests/ops/test_data_parallel.py and tests/cli/test_serve.py)."""
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +27,29 @@ def test_device_specs():
                                                                        ("gpu:0", "4")]
     with pytest.raises(ValueError, match="no GPU 2"):
         resolve("0,2", lambda: 2)
+
+
+def _interpreter(path: Path, script: str) -> str:
+    """A stand-in for the probe's Python: a shell script that ignores ``-c PROBE``."""
+    path.write_text("#!/bin/sh\n" + script + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_gpu_probe_reads_the_last_line_and_falls_back_to_none(tmp_path, caplog):
+    from mlxd.enginecore.supervisor import gpu_count
+
+    # warnings (MLX, a BLAS) may come before the count
+    assert gpu_count(_interpreter(tmp_path / "two", "echo 'a warning'; echo 2")) == 2
+    assert gpu_count(_interpreter(tmp_path / "none", "echo 0")) == 0
+    caplog.set_level(logging.WARNING, logger="mlxd.enginecore.supervisor")
+    for name, script in [("crash", "echo boom >&2; exit 1"), ("silent", "true"),
+                         ("garbage", "echo gpus"), ("negative", "echo -1"),
+                         ("hang", "exec sleep 5")]:
+        caplog.clear()
+        assert gpu_count(_interpreter(tmp_path / name, script), timeout=0.5) == 0, name
+        assert "could not count the GPUs" in caplog.text and "assuming none" in caplog.text
+    assert gpu_count(str(tmp_path / "missing")) == 0  # no such interpreter
 
 
 def test_device_setting_is_checked_and_env_overrides(monkeypatch):

@@ -36,7 +36,7 @@ from mlxd.api.tooling import (
     openai_tools,
 )
 from mlxd.core.errors import MlxdError, ModelNotFound
-from mlxd.core.types import GenerateRequest, TokenLogprob
+from mlxd.core.types import GenerateRequest, TokenLogprob, TopLogprob
 from mlxd.frontend.generation import Generation
 
 router = APIRouter(route_class=ApiRoute)
@@ -55,15 +55,21 @@ def finite_logprob(x: float) -> float:
     return max(x, LOGPROB_FLOOR) if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def _chat_logprobs(items: list[TokenLogprob]) -> dict:
+def _name(t: TokenLogprob | TopLogprob, ids: bool) -> str:
+    """A token as logprobs name it: its text, or (``return_tokens_as_token_ids``, vLLM's
+    spelling) ``token_id:<id>``."""
+    return f"token_id:{t.token_id}" if ids else t.token
+
+
+def _chat_logprobs(items: list[TokenLogprob], ids: bool = False) -> dict:
     return {
         "content": [
             {
-                "token": lp.token,
+                "token": _name(lp, ids),
                 "logprob": finite_logprob(lp.logprob),
                 "bytes": list(lp.token.encode()),
                 "top_logprobs": [
-                    {"token": t.token, "logprob": finite_logprob(t.logprob),
+                    {"token": _name(t, ids), "logprob": finite_logprob(t.logprob),
                      "bytes": list(t.token.encode())}
                     for t in lp.top
                 ],
@@ -73,15 +79,17 @@ def _chat_logprobs(items: list[TokenLogprob]) -> dict:
     }
 
 
-def _completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> dict:
+def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool = False
+                         ) -> dict:
     offsets, pos = [], offset
     for lp in items:
         offsets.append(pos)
         pos += len(lp.token)
     return {
-        "tokens": [lp.token for lp in items],
+        "tokens": [_name(lp, ids) for lp in items],
         "token_logprobs": [finite_logprob(lp.logprob) for lp in items],
-        "top_logprobs": [{t.token: finite_logprob(t.logprob) for t in lp.top} for lp in items],
+        "top_logprobs": [{_name(t, ids): finite_logprob(t.logprob) for t in lp.top}
+                         for lp in items],
         "text_offset": offsets,
     }
 
@@ -104,8 +112,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     gen = gens[0]
     cid, created = new_id("chatcmpl"), now()
     if body.stream:
-        return sse_response(_chat_stream(gens, cid, created, body.include_usage),
-                            close_all(gens))
+        return sse_response(_chat_stream(gens, cid, created, body.include_usage,
+                                         body.return_tokens_as_token_ids), close_all(gens))
     try:
         results = await until_disconnect(request, collect_all(gens))
     finally:
@@ -118,7 +126,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "choices": [{
             "index": i,
             "message": _chat_message(res),
-            "logprobs": _chat_logprobs(res.logprobs) if gen.params.logprobs else None,
+            "logprobs": _chat_logprobs(res.logprobs, body.return_tokens_as_token_ids)
+            if gen.params.logprobs else None,
             "finish_reason": res.finish_reason,
         } for i, res in enumerate(results)],
         "usage": usage_dict(total_usage(results)),
@@ -145,8 +154,8 @@ def _chat_message(res) -> dict:
     return msg
 
 
-async def _chat_stream(gens: list[Generation], cid: str, created: int, include_usage: bool
-                       ) -> AsyncIterator[str]:
+async def _chat_stream(gens: list[Generation], cid: str, created: int, include_usage: bool,
+                       ids: bool = False) -> AsyncIterator[str]:
     gen = gens[0]
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
@@ -170,7 +179,8 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
             if ev.reasoning:
                 yield chunk({"reasoning_content": ev.reasoning}, index=i)
             if want_logprobs and (ev.text or ev.logprobs):
-                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs), index=i)
+                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs, ids),
+                            index=i)
             elif ev.text:
                 yield head + json.dumps(ev.text) + tail if i == 0 else \
                     chunk({"content": ev.text}, index=i)
@@ -207,7 +217,8 @@ async def completions(body: CompletionRequest, request: Request):
     cid, created = new_id("cmpl"), now()
     if body.stream:
         return sse_response(
-            _completion_stream(gens, cid, created, body.include_usage), close_all(gens)
+            _completion_stream(gens, cid, created, body.include_usage,
+                               body.return_tokens_as_token_ids), close_all(gens)
         )
     try:
         results = await until_disconnect(request, collect_all(gens))
@@ -221,7 +232,8 @@ async def completions(body: CompletionRequest, request: Request):
         "choices": [{
             "index": i,
             "text": res.text,
-            "logprobs": _completion_logprobs(res.logprobs) if gen.params.logprobs else None,
+            "logprobs": _completion_logprobs(res.logprobs, ids=body.return_tokens_as_token_ids)
+            if gen.params.logprobs else None,
             "finish_reason": res.finish_reason,
         } for i, res in enumerate(results)],
         "usage": usage_dict(total_usage(results)),
@@ -229,7 +241,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 async def _completion_stream(gens: list[Generation], cid: str, created: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool, ids: bool = False) -> AsyncIterator[str]:
     gen = gens[0]
     base = {"id": cid, "object": "text_completion", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
@@ -240,7 +252,7 @@ async def _completion_stream(gens: list[Generation], cid: str, created: int,
             if ev.text or ev.logprobs or ev.finish_reason is not None:
                 lp = None
                 if gen.params.logprobs:
-                    lp = _completion_logprobs(ev.logprobs, offsets[i])
+                    lp = _completion_logprobs(ev.logprobs, offsets[i], ids)
                 offsets[i] += len(ev.text)
                 choice = {"index": i, "text": ev.text, "logprobs": lp,
                           "finish_reason": ev.finish_reason}

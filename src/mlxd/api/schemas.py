@@ -54,6 +54,14 @@ class SamplingFields(_Req):
     keep_alive: KeepAlive = Field(
         None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
     )
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description=(
+            "vLLM extension: with logprobs, each token (and top alternative) is named "
+            "'token_id:<id>' instead of its text, so that tokens whose text is not unique "
+            "(byte pieces of one character) can be told apart."
+        ),
+    )
 
     @field_validator("stop")
     @classmethod

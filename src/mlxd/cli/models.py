@@ -349,7 +349,8 @@ def ps(
     config: ConfigOpt = None,
 ) -> None:
     """Show what a running server has loaded and until when (with several engine cores,
-    each core: device, pid, state, requests, models)."""
+    each core: device, pid, state, requests, models; with a tensor- or pipeline-parallel
+    core, its rank group: mode, size, backend, the ranks' pids)."""
     import urllib.error
     import urllib.request
 
@@ -398,6 +399,19 @@ def ps(
             table.add_row(str(c.get("index")), str(c.get("device")), str(c.get("pid") or "-"),
                           str(c.get("state")), str(c.get("requests_in_flight", 0)),
                           str(c.get("restarts", 0)), ", ".join(c.get("models") or []) or "-")
+        typer.echo("")
+        _print(table)
+    groups = [(c.get("index"), g) for c in cores for key in ("tensor_parallel",
+                                                             "pipeline_parallel")
+              if (g := c.get(key))]
+    if groups:  # an engine core made of ranks (engine.tensor_parallel / pipeline_parallel)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for col in ("CORE", "PARALLEL", "RANKS", "BACKEND", "RANK PIDS"):
+            table.add_column(col, no_wrap=True)
+        for index, g in groups:
+            table.add_row(str(index), str(g.get("mode")), str(g.get("size")),
+                          str(g.get("backend")),
+                          ",".join(str(pid) for pid in g.get("rank_pids") or []) or "-")
         typer.echo("")
         _print(table)
 

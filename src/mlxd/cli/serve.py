@@ -58,6 +58,10 @@ def serve(
     tensor_parallel: Annotated[Optional[int], typer.Option(
         help="Shard the text model over N ranks (mx.distributed: ring on CPU, NCCL on CUDA).",
     )] = None,
+    pipeline_parallel: Annotated[Optional[int], typer.Option(
+        help="Split the text model's layers over N ranks (models whose mlx-lm class offers "
+             "pipelining: Qwen2/2.5, DeepSeek-V2/V3, Qwen3-MoE...).",
+    )] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
@@ -74,6 +78,7 @@ def serve(
             "kv_group_size": kv_group_size,
             "max_kv_size": max_kv_size,
             "tensor_parallel": tensor_parallel,
+            "pipeline_parallel": pipeline_parallel,
             "speculative": speculative,
             "draft_model": draft_model,
         },

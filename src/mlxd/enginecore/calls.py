@@ -100,7 +100,7 @@ async def status(core: Any) -> dict[str, Any]:
                    "caches_bytes": m.dynamic_bytes()},
         "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
         "models": [loaded_view(e) for e in m.loaded()],
-        "tensor_parallel": group.status(),
+        "rank_group": group.status(),
     }
 
 

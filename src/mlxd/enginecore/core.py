@@ -468,10 +468,10 @@ def main(run_dir: str, epoch: int) -> None:
     # loop got 12% (C=16) and 25% (C=64) more tokens/s through the server in an A/B on the
     # H200 (docs/benchmarks.md).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    if settings.engine.tensor_parallel > 1:
+    if settings.engine.rank_group_size > 1:
         from mlxd.enginecore import group
 
-        group.lead(settings)  # rank 0 of a tensor-parallel group (enginecore/group.py)
+        group.lead(settings)  # rank 0 of a rank group (enginecore/group.py)
     core = EngineCore(settings, run_dir, epoch)
 
     def terminate(*_: Any) -> None:

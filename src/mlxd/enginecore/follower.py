@@ -1,8 +1,9 @@
-"""``python -m mlxd.enginecore.follower RUN_DIR EPOCH BIND``: rank 1..N-1 of a
-tensor-parallel engine core (see group.py and engines/tensor_parallel.py).
+"""``python -m mlxd.enginecore.follower RUN_DIR EPOCH BIND``: rank 1..N-1 of a tensor- or
+pipeline-parallel engine core (see group.py and engines/tensor_parallel.py).
 
 It joins the group, then applies rank 0's commands in order on its main thread: loads
-(sharded), batch mutations and steps, whose collectives meet rank 0's. A reader thread
+(sharded, or this rank's layers), batch mutations and steps, whose collectives (and, when
+pipelined, sends and receives) meet rank 0's. A reader thread
 takes commands off the pipe meanwhile, so that rank 0's pings are heard even during a long
 load or step: silence for ``SILENCE_S`` means rank 0 is gone (another host's follower has
 no supervisor to end it), and the follower exits. Any failure to replay a command also
@@ -73,10 +74,10 @@ def main(run_dir: str, epoch: int, bind: str) -> None:
 
     del llm
     group = init_rank(settings)
-    tensor_parallel.setup(group, None)
+    tensor_parallel.setup(group, None, settings.engine.parallel_mode)
     replay = tensor_parallel.Replayer()
-    log.info("tensor-parallel follower rank %d (epoch %d, pid %d) ready", group.rank(), epoch,
-             os.getpid())
+    log.info("%s follower rank %d (epoch %d, pid %d) ready", tensor_parallel.mode_name(),
+             group.rank(), epoch, os.getpid())
     while True:
         cmd = cmds.get()
         try:

@@ -1,13 +1,18 @@
-"""A tensor-parallel engine core: N rank processes that live and die together.
+"""A tensor- or pipeline-parallel engine core: N rank processes that live and die together.
 
-``engine.tensor_parallel: N`` (``mlxd serve --tensor-parallel N``) makes the engine core a
-group of N processes joined by MLX's own distributed runtime, set up the way ``mlx.launch``
-sets it up (environment variables read by ``mx.distributed.init``):
+``engine.tensor_parallel: N`` (``mlxd serve --tensor-parallel N``) or
+``engine.pipeline_parallel: N`` (``--pipeline-parallel N``) makes the engine core a group of
+N processes joined by MLX's own distributed runtime, set up the way ``mlx.launch`` sets it
+up (environment variables read by ``mx.distributed.init``):
 
 * ring (TCP; any machine): ``MLX_RANK`` and ``MLX_HOSTFILE``, a JSON list with one list
   of ``"ip:port"`` per rank (loopback on one host);
 * nccl (NVIDIA): ``MLX_RANK``, ``MLX_WORLD_SIZE``, ``NCCL_HOST_IP``, ``NCCL_PORT``, and one
   GPU per rank through ``CUDA_VISIBLE_DEVICES``.
+
+Both modes use the same group and the same replay; only how a model is split differs
+(engines/tensor_parallel.py). MPI is not a backend here: MLX's forms a group only from a
+world that ``mpirun`` started, and this module starts (and restarts) each rank itself.
 
 Rank 0 is the ordinary engine core (``python -m mlxd.enginecore``): it talks to the front
 ends and schedules. Ranks 1..N-1 are followers (``python -m mlxd.enginecore.follower``)
@@ -45,7 +50,7 @@ LOCAL_IPS = ("127.0.0.1", "localhost")
 
 
 def group_size(settings: Settings) -> int:
-    return settings.engine.tensor_parallel
+    return settings.engine.rank_group_size
 
 
 _has_cuda: list[bool] = []  # asked once per process
@@ -97,7 +102,7 @@ def _hosts(settings: Settings, n: int) -> list[dict[str, Any]]:
     path = settings.engine.distributed.hosts
     if path is None:
         return [{"ssh": None, "ip": "127.0.0.1"} for _ in range(n)]
-    return rank_hosts(path, n)
+    return rank_hosts(path, n, f"engine.{settings.engine.parallel_mode}_parallel")
 
 
 class RankGroup:
@@ -130,12 +135,12 @@ class RankGroup:
                 with self._lock:
                     first, self._ended = not self._ended, True
                 if first and any(p.poll() is None for p in self.procs):
-                    log.error("tensor-parallel rank %d (pid %d) exited with code %s; ending "
+                    log.error("rank %d (pid %d) of the group exited with code %s; ending "
                               "the group", dead, self.procs[dead].pid, code)
                 self.kill()
                 return code
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("tensor-parallel group", timeout or 0)
+                raise subprocess.TimeoutExpired("rank group", timeout or 0)
             time.sleep(0.02)
 
     def terminate(self) -> None:
@@ -153,7 +158,7 @@ class RankGroup:
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
-                log.error("tensor-parallel rank (pid %d) did not die", p.pid)
+                log.error("rank (pid %d) of the group did not die", p.pid)
 
 
 def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) -> RankGroup:
@@ -198,7 +203,8 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     rank0 = subprocess.Popen(
         [sys.executable, "-m", "mlxd.enginecore", str(run_dir), str(epoch)],
         stdin=subprocess.DEVNULL, env={**env, **renv})
-    log.info("tensor-parallel engine core %d: %d ranks (%s), pids %s", epoch, n, be,
+    log.info("%s-parallel engine core %d: %d ranks (%s), pids %s",
+             settings.engine.parallel_mode, epoch, n, be,
              [rank0.pid, *(p.pid for p in followers)])
     return RankGroup([rank0, *followers])
 
@@ -280,16 +286,17 @@ def lead(settings: Settings) -> None:
     from mlxd.engines import tensor_parallel
 
     link = CommandLink(json.loads(os.environ.get("MLXD_TP_FOLLOWERS", "[]")))
-    tensor_parallel.setup(init_rank(settings), link.send)
+    tensor_parallel.setup(init_rank(settings), link.send, settings.engine.parallel_mode)
 
 
 def status() -> dict[str, Any] | None:
-    """For /health: the group this engine core leads, if any."""
+    """For /health and ``mlxd ps``: the group this engine core leads, if any (its mode,
+    size, backend and the ranks' pids in rank order)."""
     from mlxd.engines import tensor_parallel
 
     g = tensor_parallel.group()
     if g is None:
         return None
     pids = [os.getpid(), *(int(p) for p in os.environ.get(RANK_PIDS_ENV, "").split(",") if p)]
-    return {"size": g.size(), "backend": os.environ.get("MLXD_TP_BACKEND", "ring"),
-            "rank_pids": pids}
+    return {"mode": tensor_parallel.mode(), "size": g.size(),
+            "backend": os.environ.get("MLXD_TP_BACKEND", "ring"), "rank_pids": pids}

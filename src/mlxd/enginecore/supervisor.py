@@ -71,7 +71,7 @@ class CoreSupervisor:
         settings_file.write_bytes(pickle.dumps(self.settings))
         env = {**os.environ, **self.device.env, **core_env(self.settings.backend),
                "PYTHONUNBUFFERED": "1"}
-        if self.settings.engine.tensor_parallel > 1:  # a group of rank processes
+        if self.settings.engine.rank_group_size > 1:  # a group of rank processes
             from mlxd.enginecore import group
 
             self._proc = group.spawn(self.settings, self.run_dir, self.epoch, env)
@@ -131,23 +131,35 @@ def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
                           os.environ.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if len(devices) > 1 and settings.engine.tensor_parallel > 1:
+    if settings.engine.devices == "all" and devices[0].kind == "cpu":
+        log.info("engine.devices all: MLX sees no GPU, so one engine core on the CPU (cpu:0)")
+    if len(devices) > 1 and settings.engine.rank_group_size > 1:
         # each rank takes the next GPU of CUDA_VISIBLE_DEVICES, which a per-device core
         # narrows to its own one: groups of devices per core are not built yet
-        raise ConfigError("engine.devices (several engine cores) and engine.tensor_parallel "
-                          "> 1 cannot be combined yet: choose one")
+        raise ConfigError(f"engine.devices (several engine cores) and engine."
+                          f"{settings.engine.parallel_mode}_parallel > 1 cannot be combined "
+                          "yet: choose one")
     return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
 
 
-def gpu_count() -> int:
-    """The GPUs MLX sees, asked of a throwaway interpreter: this process (a front end)
-    never initialises MLX, whose Metal/CUDA state the cores must not inherit."""
-    probe = ("import mlx.core as mx; "
+GPU_PROBE = ("import mlx.core as mx; "
              "print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)")
+
+
+def gpu_count(python: str | None = None, timeout: float = 120) -> int:
+    """The GPUs MLX sees, asked of a throwaway interpreter (``python``, by default this
+    one): this process (a front end) never initialises MLX, whose Metal/CUDA state the
+    cores must not inherit. The count is the probe's last line (MLX or a BLAS may print
+    warnings before it). A probe that fails, hangs or prints no count means none: the
+    caller then serves on the CPU (``all``) or names the GPU it lacks, and the warning says
+    why."""
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
-        return int(out.strip().splitlines()[-1])
+        out = subprocess.run([python or sys.executable, "-c", GPU_PROBE], capture_output=True,
+                             text=True, timeout=timeout, check=True).stdout
+        count = int(out.strip().splitlines()[-1])
+        if count < 0:
+            raise ValueError(f"a negative count: {count}")
+        return count
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
         log.warning("could not count the GPUs (%s); assuming none", exc)
         return 0

@@ -147,7 +147,8 @@ class LLMEngine(DecodeEngine):
             self.speculative_off_reason: str | None = None
             if speculative != "off" and sharded:
                 # the followers replay plain batch steps only (engines/tensor_parallel.py)
-                self.speculative_off_reason = "tensor parallel: ranks replay plain steps only"
+                self.speculative_off_reason = (f"{tensor_parallel.mode()} parallel: ranks "
+                                               "replay plain steps only")
                 log.warning("speculative decoding is off for '%s': %s", name,
                             self.speculative_off_reason)
             elif speculative != "off":
@@ -231,7 +232,7 @@ class LLMEngine(DecodeEngine):
                 tensor_parallel.check_loaded(self.tp_id, self.name)
 
     def _new_generator(self) -> Any:
-        """The batch; on rank 0 of a tensor-parallel group, one that its followers replay."""
+        """The batch; on rank 0 of a rank group, one that its followers replay."""
         gen = self.raw_generator()
         if self.tp_id and tensor_parallel.leads():
             return tensor_parallel.ReplicatedBatch(gen, self.tp_id)

@@ -1,13 +1,19 @@
-"""One text model sharded over the ranks of an ``mx.distributed`` group (tensor parallel).
+"""One text model split over the ranks of an ``mx.distributed`` group: tensor parallel
+(``engine.tensor_parallel``) or pipeline parallel (``engine.pipeline_parallel``).
 
-mlx-lm shards a model's linear layers with ``model.shard(group)``; every forward pass then
-all-reduces inside the model, so every rank must run the same forward passes at the same
-time with the same batch. Rank 0 is the ordinary engine core: it schedules, samples, and
-runs grammars and penalties. Followers hold the other shards and replay what rank 0 did to
-its mlx-lm batch, as a stream of commands:
+Tensor parallel: mlx-lm shards a model's linear layers with ``model.shard(group)``; every
+forward pass then all-reduces inside the model. Pipeline parallel: mlx-lm's
+``PipelineMixin.pipeline(group)`` (``model.model.pipeline``, in the classes that offer it)
+keeps a run of consecutive layers on each rank, rank 0 the last ones; a forward pass
+receives the hidden state from the rank before, runs its layers, sends it on, and ends with
+an ``all_gather`` that gives every rank the last layer's output. Either way every rank must
+run the same forward passes at the same time with the same batch. Rank 0 is the ordinary
+engine core: it schedules, samples, and runs grammars and penalties. Followers hold the
+other shards (or layers) and replay what rank 0 did to its mlx-lm batch, as a stream of
+commands:
 
-* ``("load", eid, name, path, options)``: load this model sharded (the :class:`LLMEngine`
-  options rank 0 used);
+* ``("load", eid, name, path, options)``: load this model's shard or layers (the
+  :class:`LLMEngine` options rank 0 used);
 * ``("new", eid)``: a fresh batch (after a load, or after a fault reset the batch);
 * ``("insert", eid, prompts, max_tokens, all_tokens)``, ``("remove", eid, uids)``:
   batch mutations, in rank 0's order (uids are assigned in insertion order, so they agree);
@@ -38,31 +44,44 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
 log = logging.getLogger(__name__)
 
-_state: dict[str, Any] = {"group": None, "publish": None}
+Mode = Literal["tensor", "pipeline"]
+_state: dict[str, Any] = {"group": None, "publish": None, "mode": "tensor"}
 _ids = itertools.count(1)
 
 
 class GroupStepFailed(BaseException):  # noqa: N818 - named for what happened
-    """A step of a sharded model failed on rank 0. The followers may be blocked in (or past)
+    """A step of a split model failed on rank 0. The followers may be blocked in (or past)
     that step's collectives: the group is out of step and only a restart of every rank
     mends it. A ``BaseException`` so that it passes the worker's per-engine recovery and
     ends the device thread, which ends the process (the supervisor restarts the group)."""
 
 
-def setup(group: Any, publish: Callable[[tuple], None] | None) -> None:
-    """Install this process's rank group (and, on rank 0, the command publisher)."""
+def setup(group: Any, publish: Callable[[tuple], None] | None, mode: Mode = "tensor") -> None:
+    """Install this process's rank group, how it splits models (and, on rank 0, the command
+    publisher)."""
     _state["group"] = group
     _state["publish"] = publish
+    _state["mode"] = mode
+
+
+def mode() -> Mode:
+    """How this process's group splits a model: "tensor" or "pipeline"."""
+    return _state["mode"]
+
+
+def mode_name() -> str:
+    """For messages: "tensor-parallel" or "pipeline-parallel"."""
+    return f"{_state['mode']}-parallel"
 
 
 def group() -> Any:
-    """The rank group when this process is part of a tensor-parallel engine core."""
+    """The rank group when this process is part of a tensor- or pipeline-parallel core."""
     return _state["group"]
 
 
@@ -108,7 +127,7 @@ def check_loaded(eid: int, name: str) -> None:
     have = _count_loaded(True, g)
     if have < g.size():
         publish(("close", eid))
-        raise ModelLoadError(f"model '{name}' loaded on {have} of {g.size()} tensor-parallel "
+        raise ModelLoadError(f"model '{name}' loaded on {have} of {g.size()} {mode_name()} "
                              "ranks (see the other ranks' logs)")
 
 
@@ -125,10 +144,14 @@ SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size"
 
 
 def shard(model: Any, name: str, config: dict) -> None:
-    """Shard ``model`` over the group (lazy weights: only this rank's slices are read)."""
+    """Split ``model`` over the group as the mode says (lazy weights: only this rank's
+    slices, or layers, are ever read)."""
     from mlxd.core.errors import ModelLoadError
 
     g = _state["group"]
+    if _state["mode"] == "pipeline":
+        pipeline(model, name, g)
+        return
     if not hasattr(model, "shard"):
         raise ModelLoadError(
             f"model '{name}' ({type(model).__module__}) has no tensor-parallel sharding in "
@@ -142,6 +165,30 @@ def shard(model: Any, name: str, config: dict) -> None:
         model.shard(g)
     except Exception as exc:  # noqa: BLE001 - e.g. heads that do not divide by the ranks
         raise ModelLoadError(f"model '{name}' cannot be sharded over {g.size()} ranks: "
+                             f"{exc}") from exc
+
+
+def pipeline(model: Any, name: str, g: Any) -> None:
+    """Keep this rank's run of layers (mlx-lm's even split, rank 0 the last layers). A model
+    whose mlx-lm class has no pipelining (mlx-lm's own test: ``model.model.pipeline``) or
+    fewer layers than ranks is a load error naming the cause, before any step."""
+    from mlxd.core.errors import ModelLoadError
+
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "pipeline"):
+        raise ModelLoadError(
+            f"model '{name}' ({type(model).__module__}) has no pipeline parallelism in "
+            "mlx-lm (its class lacks PipelineMixin, which Qwen2/2.5, Qwen3-MoE, "
+            "DeepSeek-V2/V3 and GLM-4-MoE have); serve it with engine.pipeline_parallel: 1, "
+            "or engine.tensor_parallel")
+    layers = len(getattr(inner, "layers", []))
+    if layers < g.size():
+        raise ModelLoadError(f"model '{name}' cannot be pipelined over {g.size()} ranks: it "
+                             f"has {layers} layers")
+    try:
+        inner.pipeline(g)
+    except Exception as exc:  # noqa: BLE001 - mlx-lm's ValueError for a split it refuses
+        raise ModelLoadError(f"model '{name}' cannot be pipelined over {g.size()} ranks: "
                              f"{exc}") from exc
 
 
@@ -161,6 +208,12 @@ def share_tokens(gen: Any) -> None:
         # int32: a type every backend sums (NCCL has no unsigned 32-bit sum everywhere)
         mine = tokens.astype(mx.int32) if g.rank() == 0 else mx.zeros(tokens.shape, mx.int32)
         batch._next_tokens = mx.distributed.all_sum(mine, group=g).astype(tokens.dtype)
+        # Queued now, so that it runs before anything of the next step on every rank (a
+        # stream runs what it is given in order). Left lazy, each rank would run it where
+        # its own next graph needs it: pipelined, rank 0's receive of the hidden state does
+        # not depend on the tokens and would run first, while the first layers' rank sums
+        # the tokens first (it embeds them): each waits for the other forever.
+        mx.async_eval(batch._next_tokens)
 
 
 class ReplicatedBatch:
@@ -176,7 +229,7 @@ class ReplicatedBatch:
                caches: list | None = None, all_tokens: list[list[int]] | None = None,
                **kw: Any) -> list[int]:
         if caches is not None and any(c is not None for c in caches):
-            raise RuntimeError("a cached prefix cannot join a tensor-parallel batch")
+            raise RuntimeError(f"a cached prefix cannot join a {mode_name()} batch")
         publish(("insert", self._eid, prompts, max_tokens, all_tokens))
         return self._gen.insert(prompts, max_tokens=max_tokens, all_tokens=all_tokens, **kw)
 
@@ -190,7 +243,7 @@ class ReplicatedBatch:
             out = self._gen.next()
             share_tokens(self._gen)
         except Exception as exc:
-            raise GroupStepFailed(f"a tensor-parallel step failed: {exc}") from exc
+            raise GroupStepFailed(f"a {mode_name()} step failed: {exc}") from exc
         return out
 
     def close(self) -> None:
@@ -245,7 +298,7 @@ class Replayer:
             if engine is not None:
                 engine.close()
         else:
-            raise ValueError(f"unknown tensor-parallel command {op!r}")
+            raise ValueError(f"unknown {mode_name()} command {op!r}")
 
     def _load(self, eid: int, name: str, path: str, options: dict) -> None:
         from mlxd.engines.llm import LLMEngine

@@ -3,7 +3,9 @@
 Each core reports its own models, requests and memory (enginecore/calls.py ``status`` and
 ``loaded``); a host with one core per device shows each core (``engine_cores``: device,
 pid, state, loaded models, requests) and totals over the cores that answered, with a model
-loaded on several cores listed once, naming the cores that hold it.
+loaded on several cores listed once, naming the cores that hold it. A core that is a rank
+group (tensor or pipeline parallel) shows it under the setting's name
+(``tensor_parallel`` / ``pipeline_parallel``: mode, size, backend, rank pids).
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ def core_state(client: Any) -> str:
     if client.serving:
         return "ok"
     return "loading" if client.alive else "restarting"
+
+
+def rank_group_view(status: dict[str, Any] | None) -> dict[str, Any]:
+    """``{"tensor_parallel": group}`` or ``{"pipeline_parallel": group}`` for a core whose
+    status reports a rank group; ``{}`` otherwise."""
+    rg = (status or {}).get("rank_group")
+    return {f"{rg['mode']}_parallel": rg} if rg else {}
 
 
 def core_view(client: Any, status: dict[str, Any] | None, restarts: int) -> dict[str, Any]:
@@ -33,6 +42,7 @@ def core_view(client: Any, status: dict[str, Any] | None, restarts: int) -> dict
         "requests_total": st.get("requests_total", 0),
         "models": [m["name"] for m in st.get("models", [])],
         "memory": st.get("memory", {}),
+        **rank_group_view(st),
     }
 
 

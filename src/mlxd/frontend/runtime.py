@@ -172,9 +172,8 @@ class Runtime:
             "status": self.state,
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
-            "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")} | (
-                {"tensor_parallel": tp} if (tp := (found.get(0) or {}).get("tensor_parallel"))
-                else {}),
+            "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")}
+            | health.rank_group_view(found.get(0)),
             "engine_cores": cores,
             "model_loaded": bool(merged["models"]),
             "default_model": self.catalog.default_name,

@@ -229,9 +229,12 @@ class EncoderService:
         if getattr(llm, "tp_id", 0):
             # its weights are one rank's shard: a forward pass of rank 0 alone would wait
             # for the other ranks' all-reduces forever
+            from mlxd.engines import tensor_parallel
+
             raise InvalidRequest(
-                f"model '{entry.name}' is sharded over the engine's tensor-parallel ranks "
-                "and cannot score documents; use a reranker model", param="model")
+                f"model '{entry.name}' is split over the engine's "
+                f"{tensor_parallel.mode_name()} ranks and cannot score documents; use a "
+                "reranker model", param="model")
         from mlxd.engines.encoder import llm_batch_policy
         from mlxd.engines.rerank import LLMRerankEngine
 

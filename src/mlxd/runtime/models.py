@@ -262,8 +262,8 @@ class ModelManager:
         dtype = self.settings.models.dtype
         upcast = dtype == "float32" or (dtype == "auto" and wants_float32())
         need = await asyncio.to_thread(estimate_model_bytes, path, upcast_half=upcast)
-        if kind == "chat":  # a tensor-parallel rank holds 1/N of the weights
-            need //= self.settings.engine.tensor_parallel
+        if kind == "chat":  # a rank holds 1/N of the weights (of the layers, pipelined)
+            need //= self.settings.engine.rank_group_size
         draft = await self._draft_path() if kind == "chat" else None
         if draft is not None:
             need += await asyncio.to_thread(estimate_model_bytes, draft, upcast_half=upcast)
