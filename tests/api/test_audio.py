@@ -122,6 +122,10 @@ def engine(srv: LiveServer, name: str) -> dict:
     return next(m for m in srv.health()["models"] if m["name"] == name)
 
 
+def segments(v) -> list[dict]:
+    return [s.model_dump() for s in v.segments]
+
+
 # -- models --------------------------------------------------------------------------------
 
 
@@ -193,6 +197,34 @@ def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
     assert e["max_batch_size_seen"] >= 3
 
 
+def test_long_files_are_cut_at_a_pause_and_windows_decode_independently(oai):
+    """What happens at a window boundary (README): a 0.1 s silence at 27.0 s is the
+    quietest stretch of the first window's last 5 s, so the cut is in its middle (27.05
+    s); each window is decoded on its own, without the text before it, so each side's
+    segments are exactly those of that stretch sent as a file of its own."""
+    rate = 16000  # no resampling: the silence stays exactly zero
+    cut = int(27.05 * rate)
+    x = np.concatenate([tone(27.0, rate), np.zeros((1, rate // 10), np.float32),
+                        tone(12.9, rate, seed=1)], axis=1)
+
+    def verbose(samples: np.ndarray):
+        return oai.audio.transcriptions.create(model=STT, file=("a.wav", encode(samples, rate)),
+                                               response_format="verbose_json")
+
+    full, head, tail = verbose(x), verbose(x[:, :cut]), verbose(x[:, cut:])
+    assert sorted({s.seek for s in full.segments}) == [0, 2705]
+    first = [s for s in segments(full) if s["seek"] == 0]
+    second = [s for s in segments(full) if s["seek"] == 2705]
+    assert first and second
+    assert all(s["end"] <= 27.05 for s in first) and all(s["start"] >= 27.05 for s in second)
+
+    def own(s: dict, shift: float = 0.0) -> tuple:
+        return s["text"], s["tokens"], round(s["start"] - shift, 2), round(s["end"] - shift, 2)
+
+    assert [own(s) for s in first] == [own(s) for s in segments(head)]
+    assert [own(s, 27.05) for s in second] == [own(s) for s in segments(tail)]
+
+
 def test_concurrent_transcriptions_share_batches(asrv, oai):
     files = [wav(1.0 + i * 0.5) for i in range(4)]
 
@@ -217,14 +249,19 @@ def test_mp3_flac_ogg_stereo_and_other_rates_are_decoded_and_resampled(oai):
         assert abs(v.duration - 2.0) < 0.1, (name, v.duration)
 
 
-def test_streaming_transcription_sends_deltas_then_done(oai):
-    stream = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(40.0, rate=8000)),
-                                             stream=True)
-    events = list(stream)
-    types = [e.type for e in events]
-    assert types == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
-    done = events[-1]
-    assert done.text == "".join(e.delta for e in events[:-1]).strip()
+def test_streaming_transcription_sends_a_delta_per_window_then_done(oai):
+    """A delta is a window's whole text: one for a file under 30 s, two for 40 s."""
+    for seconds, deltas in ((2.0, 1), (40.0, 2)):
+        data = wav(seconds, rate=8000)
+        events = list(oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                                      stream=True))
+        types = [e.type for e in events]
+        assert types == ["transcript.text.delta"] * deltas + ["transcript.text.done"]
+        done = events[-1]
+        assert done.text == "".join(e.delta for e in events[:-1]).strip()
+        if deltas == 1:  # the same text as without streaming
+            assert done.text == oai.audio.transcriptions.create(model=STT,
+                                                                file=("a.wav", data)).text
 
 
 def test_translation_with_the_openai_client(oai):

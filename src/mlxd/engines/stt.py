@@ -5,13 +5,15 @@ installs, its wheel is pure Python on Linux and macOS alike, and its Whisper rea
 mlx-community's MLX checkpoints and Hugging Face's own (tokenizer through transformers'
 ``WhisperProcessor``); mlx-whisper pulls in PyTorch and numba for its timing code.
 
-The unit of work is one 30-second window of 16 kHz mono samples (Whisper's encoder sees
-exactly 30 s). A request's audio is cut into windows that are decoded independently, so
-the windows of one long file and those of concurrent requests ride in the same batch: one
-pass runs the encoder on up to ``audio.max_batch_size`` windows and mlx-audio's batched
-greedy (or sampled) decoder over them, grouped by their decoding options (task, language,
-prompt, temperature). The decoder writes Whisper's timestamp tokens, which become segments
-with times relative to the window.
+The unit of work is one window of at most 30 seconds of 16 kHz mono samples (Whisper's
+encoder sees exactly 30 s; a shorter window is padded with silence). The front end cuts a
+request's audio into windows (at pauses where it can: ``frontend/audio.window_bounds``)
+that are decoded independently -- no window is conditioned on the text of the one before
+-- so the windows of one long file and those of concurrent requests ride in the same
+batch: one pass runs the encoder on up to ``audio.max_batch_size`` windows and
+mlx-audio's batched greedy (or sampled) decoder over them, grouped by their decoding
+options (task, language, prompt, temperature). The decoder writes Whisper's timestamp
+tokens, which become segments with times relative to the window.
 """
 
 from __future__ import annotations
@@ -58,13 +60,6 @@ class AudioWindow(EncodeItem):
     @property
     def n(self) -> int:
         return 1
-
-
-def windows(samples: np.ndarray) -> list[np.ndarray]:
-    """Consecutive 30-second pieces of ``samples`` (the last one shorter; at least one)."""
-    if samples.size == 0:
-        return [samples]
-    return [samples[i:i + WINDOW_SAMPLES] for i in range(0, samples.size, WINDOW_SAMPLES)]
 
 
 class SpeechToTextEngine(BatchingEncoder):

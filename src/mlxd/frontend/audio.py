@@ -82,6 +82,46 @@ def decode_audio(data: bytes, rate: int, *, max_seconds: float, param: str = "fi
     return samples
 
 
+# Cutting long files into Whisper windows (see window_bounds)
+CUT_FRAME_S = 0.1  # the quiet stretch a cut is put in the middle of
+CUT_QUIET_RATIO = 0.25  # its RMS against the searched seconds' RMS: below it, a pause
+
+
+def window_bounds(samples: np.ndarray, rate: int, window_s: float, search_s: float
+                  ) -> list[tuple[int, int]]:
+    """(start, end) sample offsets of the windows a file is transcribed in, in order.
+
+    Whisper hears at most ``window_s`` (30 s) at a time, and this server decodes a file's
+    windows independently (none waits for the text of the one before, so they share
+    batches with each other and with other requests), so a cut through a word loses it on
+    both sides. A window followed by more audio therefore ends in the middle of the
+    quietest ``CUT_FRAME_S`` of its last ``search_s`` seconds when that stretch is a pause
+    (its RMS under ``CUT_QUIET_RATIO`` of those seconds' RMS), and at ``window_s`` when
+    there is none (continuous music, a steady tone): a steady signal has no better place.
+    The last window ends with the file. ``search_s`` 0: every cut at ``window_s``.
+    """
+    n = int(samples.size)
+    win = max(int(window_s * rate), 1)
+    frame = max(int(CUT_FRAME_S * rate), 1)
+    span = min(int(search_s * rate), win - 1)
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while n - start > win:
+        end = start + win
+        cut = end
+        if span >= frame:
+            seg = samples[end - span:end].astype(np.float64)
+            sq = np.concatenate(([0.0], np.cumsum(seg * seg)))
+            power = (sq[frame:] - sq[:-frame]) / frame  # mean square of each frame-long run
+            quiet = int(np.argmin(power))
+            if power[quiet] < CUT_QUIET_RATIO ** 2 * (sq[-1] / span):
+                cut = end - span + quiet + frame // 2
+        bounds.append((start, cut))
+        start = cut
+    bounds.append((start, n))
+    return bounds
+
+
 class _Sink(io.RawIOBase):
     """A write-only file for PyAV's muxer; the bytes written so far are taken as they come."""
 
