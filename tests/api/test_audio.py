@@ -13,6 +13,7 @@ import io
 import sys
 import threading
 import time
+import wave
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -366,11 +367,20 @@ def _sentence_seconds(rate: int = 32000) -> float:
     return TTS_TOKENS * SOPRANO_TOKEN_SAMPLES / rate
 
 
+PIECE_SAMPLES = TTS_TOKENS * SOPRANO_TOKEN_SAMPLES  # one piece's audio at 32 kHz
+THREE_PIECES = "The first sentence is here. A second one follows it. And a third one ends it."
+PLACEHOLDER = b"\xff\xff\xff\xff"  # a streamed wav's RIFF and data sizes
+
+
 def test_speech_formats_with_the_openai_client(oai):
     r = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
                                 response_format="wav")
     audio, rate = decode(r.content)
     assert rate == 32000 and abs(audio.size / rate - _sentence_seconds()) < 0.02
+    # one piece: encoded whole before it is sent, so the header has the real sizes
+    assert r.content[4:8] != PLACEHOLDER
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert w.getnframes() == PIECE_SAMPLES and w.getframerate() == 32000
     for fmt in ("mp3", "flac", "opus", "aac"):
         r = oai.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.",
                                     response_format=fmt)
@@ -382,14 +392,28 @@ def test_speech_formats_with_the_openai_client(oai):
     assert abs(len(pcm) / 2 / 24000 - _sentence_seconds()) < 0.02
 
 
-def test_speech_streams_piece_by_piece_and_speed_shortens_it(asrv, oai):
-    text = "The first sentence is here. A second one follows it. And a third one ends it."
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "opus", "pcm"])
+def test_speech_streams_piece_by_piece(oai, fmt):
+    """Three pieces come as (at least) three chunks, as they are made, and the chunks
+    together are one file of the three pieces' length."""
     with oai.audio.speech.with_streaming_response.create(
-            model=TTS, voice="alloy", input=text, response_format="pcm") as r:
+            model=TTS, voice="alloy", input=THREE_PIECES, response_format=fmt) as r:
         chunks = [c for c in r.iter_bytes() if c]
-    assert len(chunks) >= 3  # one per piece, as it is made
-    total = sum(len(c) for c in chunks) / 2 / 24000
-    assert abs(total - 3 * _sentence_seconds()) < 0.05
+    assert len(chunks) >= 3, [len(c) for c in chunks]
+    body = b"".join(chunks)
+    if fmt == "pcm":
+        assert abs(len(body) / 2 / 24000 - 3 * _sentence_seconds()) < 0.05
+        return
+    audio, rate = decode(body)
+    assert abs(audio.size / rate - 3 * _sentence_seconds()) < 0.05, (fmt, audio.size / rate)
+    if fmt == "wav":  # OpenAI's streamed wav: both sizes 0xFFFFFFFF; every sample is there
+        assert body[4:8] == PLACEHOLDER and body[body.index(b"data") + 4:][:4] == PLACEHOLDER
+        with wave.open(io.BytesIO(body)) as w:
+            assert w.getnframes() == 2**31 - 1  # what wave makes of the placeholder
+            assert len(w.readframes(w.getnframes())) == 2 * 3 * PIECE_SAMPLES
+
+
+def test_speed_shortens_speech(oai):
     fast = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
                                    response_format="wav", speed=2.0)
     audio, rate = decode(fast.content)
@@ -397,16 +421,23 @@ def test_speech_streams_piece_by_piece_and_speed_shortens_it(asrv, oai):
 
 
 def test_speech_sse_events(asrv):
+    """stream_format=sse: a speech.audio.delta per piece, in order (the first holds the
+    wav header; together they decode to the three pieces), then speech.audio.done."""
     import base64
     import json
 
     with asrv.client() as c:
-        r = c.post("/v1/audio/speech", json={"model": TTS, "input": "One. Two.",
-                                             "response_format": "pcm", "stream_format": "sse"})
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": THREE_PIECES,
+                                             "response_format": "wav", "stream_format": "sse"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-    assert [e["type"] for e in events][-1] == "speech.audio.done"
-    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-    assert len(pcm) > 0 and len(pcm) % 2 == 0
+    types = [e["type"] for e in events]
+    assert types[-1] == "speech.audio.done" and len(types) >= 4
+    assert set(types[:-1]) == {"speech.audio.delta"}
+    parts = [base64.b64decode(e["audio"]) for e in events[:-1]]
+    assert all(parts) and parts[0][:4] == b"RIFF" and b"RIFF" not in b"".join(parts[1:])
+    audio, rate = decode(b"".join(parts))
+    assert rate == 32000 and abs(audio.size / rate - 3 * _sentence_seconds()) < 0.02
 
 
 def test_transcription_and_speech_run_next_to_chat(asrv, oai):

@@ -26,6 +26,9 @@ SPEECH_FORMATS: dict[str, tuple[str, str, int | None]] = {
     "opus": ("ogg", "libopus", 48000),
     "aac": ("adts", "aac", None),
 }
+# Muxer options. Ogg's muxer holds packets until a page spans 1 s by default, so a short
+# speech came out only at its end; 0.1 s pages stream (about 2 kbit/s of page headers).
+MUXER_OPTIONS: dict[str, dict[str, str]] = {"opus": {"page_duration": "100000"}}
 # OpenAI's pcm: raw 24 kHz 16-bit signed little-endian samples, no header
 PCM_RATE = 24000
 MEDIA_TYPES = {"mp3": "audio/mpeg", "flac": "audio/flac", "wav": "audio/wav",
@@ -146,9 +149,17 @@ class SpeechEncoder:
 
     ``speed`` != 1 time-stretches (FFmpeg's ``atempo``, pitch kept) for models that have
     no speed control of their own.
+
+    Streamed, the muxer cannot go back to the header: a wav's RIFF and data sizes stay
+    FFmpeg's placeholder 0xFFFFFFFF (what OpenAI streams too; FFmpeg, browsers and Python's
+    ``wave`` read the samples, though ``wave`` reports 2**31 - 1 frames), an mp3 has no
+    frame count and a flac no total. ``whole=True`` (the caller has all the audio before
+    anything is sent) writes into a seekable buffer and returns everything from
+    ``finish``: FFmpeg then writes the real sizes, frame count and total.
     """
 
-    def __init__(self, fmt: str, rate: int, speed: float = 1.0) -> None:
+    def __init__(self, fmt: str, rate: int, speed: float = 1.0, *, whole: bool = False
+                 ) -> None:
         av = _av()
         self.av = av
         self.fmt = fmt
@@ -162,8 +173,9 @@ class SpeechEncoder:
             self.container = None
             return
         container, codec, _ = SPEECH_FORMATS[fmt]
-        self.sink = _Sink()
-        self.container = av.open(self.sink, mode="w", format=container)
+        self.sink: _Sink | io.BytesIO = io.BytesIO() if whole else _Sink()
+        self.container = av.open(self.sink, mode="w", format=container,
+                                 options=MUXER_OPTIONS.get(fmt, {}))
         self.stream = self.container.add_stream(codec, rate=self.out_rate, layout="mono")
 
     def _tempo(self, speed: float) -> Any:
@@ -223,6 +235,8 @@ class SpeechEncoder:
             for pkt in self.stream.encode(None):
                 self.container.mux(pkt)
             self.container.close()
+        if isinstance(self.sink, io.BytesIO):  # whole: everything at the end
+            return self.sink.getvalue() if flush else b""
         return self.sink.take()
 
     def encode(self, samples: np.ndarray) -> bytes:

@@ -9,7 +9,9 @@ request yields each window's text as soon as it and those before it are done.
 
 Speech: the input is cut at sentence ends into pieces, each piece one core call (one
 synthesis pass on the device), encoded and yielded as it arrives; the next piece is
-already queued while the current one is encoded and sent.
+already queued while the current one is encoded and sent. An input of one piece is
+encoded whole before it is sent, so its container states its real length (a wav header's
+sizes); a longer one streams with the placeholders of a stream.
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ class SpeechRequests:
             pending.cancel()
             raise
         rate = int(first["sample_rate"])
-        encoder = SpeechEncoder(fmt, rate, 1.0 if first["speed_applied"] else speed)
+        encoder = SpeechEncoder(fmt, rate, 1.0 if first["speed_applied"] else speed,
+                                whole=len(pieces) == 1)
 
         async def body() -> AsyncIterator[bytes]:
             t0 = time.perf_counter()
