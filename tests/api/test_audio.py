@@ -67,6 +67,22 @@ def wav(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
     return encode(tone(seconds, rate, channels), rate)
 
 
+def video_only() -> bytes:
+    """An mp4 holding three 16x16 video frames and no audio stream."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"
+        for i in range(3):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 40 * i, np.uint8),
+                                               format="rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    return buf.getvalue()
+
+
 def decode(data: bytes) -> tuple[np.ndarray, int]:
     with av.open(io.BytesIO(data)) as c:
         st = c.streams.audio[0]
@@ -123,8 +139,28 @@ def engine(srv: LiveServer, name: str) -> dict:
     return next(m for m in srv.health()["models"] if m["name"] == name)
 
 
+def metric(srv: LiveServer, prefix: str, **labels: str) -> float:
+    """One sample of /metrics (0 when absent: a counter not yet incremented)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix) and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def whisper_passes(srv: LiveServer) -> tuple[float, float]:
+    """(forward passes, windows) the Whisper engine has run: its encoder batch histogram."""
+    return (metric(srv, "mlxd:embed_batch_size_count", model=STT),
+            metric(srv, "mlxd:embed_batch_size_sum", model=STT))
+
+
 def segments(v) -> list[dict]:
     return [s.model_dump() for s in v.segments]
+
+
+def decoded(s: dict) -> tuple:
+    """What a segment's decoding chose: its place, tokens and text."""
+    return s["seek"], s["start"], s["end"], s["text"], s["tokens"]
 
 
 # -- models --------------------------------------------------------------------------------
@@ -173,15 +209,26 @@ def test_word_timestamps(oai):
 
 
 def test_text_srt_and_vtt_renderings(oai):
-    text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav(2.0)),
+    """Greedy decoding: every rendering of one file carries the same transcript."""
+    data = wav(2.0)
+    j = oai.audio.transcriptions.create(model=STT, file=("a.wav", data))
+    v = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                       response_format="verbose_json")
+    assert j.text and j.text == v.text
+    text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", data),
                                            response_format="text")
-    assert isinstance(text, str)
-    srt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+    assert text == j.text + "\n"  # as OpenAI's: the text and a newline
+    srt = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
                                           response_format="srt")
-    assert srt.startswith("1\n00:00:0") and " --> 00:00:0" in srt
-    vtt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+    cues = [c.split("\n") for c in srt.strip("\n").split("\n\n")]
+    assert [c[0] for c in cues] == [str(i) for i in range(1, len(v.segments) + 1)]
+    assert [c[2] for c in cues] == [s.text.strip() for s in v.segments]
+    assert cues[0][1].startswith("00:00:0") and " --> 00:00:0" in cues[0][1]
+    vtt = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
                                           response_format="vtt")
     assert vtt.startswith("WEBVTT\n\n00:00:0") and " --> " in vtt
+    assert vtt.strip("\n").split("\n\n")[1:] == [
+        f"{c[1].replace(',', '.')}\n{c[2]}" for c in cues]
 
 
 def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
@@ -227,17 +274,29 @@ def test_long_files_are_cut_at_a_pause_and_windows_decode_independently(oai):
 
 
 def test_concurrent_transcriptions_share_batches(asrv, oai):
-    files = [wav(1.0 + i * 0.5) for i in range(4)]
+    """Four requests at once: their windows ride in fewer passes than windows (the
+    encoder batch histogram's own change, whatever ran before), and each transcript is
+    the one its file gets alone (greedy)."""
+    files = [encode(tone(1.0 + i * 0.5, seed=i), 16000) for i in range(4)]
 
     def one(i: int):
         return oai.audio.transcriptions.create(model=STT, file=(f"{i}.wav", files[i]),
                                                response_format="verbose_json")
 
+    alone = [one(i) for i in range(4)]
+    passes, windows = whisper_passes(asrv)
     with ThreadPoolExecutor(4) as pool:
-        out = list(pool.map(one, range(4)))
-    for i, v in enumerate(out):
-        assert abs(v.duration - (1.0 + i * 0.5)) < 0.05
-    assert engine(asrv, STT)["max_batch_size_seen"] >= 2
+        together = list(pool.map(one, range(4)))
+    passes_after, windows_after = whisper_passes(asrv)
+    assert windows_after - windows == 4
+    assert passes_after - passes < 4  # at least one pass decoded two requests' windows
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert abs(b.duration - (1.0 + i * 0.5)) < 0.05
+        assert b.text == a.text and [decoded(x) for x in segments(b)] == \
+            [decoded(x) for x in segments(a)]
+        # the probabilities, from batched matmuls, agree to float32 rounding
+        assert [x["no_speech_prob"] for x in segments(b)] == pytest.approx(
+            [x["no_speech_prob"] for x in segments(a)], rel=1e-4)
 
 
 def test_mp3_flac_ogg_stereo_and_other_rates_are_decoded_and_resampled(oai):
@@ -265,6 +324,26 @@ def test_streaming_transcription_sends_a_delta_per_window_then_done(oai):
                                                                 file=("a.wav", data)).text
 
 
+def test_prompt_and_temperature(asrv, oai):
+    """The prompt conditions the decoder (another transcript, the same one each time);
+    temperature > 0 samples (another transcript each time) and is reported per segment."""
+    data = wav(2.0)
+
+    def verbose(**kw):
+        return oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                               response_format="verbose_json", **kw)
+
+    plain = verbose()
+    prompted = [verbose(prompt="Glossary: mlxd, Whisper, MLX.") for _ in range(2)]
+    assert segments(prompted[0]) == segments(prompted[1]) != segments(plain)
+    sampled = [verbose(temperature=1.0) for _ in range(2)]
+    assert all(s.temperature == 1.0 for v in sampled for s in v.segments)
+    assert all(s.temperature == 0.0 for s in plain.segments)
+    assert sampled[0].text != sampled[1].text
+    err = _err(_post(asrv, data, temperature="1.5"), 400)
+    assert err["param"] == "temperature"
+
+
 def test_translation_with_the_openai_client(oai):
     t = oai.audio.translations.create(model=STT, file=("a.wav", wav(2.0)))
     assert isinstance(t.text, str)
@@ -287,6 +366,9 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
                  b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(200)):
         err = _err(_post(asrv, data), 400)
         assert err["param"] == "file" and err["type"] == "invalid_request_error", err
+    # a container with only a video stream
+    err = _err(_post(asrv, video_only()), 400)
+    assert err["param"] == "file" and "no audio stream" in err["message"], err
     # streamed too: the file is checked before the stream starts
     err = _err(_post(asrv, b"not audio" * 50, stream="true"), 400)
     assert err["param"] == "file"
