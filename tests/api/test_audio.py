@@ -552,35 +552,72 @@ def test_transcription_and_speech_run_next_to_chat(asrv, oai):
 # -- the model manager -------------------------------------------------------------------------
 
 
-def test_stt_models_follow_the_lru_cap_and_keep_alive(tmp_path, tiny_llama, audio_dirs):
-    """Two Whisper models, max_stt_models 1: loading the second evicts the first; a request
-    with keep_alive 0 unloads its model when it is done."""
+def test_audio_models_follow_the_lru_caps_keep_alive_and_the_memory_budget(
+        tmp_path, tiny_llama, audio_dirs):
+    """Two Whispers and two Sopranos under max_stt_models 1, max_tts_models 1 and a memory
+    budget that holds the chat model and one audio model, never two: each load evicts an
+    idle model for the reason /metrics names (capacity: the same kind's cap; memory: the
+    other kind's idle model), keep_alive "1s" unloads a model about a second after its
+    request, keep_alive 0 at once."""
     import shutil
 
-    second = tmp_path / "src" / "tiny-whisper-b"
-    shutil.copytree(audio_dirs[0], second)
-    for d in (audio_dirs[0], second):
+    from mlxd.runtime.memory import estimate_model_bytes
+
+    stt_b, tts_b = "tiny-whisper-b", "tiny-soprano-b"  # the name tells mlx-audio: Soprano
+    for name, src in ((stt_b, audio_dirs[0]), (tts_b, audio_dirs[1])):
+        shutil.copytree(src, tmp_path / "src" / name)
+    for d in (*audio_dirs, tmp_path / "src" / stt_b, tmp_path / "src" / tts_b):
         _pull(tmp_path / "models", d)
-    srv = LiveServer(make_settings(tmp_path, tiny_llama,
-                                   audio={"max_tokens_per_window": 4},
-                                   engine={"warmup": False})).start()
+    sizes = [estimate_model_bytes(d, upcast_half=True) for d in (*audio_dirs, tiny_llama)]
+    budget = sizes[2] + max(sizes[:2]) + 4 * 1024 * 1024  # < the chat model + both kinds
+    assert min(sizes[:2]) > 4 * 1024 * 1024
+    srv = LiveServer(make_settings(
+        tmp_path, tiny_llama, engine={"warmup": False},
+        models={"max_stt_models": 1, "max_tts_models": 1, "memory_budget_bytes": budget},
+        audio={"max_tokens_per_window": 4, "tts_max_tokens": 2})).start()
     try:
         def loaded() -> set[str]:
-            return {m["name"] for m in srv.health()["models"]}
+            return {m["name"] for m in srv.health()["models"]} - {"tiny-llama"}
 
-        assert _post(srv, wav(1.0)).status_code == 200  # STT: the form names it
-        assert STT in loaded()
-        with srv.client() as c:
-            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
-                       data={"model": "tiny-whisper-b"})
+        def evicted(model: str, reason: str) -> float:
+            return metric(srv, "mlxd:model_evictions_total", model=model, reason=reason)
+
+        def stt(model: str, **form: str) -> None:
+            r = _post(srv, wav(1.0), model=model, **form)
             assert r.status_code == 200, r.text
-            assert "tiny-whisper-b" in loaded() and STT not in loaded()
-            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
-                       data={"model": STT, "keep_alive": "0"})
+
+        def tts(model: str, **body: str) -> None:
+            with srv.client() as c:
+                r = c.post("/v1/audio/speech", json={"model": model, "input": "Hi.", **body})
             assert r.status_code == 200, r.text
-        deadline = time.time() + 10
-        while STT in loaded() and time.time() < deadline:
-            time.sleep(0.1)
-        assert STT not in loaded() and "tiny-whisper-b" not in loaded()
+
+        def gone_within(name: str, seconds: float) -> None:
+            deadline = time.time() + seconds
+            while name in loaded() and time.time() < deadline:
+                time.sleep(0.1)
+            assert name not in loaded()
+
+        stt(STT)
+        assert loaded() == {STT}
+        stt(stt_b)  # the stt cap
+        assert loaded() == {stt_b} and evicted(STT, "capacity") == 1
+        tts(TTS)  # the budget: the idle Whisper goes
+        assert loaded() == {TTS} and evicted(stt_b, "memory") == 1
+        tts(tts_b)  # the tts cap
+        assert loaded() == {tts_b} and evicted(TTS, "capacity") == 1
+        t0 = time.time()
+        stt(STT, keep_alive="1s")  # the budget: the idle Soprano goes
+        assert loaded() == {STT} and evicted(tts_b, "memory") == 1
+        entry = engine(srv, STT)
+        assert t0 < entry["expires_at"] <= time.time() + 1.0
+        gone_within(STT, 5)
+        assert evicted(STT, "idle") == 1
+        tts(TTS, keep_alive="1s")
+        assert loaded() == {TTS}
+        gone_within(TTS, 5)
+        assert evicted(TTS, "idle") == 1
+        stt(stt_b, keep_alive="0")  # unloaded as the request ends: no eviction
+        gone_within(stt_b, 2)
+        assert evicted(stt_b, "idle") == 0
     finally:
         srv.stop()
