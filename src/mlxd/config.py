@@ -618,6 +618,9 @@ class AudioSettings(_Section):
         3600.0, gt=0, description="Longest decoded audio accepted for transcription; more: 413.")
     max_speech_chars: int = Field(
         4096, ge=1, description="Longest /v1/audio/speech input in characters; more: 400.")
+    max_clips_per_request: int = Field(
+        8, ge=1, description="input_audio parts one chat request may carry (each decoded in "
+        "the front end and up to 750 prompt tokens on Gemma 4); more: 400.")
     max_batch_size: int = Field(
         8, ge=1, description="Whisper windows (of one or many requests) decoded together "
         "in one batch.")
