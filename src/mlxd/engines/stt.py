@@ -1,9 +1,12 @@
 """Speech to text: Whisper checkpoints through mlx-audio, batched across requests.
 
-Why mlx-audio and not mlx-whisper: mlx-audio is already what mlx-vlm (the ``vision`` extra)
-installs, its wheel is pure Python on Linux and macOS alike, and its Whisper reads both
-mlx-community's MLX checkpoints and Hugging Face's own (tokenizer through transformers'
-``WhisperProcessor``); mlx-whisper pulls in PyTorch and numba for its timing code.
+Why mlx-audio and not mlx-whisper (checked against mlx-audio 0.6.2 and mlx-whisper 0.4.3):
+mlx-vlm (the ``vision`` extra) already requires mlx-audio, which also brings the TTS
+models; both wheels are pure Python, but mlx-whisper requires PyTorch (its reference model
+in ``torch_whisper.py``), numba, scipy and tiktoken, reads audio through the ``ffmpeg`` program,
+and loads only MLX conversions (``weights.safetensors``/``weights.npz``), where mlx-audio's
+Whisper also loads Hugging Face's own checkpoints (tokenizer through transformers'
+``WhisperProcessor``, which mlxd already has).
 
 The unit of work is one window of at most 30 seconds of 16 kHz mono samples (Whisper's
 encoder sees exactly 30 s; a shorter window is padded with silence). The front end cuts a
