@@ -654,14 +654,21 @@ class AudioSettings(_Section):
         3600.0, gt=0, description="Longest decoded audio accepted for transcription; more: 413.")
     max_speech_chars: int = Field(
         4096, ge=1, description="Longest /v1/audio/speech input in characters; more: 400.")
+    max_clips_per_request: int = Field(
+        8, ge=1, description="input_audio parts one chat request may carry (each decoded in "
+        "the front end and up to 750 prompt tokens on Gemma 4); more: 400.")
     max_batch_size: int = Field(
-        8, ge=1, description="30-second windows (of one or many requests) decoded together "
-        "in one Whisper batch.")
+        8, ge=1, description="Whisper windows (of one or many requests) decoded together "
+        "in one batch.")
+    window_cut_search_s: float = Field(
+        5.0, ge=0, le=25, description="A file longer than 30 s is cut into windows at the "
+        "quietest 0.1 s of each window's last this-many seconds when that 0.1 s is a pause "
+        "(RMS under a quarter of those seconds'), else at 30 s; 0: always at 30 s.")
     max_wait_ms: float = Field(
         10.0, ge=0, description="How long a transcription batch's first window waits for "
         "more to join.")
     max_tokens_per_window: int = Field(
-        224, ge=1, le=440, description="Tokens Whisper may write per 30-second window "
+        224, ge=1, le=440, description="Tokens Whisper may write per window (of at most 30 s) "
         "(its own cap is 224).")
     tts_max_tokens: int = Field(
         1024, ge=1, description="Tokens a speech model may generate per sentence.")

@@ -13,6 +13,7 @@ import io
 import sys
 import threading
 import time
+import wave
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,6 +65,22 @@ def encode(samples: np.ndarray, rate: int, fmt: str = "wav", codec: str = "pcm_s
 
 def wav(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
     return encode(tone(seconds, rate, channels), rate)
+
+
+def video_only() -> bytes:
+    """An mp4 holding three 16x16 video frames and no audio stream."""
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as c:
+        s = c.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 16, 16, "yuv420p"
+        for i in range(3):
+            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 40 * i, np.uint8),
+                                               format="rgb24")
+            for p in s.encode(frame):
+                c.mux(p)
+        for p in s.encode(None):
+            c.mux(p)
+    return buf.getvalue()
 
 
 def decode(data: bytes) -> tuple[np.ndarray, int]:
@@ -122,6 +139,30 @@ def engine(srv: LiveServer, name: str) -> dict:
     return next(m for m in srv.health()["models"] if m["name"] == name)
 
 
+def metric(srv: LiveServer, prefix: str, **labels: str) -> float:
+    """One sample of /metrics (0 when absent: a counter not yet incremented)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(prefix) and all(w in line for w in want):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def whisper_passes(srv: LiveServer) -> tuple[float, float]:
+    """(forward passes, windows) the Whisper engine has run: its encoder batch histogram."""
+    return (metric(srv, "mlxd:embed_batch_size_count", model=STT),
+            metric(srv, "mlxd:embed_batch_size_sum", model=STT))
+
+
+def segments(v) -> list[dict]:
+    return [s.model_dump() for s in v.segments]
+
+
+def decoded(s: dict) -> tuple:
+    """What a segment's decoding chose: its place, tokens and text."""
+    return s["seek"], s["start"], s["end"], s["text"], s["tokens"]
+
+
 # -- models --------------------------------------------------------------------------------
 
 
@@ -168,15 +209,26 @@ def test_word_timestamps(oai):
 
 
 def test_text_srt_and_vtt_renderings(oai):
-    text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav(2.0)),
+    """Greedy decoding: every rendering of one file carries the same transcript."""
+    data = wav(2.0)
+    j = oai.audio.transcriptions.create(model=STT, file=("a.wav", data))
+    v = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                       response_format="verbose_json")
+    assert j.text and j.text == v.text
+    text = oai.audio.transcriptions.create(model="whisper-1", file=("a.wav", data),
                                            response_format="text")
-    assert isinstance(text, str)
-    srt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+    assert text == j.text + "\n"  # as OpenAI's: the text and a newline
+    srt = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
                                           response_format="srt")
-    assert srt.startswith("1\n00:00:0") and " --> 00:00:0" in srt
-    vtt = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(2.0)),
+    cues = [c.split("\n") for c in srt.strip("\n").split("\n\n")]
+    assert [c[0] for c in cues] == [str(i) for i in range(1, len(v.segments) + 1)]
+    assert [c[2] for c in cues] == [s.text.strip() for s in v.segments]
+    assert cues[0][1].startswith("00:00:0") and " --> 00:00:0" in cues[0][1]
+    vtt = oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
                                           response_format="vtt")
     assert vtt.startswith("WEBVTT\n\n00:00:0") and " --> " in vtt
+    assert vtt.strip("\n").split("\n\n")[1:] == [
+        f"{c[1].replace(',', '.')}\n{c[2]}" for c in cues]
 
 
 def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
@@ -193,18 +245,58 @@ def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
     assert e["max_batch_size_seen"] >= 3
 
 
+def test_long_files_are_cut_at_a_pause_and_windows_decode_independently(oai):
+    """What happens at a window boundary (README): a 0.1 s silence at 27.0 s is the
+    quietest stretch of the first window's last 5 s, so the cut is in its middle (27.05
+    s); each window is decoded on its own, without the text before it, so each side's
+    segments are exactly those of that stretch sent as a file of its own."""
+    rate = 16000  # no resampling: the silence stays exactly zero
+    cut = int(27.05 * rate)
+    x = np.concatenate([tone(27.0, rate), np.zeros((1, rate // 10), np.float32),
+                        tone(12.9, rate, seed=1)], axis=1)
+
+    def verbose(samples: np.ndarray):
+        return oai.audio.transcriptions.create(model=STT, file=("a.wav", encode(samples, rate)),
+                                               response_format="verbose_json")
+
+    full, head, tail = verbose(x), verbose(x[:, :cut]), verbose(x[:, cut:])
+    assert sorted({s.seek for s in full.segments}) == [0, 2705]
+    first = [s for s in segments(full) if s["seek"] == 0]
+    second = [s for s in segments(full) if s["seek"] == 2705]
+    assert first and second
+    assert all(s["end"] <= 27.05 for s in first) and all(s["start"] >= 27.05 for s in second)
+
+    def own(s: dict, shift: float = 0.0) -> tuple:
+        return s["text"], s["tokens"], round(s["start"] - shift, 2), round(s["end"] - shift, 2)
+
+    assert [own(s) for s in first] == [own(s) for s in segments(head)]
+    assert [own(s, 27.05) for s in second] == [own(s) for s in segments(tail)]
+
+
 def test_concurrent_transcriptions_share_batches(asrv, oai):
-    files = [wav(1.0 + i * 0.5) for i in range(4)]
+    """Four requests at once: their windows ride in fewer passes than windows (the
+    encoder batch histogram's own change, whatever ran before), and each transcript is
+    the one its file gets alone (greedy)."""
+    files = [encode(tone(1.0 + i * 0.5, seed=i), 16000) for i in range(4)]
 
     def one(i: int):
         return oai.audio.transcriptions.create(model=STT, file=(f"{i}.wav", files[i]),
                                                response_format="verbose_json")
 
+    alone = [one(i) for i in range(4)]
+    passes, windows = whisper_passes(asrv)
     with ThreadPoolExecutor(4) as pool:
-        out = list(pool.map(one, range(4)))
-    for i, v in enumerate(out):
-        assert abs(v.duration - (1.0 + i * 0.5)) < 0.05
-    assert engine(asrv, STT)["max_batch_size_seen"] >= 2
+        together = list(pool.map(one, range(4)))
+    passes_after, windows_after = whisper_passes(asrv)
+    assert windows_after - windows == 4
+    assert passes_after - passes < 4  # at least one pass decoded two requests' windows
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert abs(b.duration - (1.0 + i * 0.5)) < 0.05
+        assert b.text == a.text and [decoded(x) for x in segments(b)] == \
+            [decoded(x) for x in segments(a)]
+        # the probabilities, from batched matmuls, agree to float32 rounding
+        assert [x["no_speech_prob"] for x in segments(b)] == pytest.approx(
+            [x["no_speech_prob"] for x in segments(a)], rel=1e-4)
 
 
 def test_mp3_flac_ogg_stereo_and_other_rates_are_decoded_and_resampled(oai):
@@ -217,14 +309,39 @@ def test_mp3_flac_ogg_stereo_and_other_rates_are_decoded_and_resampled(oai):
         assert abs(v.duration - 2.0) < 0.1, (name, v.duration)
 
 
-def test_streaming_transcription_sends_deltas_then_done(oai):
-    stream = oai.audio.transcriptions.create(model=STT, file=("a.wav", wav(40.0, rate=8000)),
-                                             stream=True)
-    events = list(stream)
-    types = [e.type for e in events]
-    assert types == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
-    done = events[-1]
-    assert done.text == "".join(e.delta for e in events[:-1]).strip()
+def test_streaming_transcription_sends_a_delta_per_window_then_done(oai):
+    """A delta is a window's whole text: one for a file under 30 s, two for 40 s."""
+    for seconds, deltas in ((2.0, 1), (40.0, 2)):
+        data = wav(seconds, rate=8000)
+        events = list(oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                                      stream=True))
+        types = [e.type for e in events]
+        assert types == ["transcript.text.delta"] * deltas + ["transcript.text.done"]
+        done = events[-1]
+        assert done.text == "".join(e.delta for e in events[:-1]).strip()
+        if deltas == 1:  # the same text as without streaming
+            assert done.text == oai.audio.transcriptions.create(model=STT,
+                                                                file=("a.wav", data)).text
+
+
+def test_prompt_and_temperature(asrv, oai):
+    """The prompt conditions the decoder (another transcript, the same one each time);
+    temperature > 0 samples (another transcript each time) and is reported per segment."""
+    data = wav(2.0)
+
+    def verbose(**kw):
+        return oai.audio.transcriptions.create(model=STT, file=("a.wav", data),
+                                               response_format="verbose_json", **kw)
+
+    plain = verbose()
+    prompted = [verbose(prompt="Glossary: mlxd, Whisper, MLX.") for _ in range(2)]
+    assert segments(prompted[0]) == segments(prompted[1]) != segments(plain)
+    sampled = [verbose(temperature=1.0) for _ in range(2)]
+    assert all(s.temperature == 1.0 for v in sampled for s in v.segments)
+    assert all(s.temperature == 0.0 for s in plain.segments)
+    assert sampled[0].text != sampled[1].text
+    err = _err(_post(asrv, data, temperature="1.5"), 400)
+    assert err["param"] == "temperature"
 
 
 def test_translation_with_the_openai_client(oai):
@@ -249,6 +366,9 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
                  b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(200)):
         err = _err(_post(asrv, data), 400)
         assert err["param"] == "file" and err["type"] == "invalid_request_error", err
+    # a container with only a video stream
+    err = _err(_post(asrv, video_only()), 400)
+    assert err["param"] == "file" and "no audio stream" in err["message"], err
     # streamed too: the file is checked before the stream starts
     err = _err(_post(asrv, b"not audio" * 50, stream="true"), 400)
     assert err["param"] == "file"
@@ -329,11 +449,20 @@ def _sentence_seconds(rate: int = 32000) -> float:
     return TTS_TOKENS * SOPRANO_TOKEN_SAMPLES / rate
 
 
+PIECE_SAMPLES = TTS_TOKENS * SOPRANO_TOKEN_SAMPLES  # one piece's audio at 32 kHz
+THREE_PIECES = "The first sentence is here. A second one follows it. And a third one ends it."
+PLACEHOLDER = b"\xff\xff\xff\xff"  # a streamed wav's RIFF and data sizes
+
+
 def test_speech_formats_with_the_openai_client(oai):
     r = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
                                 response_format="wav")
     audio, rate = decode(r.content)
     assert rate == 32000 and abs(audio.size / rate - _sentence_seconds()) < 0.02
+    # one piece: encoded whole before it is sent, so the header has the real sizes
+    assert r.content[4:8] != PLACEHOLDER
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert w.getnframes() == PIECE_SAMPLES and w.getframerate() == 32000
     for fmt in ("mp3", "flac", "opus", "aac"):
         r = oai.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.",
                                     response_format=fmt)
@@ -345,14 +474,28 @@ def test_speech_formats_with_the_openai_client(oai):
     assert abs(len(pcm) / 2 / 24000 - _sentence_seconds()) < 0.02
 
 
-def test_speech_streams_piece_by_piece_and_speed_shortens_it(asrv, oai):
-    text = "The first sentence is here. A second one follows it. And a third one ends it."
+@pytest.mark.parametrize("fmt", ["wav", "mp3", "opus", "pcm"])
+def test_speech_streams_piece_by_piece(oai, fmt):
+    """Three pieces come as (at least) three chunks, as they are made, and the chunks
+    together are one file of the three pieces' length."""
     with oai.audio.speech.with_streaming_response.create(
-            model=TTS, voice="alloy", input=text, response_format="pcm") as r:
+            model=TTS, voice="alloy", input=THREE_PIECES, response_format=fmt) as r:
         chunks = [c for c in r.iter_bytes() if c]
-    assert len(chunks) >= 3  # one per piece, as it is made
-    total = sum(len(c) for c in chunks) / 2 / 24000
-    assert abs(total - 3 * _sentence_seconds()) < 0.05
+    assert len(chunks) >= 3, [len(c) for c in chunks]
+    body = b"".join(chunks)
+    if fmt == "pcm":
+        assert abs(len(body) / 2 / 24000 - 3 * _sentence_seconds()) < 0.05
+        return
+    audio, rate = decode(body)
+    assert abs(audio.size / rate - 3 * _sentence_seconds()) < 0.05, (fmt, audio.size / rate)
+    if fmt == "wav":  # OpenAI's streamed wav: both sizes 0xFFFFFFFF; every sample is there
+        assert body[4:8] == PLACEHOLDER and body[body.index(b"data") + 4:][:4] == PLACEHOLDER
+        with wave.open(io.BytesIO(body)) as w:
+            assert w.getnframes() == 2**31 - 1  # what wave makes of the placeholder
+            assert len(w.readframes(w.getnframes())) == 2 * 3 * PIECE_SAMPLES
+
+
+def test_speed_shortens_speech(oai):
     fast = oai.audio.speech.create(model=TTS, voice="alloy", input="Hello there.",
                                    response_format="wav", speed=2.0)
     audio, rate = decode(fast.content)
@@ -360,16 +503,23 @@ def test_speech_streams_piece_by_piece_and_speed_shortens_it(asrv, oai):
 
 
 def test_speech_sse_events(asrv):
+    """stream_format=sse: a speech.audio.delta per piece, in order (the first holds the
+    wav header; together they decode to the three pieces), then speech.audio.done."""
     import base64
     import json
 
     with asrv.client() as c:
-        r = c.post("/v1/audio/speech", json={"model": TTS, "input": "One. Two.",
-                                             "response_format": "pcm", "stream_format": "sse"})
+        r = c.post("/v1/audio/speech", json={"model": TTS, "input": THREE_PIECES,
+                                             "response_format": "wav", "stream_format": "sse"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-    assert [e["type"] for e in events][-1] == "speech.audio.done"
-    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-    assert len(pcm) > 0 and len(pcm) % 2 == 0
+    types = [e["type"] for e in events]
+    assert types[-1] == "speech.audio.done" and len(types) >= 4
+    assert set(types[:-1]) == {"speech.audio.delta"}
+    parts = [base64.b64decode(e["audio"]) for e in events[:-1]]
+    assert all(parts) and parts[0][:4] == b"RIFF" and b"RIFF" not in b"".join(parts[1:])
+    audio, rate = decode(b"".join(parts))
+    assert rate == 32000 and abs(audio.size / rate - 3 * _sentence_seconds()) < 0.02
 
 
 def test_transcription_and_speech_run_next_to_chat(asrv, oai):
@@ -402,35 +552,72 @@ def test_transcription_and_speech_run_next_to_chat(asrv, oai):
 # -- the model manager -------------------------------------------------------------------------
 
 
-def test_stt_models_follow_the_lru_cap_and_keep_alive(tmp_path, tiny_llama, audio_dirs):
-    """Two Whisper models, max_stt_models 1: loading the second evicts the first; a request
-    with keep_alive 0 unloads its model when it is done."""
+def test_audio_models_follow_the_lru_caps_keep_alive_and_the_memory_budget(
+        tmp_path, tiny_llama, audio_dirs):
+    """Two Whispers and two Sopranos under max_stt_models 1, max_tts_models 1 and a memory
+    budget that holds the chat model and one audio model, never two: each load evicts an
+    idle model for the reason /metrics names (capacity: the same kind's cap; memory: the
+    other kind's idle model), keep_alive "1s" unloads a model about a second after its
+    request, keep_alive 0 at once."""
     import shutil
 
-    second = tmp_path / "src" / "tiny-whisper-b"
-    shutil.copytree(audio_dirs[0], second)
-    for d in (audio_dirs[0], second):
+    from mlxd.runtime.memory import estimate_model_bytes
+
+    stt_b, tts_b = "tiny-whisper-b", "tiny-soprano-b"  # the name tells mlx-audio: Soprano
+    for name, src in ((stt_b, audio_dirs[0]), (tts_b, audio_dirs[1])):
+        shutil.copytree(src, tmp_path / "src" / name)
+    for d in (*audio_dirs, tmp_path / "src" / stt_b, tmp_path / "src" / tts_b):
         _pull(tmp_path / "models", d)
-    srv = LiveServer(make_settings(tmp_path, tiny_llama,
-                                   audio={"max_tokens_per_window": 4},
-                                   engine={"warmup": False})).start()
+    sizes = [estimate_model_bytes(d, upcast_half=True) for d in (*audio_dirs, tiny_llama)]
+    budget = sizes[2] + max(sizes[:2]) + 4 * 1024 * 1024  # < the chat model + both kinds
+    assert min(sizes[:2]) > 4 * 1024 * 1024
+    srv = LiveServer(make_settings(
+        tmp_path, tiny_llama, engine={"warmup": False},
+        models={"max_stt_models": 1, "max_tts_models": 1, "memory_budget_bytes": budget},
+        audio={"max_tokens_per_window": 4, "tts_max_tokens": 2})).start()
     try:
         def loaded() -> set[str]:
-            return {m["name"] for m in srv.health()["models"]}
+            return {m["name"] for m in srv.health()["models"]} - {"tiny-llama"}
 
-        assert _post(srv, wav(1.0)).status_code == 200  # STT: the form names it
-        assert STT in loaded()
-        with srv.client() as c:
-            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
-                       data={"model": "tiny-whisper-b"})
+        def evicted(model: str, reason: str) -> float:
+            return metric(srv, "mlxd:model_evictions_total", model=model, reason=reason)
+
+        def stt(model: str, **form: str) -> None:
+            r = _post(srv, wav(1.0), model=model, **form)
             assert r.status_code == 200, r.text
-            assert "tiny-whisper-b" in loaded() and STT not in loaded()
-            r = c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0))},
-                       data={"model": STT, "keep_alive": "0"})
+
+        def tts(model: str, **body: str) -> None:
+            with srv.client() as c:
+                r = c.post("/v1/audio/speech", json={"model": model, "input": "Hi.", **body})
             assert r.status_code == 200, r.text
-        deadline = time.time() + 10
-        while STT in loaded() and time.time() < deadline:
-            time.sleep(0.1)
-        assert STT not in loaded() and "tiny-whisper-b" not in loaded()
+
+        def gone_within(name: str, seconds: float) -> None:
+            deadline = time.time() + seconds
+            while name in loaded() and time.time() < deadline:
+                time.sleep(0.1)
+            assert name not in loaded()
+
+        stt(STT)
+        assert loaded() == {STT}
+        stt(stt_b)  # the stt cap
+        assert loaded() == {stt_b} and evicted(STT, "capacity") == 1
+        tts(TTS)  # the budget: the idle Whisper goes
+        assert loaded() == {TTS} and evicted(stt_b, "memory") == 1
+        tts(tts_b)  # the tts cap
+        assert loaded() == {tts_b} and evicted(TTS, "capacity") == 1
+        t0 = time.time()
+        stt(STT, keep_alive="1s")  # the budget: the idle Soprano goes
+        assert loaded() == {STT} and evicted(tts_b, "memory") == 1
+        entry = engine(srv, STT)
+        assert t0 < entry["expires_at"] <= time.time() + 1.0
+        gone_within(STT, 5)
+        assert evicted(STT, "idle") == 1
+        tts(TTS, keep_alive="1s")
+        assert loaded() == {TTS}
+        gone_within(TTS, 5)
+        assert evicted(TTS, "idle") == 1
+        stt(stt_b, keep_alive="0")  # unloaded as the request ends: no eviction
+        gone_within(stt_b, 2)
+        assert evicted(stt_b, "idle") == 0
     finally:
         srv.stop()

@@ -82,7 +82,8 @@ def osrv(tmp_path_factory, tiny_llama, omni_dir):
                  _pull(home / "models", make_tiny_qwen2_vl(base / VLM))]
     assert {m["name"]: m["kind"] for m in manifests} == {OMNI: "vision", VLM: "vision"}
     s = make_settings(home, tiny_llama, models={"preload": [OMNI], "max_vision_models": 2},
-                      audio={"max_upload_bytes": 64 * 1024, "max_duration_s": 3})
+                      audio={"max_upload_bytes": 64 * 1024, "max_duration_s": 3,
+                             "max_clips_per_request": 2})
     srv = LiveServer(s).start()
     yield srv
     srv.stop()
@@ -133,26 +134,94 @@ def _logprobs(r: dict) -> list[float]:
     return [t["logprob"] for t in r["choices"][0]["logprobs"]["content"]]
 
 
-def test_concurrent_audio_requests_share_the_batch(osrv):
-    """Clips of different lengths decode in one batch, each as it does alone."""
-    parts = [audio_part(clip(0.5 + 0.1 * i, seed=i)) for i in range(4)]
+def _batch_seen(osrv) -> int:
+    return next(m for m in osrv.health()["models"] if m["name"] == OMNI)["max_batch_size_seen"]
+
+
+def _fresh_engine(osrv) -> None:
+    """Unload the omni model: the next request loads a new engine, whose largest batch so
+    far is then this test's own."""
+    with osrv.client() as c:
+        assert c.post("/unload", json={"model": OMNI}).status_code == 200
+
+
+def _post_all(osrv, bodies: list[dict]) -> tuple[list[dict], list[dict], int]:
+    """Each body alone (one at a time), then all at once: (solo, together, the largest
+    batch of the concurrent run)."""
+    _fresh_engine(osrv)
     with httpx.Client(base_url=osrv.url, timeout=120) as c:
-        def post(part: dict) -> dict:
-            r = c.post(CHAT, json=ask(part, max_tokens=16, logprobs=True))
+        def post(body: dict) -> dict:
+            r = c.post(CHAT, json=body)
             assert r.status_code == 200, r.text
             return r.json()
 
-        solo = [post(p) for p in parts]
-        with ThreadPoolExecutor(4) as pool:
-            batched = list(pool.map(post, parts))
+        solo = [post(b) for b in bodies]
+        assert _batch_seen(osrv) == 1
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(post, bodies))
+    return solo, together, _batch_seen(osrv)
+
+
+def test_concurrent_audio_requests_share_the_batch(osrv):
+    """Clips of different lengths decode in one batch, each as it does alone."""
+    bodies = [ask(audio_part(clip(0.5 + 0.1 * i, seed=i)), max_tokens=16, logprobs=True)
+              for i in range(4)]
+    solo, batched, seen = _post_all(osrv, bodies)
+    assert seen >= 2
     sizes = [r["usage"]["prompt_tokens"] for r in batched]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
     for a, b in zip(solo, batched, strict=True):
         assert b["choices"][0]["message"]["content"]
         assert b["usage"] == a["usage"]
         assert _logprobs(b) == pytest.approx(_logprobs(a), abs=1e-3)
-    eng = next(m for m in osrv.health()["models"] if m["name"] == OMNI)
-    assert eng["max_batch_size_seen"] >= 2
+
+
+def png_url(seed: int = 0) -> str:
+    """A 32x32 PNG with seeded noise, as a data URL."""
+    import io
+
+    from PIL import Image
+
+    arr = np.random.RandomState(seed).randint(0, 255, (32, 32, 3)).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_an_image_request_and_an_audio_request_share_one_batch(osrv):
+    """Gemma 4 takes both: an image request and an audio request decode together, each
+    as it does alone."""
+    image = ask({"type": "image_url", "image_url": {"url": png_url()}}, max_tokens=24,
+                logprobs=True)
+    audio = ask(audio_part(clip(0.5)), max_tokens=24, logprobs=True)
+    solo, batched, seen = _post_all(osrv, [image, audio])
+    assert seen == 2
+    assert solo[0]["usage"]["prompt_tokens"] != solo[1]["usage"]["prompt_tokens"]
+    for a, b in zip(solo, batched, strict=True):
+        assert b["usage"] == a["usage"]
+        assert _logprobs(b) == pytest.approx(_logprobs(a), abs=1e-3)
+
+
+def test_several_clips_in_one_request_and_the_clip_limit(osrv):
+    """Gemma 4's processor takes several clips per request (each expanded on its own);
+    more than audio.max_clips_per_request (2 here) is a 400 naming the first one over."""
+    def prompt_tokens(*parts: dict) -> int:
+        with osrv.client() as c:
+            r = c.post(CHAT, json={"model": OMNI, "max_tokens": 1, "messages": [
+                {"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    short, long = audio_part(clip(0.5)), audio_part(clip(1.0, seed=1))
+    none = prompt_tokens()
+    both = prompt_tokens(short, long)
+    assert both - none == (prompt_tokens(short) - none) + (prompt_tokens(long) - none)
+    with osrv.client() as c:
+        r = c.post(CHAT, json={"model": OMNI, "max_tokens": 1, "messages": [
+            {"role": "user", "content": [short, long, short, {"type": "text", "text": "Hi"}]}]})
+    err = _err(r, 400)
+    assert err["param"] == "messages[0].content[2]" and "max_clips_per_request" in \
+        err["message"], err
 
 
 def test_sequential_mode_takes_audio_too(tmp_path, tiny_llama, omni_dir):

@@ -76,3 +76,46 @@ def test_decode_refuses_what_is_not_audio():
     with pytest.raises(PayloadTooLarge):
         decode_audio(wav, 16000, max_seconds=1)
     assert io.BytesIO(wav).read(4) == b"RIFF"
+
+
+RATE = 1000  # window_bounds works in samples: a low rate keeps these arrays small
+
+
+def _steady(seconds: float) -> np.ndarray:
+    """A tone with a little noise: no stretch of it is quieter than the rest."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    return (0.3 * np.sin(2 * np.pi * 97 * t)
+            + 0.01 * np.random.RandomState(0).randn(t.size)).astype(np.float32)
+
+
+def _with_gap(seconds: float, at: float, length: float, level: float = 0.0) -> np.ndarray:
+    x = _steady(seconds)
+    x[int(at * RATE):int((at + length) * RATE)] *= level
+    return x
+
+
+def test_window_bounds_without_a_pause_cut_every_30_seconds():
+    from mlxd.frontend.audio import window_bounds
+
+    w = 30 * RATE
+    assert window_bounds(_steady(65), RATE, 30, 5) == [(0, w), (w, 2 * w), (2 * w, 65 * RATE)]
+    assert window_bounds(_steady(30), RATE, 30, 5) == [(0, w)]  # exactly one window
+    assert window_bounds(_steady(7), RATE, 30, 5) == [(0, 7 * RATE)]
+    # search_s 0: fixed cuts even where there is a pause
+    assert window_bounds(_with_gap(40, 27, 0.5), RATE, 30, 0) == [(0, w), (w, 40 * RATE)]
+
+
+def test_window_bounds_cut_in_a_pause_of_the_last_seconds():
+    from mlxd.frontend.audio import window_bounds
+
+    # a 0.1 s silence at 27.0 s: its middle is the cut, and the next window starts there
+    assert window_bounds(_with_gap(40, 27.0, 0.1), RATE, 30, 5) == \
+        [(0, 27050), (27050, 40 * RATE)]
+    # a quieter stretch (-20 dB) counts as a pause too; the cuts chain over a long file
+    # (the second window, 26.05 s to at most 56.05 s, finds the silence at 54 s)
+    x = np.concatenate([_with_gap(28, 26.0, 0.1, level=0.1), _with_gap(40, 26.0, 0.1)])
+    assert window_bounds(x, RATE, 30, 5) == [(0, 26050), (26050, 54050), (54050, 68000)]
+    # a dip to half the amplitude (-6 dB) is no pause; nor is a silence earlier than the
+    # searched last 5 s
+    assert window_bounds(_with_gap(40, 27.0, 0.1, level=0.5), RATE, 30, 5)[0] == (0, 30000)
+    assert window_bounds(_with_gap(40, 20.0, 0.5), RATE, 30, 5)[0] == (0, 30000)

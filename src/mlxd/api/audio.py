@@ -4,7 +4,7 @@
   ``file`` (any format FFmpeg reads), ``model``, ``language``, ``prompt``,
   ``response_format`` (json, text, srt, vtt, verbose_json with segments), ``temperature``,
   ``timestamp_granularities[]`` (segment, word) and ``stream`` (server-sent
-  ``transcript.text.delta`` events, one per 30-second window, then
+  ``transcript.text.delta`` events, one per window (of at most 30 s) with its whole text, then
   ``transcript.text.done``), served by a Whisper model.
 * ``POST /v1/audio/speech``: ``input``, ``voice``, ``response_format`` (mp3, opus, aac, flac,
   wav, pcm), ``speed``; the audio body streams piece by piece as the model makes it.

@@ -128,7 +128,8 @@ async def rerank(core: Any, **req: Any) -> dict[str, Any]:
 
 
 async def transcribe(core: Any, **req: Any) -> dict[str, Any]:
-    """Samples (16 kHz mono float32 bytes) to text and segments, per 30-second window."""
+    """One window of samples (16 kHz mono float32 bytes, at most 30 s) to text and
+    segments."""
     return await core.audio.transcribe(**req)
 
 

@@ -1,17 +1,22 @@
 """Speech to text: Whisper checkpoints through mlx-audio, batched across requests.
 
-Why mlx-audio and not mlx-whisper: mlx-audio is already what mlx-vlm (the ``vision`` extra)
-installs, its wheel is pure Python on Linux and macOS alike, and its Whisper reads both
-mlx-community's MLX checkpoints and Hugging Face's own (tokenizer through transformers'
-``WhisperProcessor``); mlx-whisper pulls in PyTorch and numba for its timing code.
+Why mlx-audio and not mlx-whisper (checked against mlx-audio 0.6.2 and mlx-whisper 0.4.3):
+mlx-vlm (the ``vision`` extra) already requires mlx-audio, which also brings the TTS
+models; both wheels are pure Python, but mlx-whisper requires PyTorch (its reference model
+in ``torch_whisper.py``), numba, scipy and tiktoken, reads audio through the ``ffmpeg`` program,
+and loads only MLX conversions (``weights.safetensors``/``weights.npz``), where mlx-audio's
+Whisper also loads Hugging Face's own checkpoints (tokenizer through transformers'
+``WhisperProcessor``, which mlxd already has).
 
-The unit of work is one 30-second window of 16 kHz mono samples (Whisper's encoder sees
-exactly 30 s). A request's audio is cut into windows that are decoded independently, so
-the windows of one long file and those of concurrent requests ride in the same batch: one
-pass runs the encoder on up to ``audio.max_batch_size`` windows and mlx-audio's batched
-greedy (or sampled) decoder over them, grouped by their decoding options (task, language,
-prompt, temperature). The decoder writes Whisper's timestamp tokens, which become segments
-with times relative to the window.
+The unit of work is one window of at most 30 seconds of 16 kHz mono samples (Whisper's
+encoder sees exactly 30 s; a shorter window is padded with silence). The front end cuts a
+request's audio into windows (at pauses where it can: ``frontend/audio.window_bounds``)
+that are decoded independently -- no window is conditioned on the text of the one before
+-- so the windows of one long file and those of concurrent requests ride in the same
+batch: one pass runs the encoder on up to ``audio.max_batch_size`` windows and
+mlx-audio's batched greedy (or sampled) decoder over them, grouped by their decoding
+options (task, language, prompt, temperature). The decoder writes Whisper's timestamp
+tokens, which become segments with times relative to the window.
 """
 
 from __future__ import annotations
@@ -58,13 +63,6 @@ class AudioWindow(EncodeItem):
     @property
     def n(self) -> int:
         return 1
-
-
-def windows(samples: np.ndarray) -> list[np.ndarray]:
-    """Consecutive 30-second pieces of ``samples`` (the last one shorter; at least one)."""
-    if samples.size == 0:
-        return [samples]
-    return [samples[i:i + WINDOW_SAMPLES] for i in range(0, samples.size, WINDOW_SAMPLES)]
 
 
 class SpeechToTextEngine(BatchingEncoder):

@@ -26,6 +26,9 @@ SPEECH_FORMATS: dict[str, tuple[str, str, int | None]] = {
     "opus": ("ogg", "libopus", 48000),
     "aac": ("adts", "aac", None),
 }
+# Muxer options. Ogg's muxer holds packets until a page spans 1 s by default, so a short
+# speech came out only at its end; 0.1 s pages stream (about 2 kbit/s of page headers).
+MUXER_OPTIONS: dict[str, dict[str, str]] = {"opus": {"page_duration": "100000"}}
 # OpenAI's pcm: raw 24 kHz 16-bit signed little-endian samples, no header
 PCM_RATE = 24000
 MEDIA_TYPES = {"mp3": "audio/mpeg", "flac": "audio/flac", "wav": "audio/wav",
@@ -82,6 +85,46 @@ def decode_audio(data: bytes, rate: int, *, max_seconds: float, param: str = "fi
     return samples
 
 
+# Cutting long files into Whisper windows (see window_bounds)
+CUT_FRAME_S = 0.1  # the quiet stretch a cut is put in the middle of
+CUT_QUIET_RATIO = 0.25  # its RMS against the searched seconds' RMS: below it, a pause
+
+
+def window_bounds(samples: np.ndarray, rate: int, window_s: float, search_s: float
+                  ) -> list[tuple[int, int]]:
+    """(start, end) sample offsets of the windows a file is transcribed in, in order.
+
+    Whisper hears at most ``window_s`` (30 s) at a time, and this server decodes a file's
+    windows independently (none waits for the text of the one before, so they share
+    batches with each other and with other requests), so a cut through a word loses it on
+    both sides. A window followed by more audio therefore ends in the middle of the
+    quietest ``CUT_FRAME_S`` of its last ``search_s`` seconds when that stretch is a pause
+    (its RMS under ``CUT_QUIET_RATIO`` of those seconds' RMS), and at ``window_s`` when
+    there is none (continuous music, a steady tone): a steady signal has no better place.
+    The last window ends with the file. ``search_s`` 0: every cut at ``window_s``.
+    """
+    n = int(samples.size)
+    win = max(int(window_s * rate), 1)
+    frame = max(int(CUT_FRAME_S * rate), 1)
+    span = min(int(search_s * rate), win - 1)
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while n - start > win:
+        end = start + win
+        cut = end
+        if span >= frame:
+            seg = samples[end - span:end].astype(np.float64)
+            sq = np.concatenate(([0.0], np.cumsum(seg * seg)))
+            power = (sq[frame:] - sq[:-frame]) / frame  # mean square of each frame-long run
+            quiet = int(np.argmin(power))
+            if power[quiet] < CUT_QUIET_RATIO ** 2 * (sq[-1] / span):
+                cut = end - span + quiet + frame // 2
+        bounds.append((start, cut))
+        start = cut
+    bounds.append((start, n))
+    return bounds
+
+
 class _Sink(io.RawIOBase):
     """A write-only file for PyAV's muxer; the bytes written so far are taken as they come."""
 
@@ -106,9 +149,17 @@ class SpeechEncoder:
 
     ``speed`` != 1 time-stretches (FFmpeg's ``atempo``, pitch kept) for models that have
     no speed control of their own.
+
+    Streamed, the muxer cannot go back to the header: a wav's RIFF and data sizes stay
+    FFmpeg's placeholder 0xFFFFFFFF (what OpenAI streams too; FFmpeg, browsers and Python's
+    ``wave`` read the samples, though ``wave`` reports 2**31 - 1 frames), an mp3 has no
+    frame count and a flac no total. ``whole=True`` (the caller has all the audio before
+    anything is sent) writes into a seekable buffer and returns everything from
+    ``finish``: FFmpeg then writes the real sizes, frame count and total.
     """
 
-    def __init__(self, fmt: str, rate: int, speed: float = 1.0) -> None:
+    def __init__(self, fmt: str, rate: int, speed: float = 1.0, *, whole: bool = False
+                 ) -> None:
         av = _av()
         self.av = av
         self.fmt = fmt
@@ -122,8 +173,9 @@ class SpeechEncoder:
             self.container = None
             return
         container, codec, _ = SPEECH_FORMATS[fmt]
-        self.sink = _Sink()
-        self.container = av.open(self.sink, mode="w", format=container)
+        self.sink: _Sink | io.BytesIO = io.BytesIO() if whole else _Sink()
+        self.container = av.open(self.sink, mode="w", format=container,
+                                 options=MUXER_OPTIONS.get(fmt, {}))
         self.stream = self.container.add_stream(codec, rate=self.out_rate, layout="mono")
 
     def _tempo(self, speed: float) -> Any:
@@ -183,6 +235,8 @@ class SpeechEncoder:
             for pkt in self.stream.encode(None):
                 self.container.mux(pkt)
             self.container.close()
+        if isinstance(self.sink, io.BytesIO):  # whole: everything at the end
+            return self.sink.getvalue() if flush else b""
         return self.sink.take()
 
     def encode(self, samples: np.ndarray) -> bytes:

@@ -34,13 +34,19 @@ def check_limits(settings: Settings, req: GenerateRequest) -> None:
 
 def check_images(settings: Settings, name: str, kind: str | None, req: GenerateRequest
                  ) -> None:
-    """400 for too many images, or images or audio to a model known not to take them
-    (no load)."""
+    """400 for too many images or audio clips, or either to a model known not to take
+    them (no load, nothing decoded yet)."""
     images = req.images or []
     limit = settings.vision.max_images_per_request
     if len(images) > limit:
         raise InvalidRequest(f"{len(images)} images, more than this server accepts in "
                              f"one request ({limit})", param=_field(images[limit].param))
+    clips = req.audio or []
+    limit = settings.audio.max_clips_per_request
+    if len(clips) > limit:
+        raise InvalidRequest(f"{len(clips)} audio clips, more than this server accepts in "
+                             f"one request ({limit}; audio.max_clips_per_request)",
+                             param=clips[limit].param)
     if kind is not None and kind != "vision":
         media = images or req.audio or []
         what = "images" if images else "audio"

@@ -1,14 +1,17 @@
 """Transcription and speech requests in a front end: what the audio routes call.
 
 Transcription: the upload is decoded and resampled here (PyAV, off the event loop) to the
-model's rate, cut into 30-second windows and sent to the core as float32 samples, one call
-per window, up to ``audio.max_batch_size`` of them in flight, so a request's windows share
-batches with each other and with other requests'; a streamed request yields each window's
-text as soon as it and those before it are done.
+model's rate, cut into windows of at most 30 seconds (at a pause near each 30 s mark when
+there is one: :func:`mlxd.frontend.audio.window_bounds`) and sent to the core as float32
+samples, one call per window, up to ``audio.max_batch_size`` of them in flight, so a
+request's windows share batches with each other and with other requests'; a streamed
+request yields each window's text as soon as it and those before it are done.
 
 Speech: the input is cut at sentence ends into pieces, each piece one core call (one
 synthesis pass on the device), encoded and yielded as it arrives; the next piece is
-already queued while the current one is encoded and sent.
+already queued while the current one is encoded and sent. An input of one piece is
+encoded whole before it is sent, so its container states its real length (a wav header's
+sizes); a longer one streams with the placeholders of a stream.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.core.errors import InvalidRequest, PayloadTooLarge
-from mlxd.frontend.audio import SpeechEncoder, decode_audio, split_text
+from mlxd.frontend.audio import SpeechEncoder, decode_audio, split_text, window_bounds
 from mlxd.observability.context import note
 
 log = logging.getLogger(__name__)
@@ -89,21 +92,21 @@ class SpeechRequests:
                                        max_seconds=a.max_duration_s)
 
     async def _windows(self, model: str | None, data: bytes, keep_alive: Any, **opts: Any
-                       ) -> tuple[dict[str, Any], np.ndarray, AsyncIterator[dict]]:
-        """(model info, samples, each window's result in order).
+                       ) -> tuple[dict[str, Any], np.ndarray, AsyncIterator[tuple[float, dict]]]:
+        """(model info, samples, (start in seconds, result) of each window in order).
 
-        Each 30-second window is its own core call, so no message carries more than one
-        window's samples (an hour of audio is 230 MB of float32) and each result can be
-        streamed as it comes; at most ``audio.max_batch_size`` of a request's windows are
-        in flight at once (enough to fill a batch, never the whole queue). The model and
-        the file are checked, and the first window is done, before this returns, so a
+        Each window (at most 30 s) is its own core call, so no message carries more than
+        one window's samples (an hour of audio is 230 MB of float32) and each result can
+        be streamed as it comes; at most ``audio.max_batch_size`` of a request's windows
+        are in flight at once (enough to fill a batch, never the whole queue). The model
+        and the file are checked, and the first window is done, before this returns, so a
         failure there is still a plain HTTP error.
         """
         info = await self._info(model, "stt", keep_alive)
         samples = await self._samples(data, info)
         rate, window = int(info["sample_rate"]), int(info["window_seconds"])
-        step = window * rate
-        pieces = [samples[i:i + step] for i in range(0, samples.size, step)] or [samples]
+        bounds = window_bounds(samples, rate, window, self.settings.audio.window_cut_search_s)
+        pieces = [samples[a:b] for a, b in bounds]
         ahead = max(int(self.settings.audio.max_batch_size), 1)
 
         def call(piece: np.ndarray) -> asyncio.Future:
@@ -120,13 +123,13 @@ class SpeechRequests:
                 c.cancel()
             raise
 
-        async def results() -> AsyncIterator[dict]:
+        async def results() -> AsyncIterator[tuple[float, dict]]:
             try:
                 for i in range(len(pieces)):
                     r = first if i == 0 else await calls[i]
                     if i + ahead < len(pieces):
                         calls.append(call(pieces[i + ahead]))
-                    yield r["windows"][0]
+                    yield bounds[i][0] / rate, r["window"]
             finally:
                 for c in calls:
                     c.cancel()
@@ -141,8 +144,8 @@ class SpeechRequests:
             model, data, keep_alive, task=task, language=language, prompt=prompt,
             temperature=temperature, words=words)
         windows = [w async for w in results]
-        return _assemble(info["name"], task, samples.size / info["sample_rate"],
-                         info["window_seconds"], windows, words)
+        return _assemble(info["name"], task, samples.size / info["sample_rate"], windows,
+                         words)
 
     async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
                                 language: str | None = None, prompt: str | None = None,
@@ -154,12 +157,12 @@ class SpeechRequests:
             temperature=temperature)
 
         async def gen() -> AsyncIterator[tuple[str, Any]]:
-            windows: list[dict] = []
+            windows: list[tuple[float, dict]] = []
             async for w in results:
                 windows.append(w)
-                yield "delta", w["text"]
+                yield "delta", w[1]["text"]
             yield "done", _assemble(info["name"], task, samples.size / info["sample_rate"],
-                                    info["window_seconds"], windows)
+                                    windows)
 
         return gen()
 
@@ -192,7 +195,8 @@ class SpeechRequests:
             pending.cancel()
             raise
         rate = int(first["sample_rate"])
-        encoder = SpeechEncoder(fmt, rate, 1.0 if first["speed_applied"] else speed)
+        encoder = SpeechEncoder(fmt, rate, 1.0 if first["speed_applied"] else speed,
+                                whole=len(pieces) == 1)
 
         async def body() -> AsyncIterator[bytes]:
             t0 = time.perf_counter()
@@ -221,25 +225,26 @@ class SpeechRequests:
         return name, body()
 
 
-def _assemble(model: str, task: str, duration: float, window_seconds: float,
-              windows: list[dict[str, Any]], words: bool = False) -> Transcript:
-    """Windows' results as one transcript: segments (and words) on the file's clock."""
+def _assemble(model: str, task: str, duration: float,
+              windows: list[tuple[float, dict[str, Any]]], words: bool = False) -> Transcript:
+    """Windows' results (each with its start in seconds) as one transcript: segments (and
+    words) on the file's clock."""
     segments: list[dict[str, Any]] = []
     all_words: list[dict[str, Any]] = []
-    for w, res in enumerate(windows):
-        offset = w * window_seconds
+    for offset, res in windows:
         for s in res["segments"]:
             all_words.extend({"word": x["word"], "start": round(offset + x["start"], 2),
                               "end": round(offset + x["end"], 2)} for x in s.get("words", []))
             segments.append({
-                "id": len(segments), "seek": int(offset * 100),
+                "id": len(segments), "seek": round(offset * 100),
                 "start": round(offset + s["start"], 2), "end": round(offset + s["end"], 2),
                 "text": s["text"], "tokens": s["tokens"], "temperature": res["temperature"],
                 "avg_logprob": res["avg_logprob"], "compression_ratio": res["compression_ratio"],
                 "no_speech_prob": res["no_speech_prob"]})
-    language = (windows[0].get("language_name") or windows[0]["language"]) if windows else ""
+    first = windows[0][1] if windows else {}
+    language = first.get("language_name") or first.get("language", "")
     if task == "translate":
         language = "english"
-    text = "".join(res["text"] for res in windows).strip()
+    text = "".join(res["text"] for _, res in windows).strip()
     return Transcript(model, task, language, round(duration, 3), text, segments,
                       all_words if words else None)

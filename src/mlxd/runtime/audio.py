@@ -1,8 +1,9 @@
 """The engine core's audio requests: transcription (Whisper windows) and speech.
 
-The front end decodes uploads (PyAV) and sends 16 kHz mono float32 samples; here they are
-cut into 30-second windows that join the model's batch queue next to other requests'
-windows (:mod:`mlxd.engines.stt`). Speech pieces go to the TTS model's queue one per pass.
+The front end decodes uploads (PyAV), cuts them into windows of at most 30 seconds and
+sends each as 16 kHz mono float32 samples; here a window joins the model's batch queue
+next to other requests' windows (:mod:`mlxd.engines.stt`). Speech pieces go to the TTS
+model's queue one per pass.
 Both hold a lease on their model for the request, so the model manager's LRU, keep-alive
 and memory budget treat them as they treat every other model.
 """
@@ -55,20 +56,25 @@ class AudioService:
                          language: str | None = None, prompt: str | None = None,
                          temperature: float = 0.0, words: bool = False,
                          keep_alive: Any = None) -> dict[str, Any]:
-        from mlxd.engines.stt import WindowOptions, windows
+        """One window (at most ``window_seconds`` of samples at ``sample_rate``; where a
+        long file is cut is the front end's choice, ``frontend/audio.window_bounds``)."""
+        from mlxd.engines.stt import WindowOptions
 
         samples = np.frombuffer(audio, dtype=np.float32)
         async with self._leased(model, self.rt.settings.audio.default_stt, keep_alive, "stt",
                                 "transcription needs a speech-to-text (Whisper) model"
                                 ) as (entry, engine):
+            if samples.size > engine.window_seconds * engine.sample_rate:
+                raise InvalidRequest(f"one transcription call takes at most "
+                                     f"{engine.window_seconds} s of audio", param="audio")
             opts = WindowOptions(task=task, language=language or None,
                                  prompt=prompt or None, temperature=float(temperature),
                                  words=bool(words))
             engine.check_options(opts)
-            results = await self.encoders.run_job(
-                engine, engine.new_windows_job(windows(samples), opts))
+            (result,) = await self.encoders.run_job(
+                engine, engine.new_windows_job([samples], opts))
             return {"model": entry.name, "duration": samples.size / engine.sample_rate,
-                    "window_seconds": engine.window_seconds, "windows": results}
+                    "window": result}
 
     async def speak(self, model: str | None, text: str, voice: str | None = None,
                     speed: float = 1.0, keep_alive: Any = None) -> dict[str, Any]:
