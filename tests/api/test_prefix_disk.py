@@ -1,5 +1,6 @@
-"""The prefix cache's disk tier through HTTP: a conversation survives a restart, the byte
-bound holds, and files that must not load (corrupt, truncated, another model, another
+"""The prefix cache's disk tier through HTTP: a conversation survives a restart, or the
+memory tier's eviction within one process, the byte bound holds (set from the
+environment), and files that must not load (corrupt, truncated, another model, another
 mlxd version) are removed while the request still succeeds with the cold answer."""
 
 from __future__ import annotations
@@ -122,7 +123,44 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path, tool_qwen2
         second.stop()
 
 
-def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen2):
+def _memory(srv) -> dict:
+    (m,) = [m for m in srv.health()["models"] if m["name"] == "tool-qwen2"]
+    return {k: v for k, v in m["prefix_cache"].items() if k != "disk"}
+
+
+def test_a_prefix_the_memory_tier_evicted_comes_back_from_disk_in_the_same_process(
+        tmp_path, tool_qwen2, cold):
+    """The memory tier holds one conversation (~260 KB of KV), not two: the second evicts
+    the first, whose next turn is then read from the disk tier -- no restart."""
+    srv = _server(tmp_path, tool_qwen2, prefix_cache_bytes=400_000)
+    try:
+        systems = [{"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]}
+                   for tag in "ab"]
+        a_history, _, a_prompt = _converse(srv, _turns(1, "a"), [systems[0]])
+        _settled(srv, entries=1)
+        _converse(srv, _turns(1, "b"), [systems[1]])
+        d = _settled(srv, entries=2)
+        assert _memory(srv)["entries"] == 1  # b pushed a out of memory...
+        assert d["entries"] == 2 and d["hits"] == 0  # ...but both are on disk
+        # nothing anywhere for either first turn: two disk misses, in /metrics as well
+        assert d["misses"] == 2
+        assert _metric(srv, "mlxd:prefix_cache_disk_misses_total") == 2
+
+        nxt = a_history + [{"role": "user", "content": "Next."}]
+        text, usage = _chat(srv, nxt)
+        assert usage.prompt_tokens_details.cached_tokens >= a_prompt
+        d = _disk(srv)
+        assert d["hits"] == 1 and d["bytes_read"] > 0 and d["misses"] == 2
+        assert _metric(srv, "mlxd:prefix_cache_disk_hits_total") == 1
+        assert text == _chat(cold, nxt)[0]
+    finally:
+        srv.stop()
+
+
+def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen2,
+                                                              monkeypatch):
+    """The bound comes from MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES, as an operator sets it."""
+
     def talk(srv, tag: str) -> Path:
         """A conversation of its own (no shared system prompt); the file it left."""
         before = set(_files(tmp_path))
@@ -137,8 +175,10 @@ def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen
     srv.stop()
 
     bound = int(2.5 * one)
-    srv = _server(tmp_path, tool_qwen2, prefix_cache_disk_bytes=bound)
+    monkeypatch.setenv("MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES", str(bound))
+    srv = _server(tmp_path, tool_qwen2)
     try:
+        assert _disk(srv)["max_bytes"] == bound
         b, c, d = (talk(srv, tag) for tag in "bcd")
         stats = _settled(srv)
         assert stats["entries"] == 2 and stats["bytes"] <= bound

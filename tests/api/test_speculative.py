@@ -1,6 +1,8 @@
 """Speculative decoding through HTTP: the same greedy tokens with and without it (prompt
-lookup and a draft model, 1, 4 and 16 concurrent requests), stop strings, JSON-schema
-output and logprobs unchanged, sampled requests served, and the acceptance metrics moving.
+lookup and a draft model that agrees on about half its tokens, 1, 4 and 16 concurrent
+requests), the plain fallback above engine.speculative_max_batch and for rows whose drafts
+keep failing, stop strings, max_tokens, JSON-schema output and logprobs unchanged, sampled
+rows drafting, the acceptance metrics moving, and `mlxd serve`'s flags.
 
 The tiny random-weight fixtures tend to fall into loops, so a prompt that already repeats
 gives prompt lookup drafts that the model accepts."""
@@ -13,12 +15,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer, install_into_store, make_settings
-from fixtures.tiny_models import make_tiny_chat_model
+from conftest import LiveServer, free_port, install_into_store, make_settings
+from fixtures.tiny_models import make_tiny_chat_model, perturbed_copy
 
 BASE = "the cat sat on the mat and the dog sat on the log and the cat sat on the"
 PROMPTS = [BASE + " x" * (i % 5) + f" {i}" * (i // 5) for i in range(16)]
@@ -49,15 +53,56 @@ def lookup(tmp_path_factory, tiny_llama):
     srv.stop()
 
 
+def _specials_edited(src: Path, out: Path) -> Path:
+    """A copy of ``src`` whose tokenizer no longer marks ``<|im_start|>`` special: the
+    vocabulary is the same, the special tokens are not."""
+    shutil.copytree(src, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        if added["content"] == "<|im_start|>":
+            added["special"] = False
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    for added in cfg["added_tokens_decoder"].values():
+        if added["content"] == "<|im_start|>":
+            added["special"] = False
+    cfg["additional_special_tokens"] = ["<|im_end|>"]
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
 @pytest.fixture(scope="module")
-def drafted(tmp_path_factory, tiny_llama):
-    """A draft model from the store: another tiny llama (other weights, same tokenizer)."""
+def partial_draft(tmp_path_factory, tiny_llama) -> Path:
+    """The target with noise on its last layer: agrees with it on about half the tokens."""
+    return perturbed_copy(tiny_llama, tmp_path_factory.mktemp("m") / "partial-draft")
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory, tiny_llama, partial_draft):
+    """A draft model from the store (``tiny-draft``, the partly agreeing one), speculating
+    up to batch 16; the store also holds ``tiny-specials``, the target with one special
+    token unmarked, which this draft must refuse to serve."""
     home = tmp_path_factory.mktemp("spec-draft")
-    src = make_tiny_chat_model(tmp_path_factory.mktemp("m") / "draft-src", "llama", seed=7)
-    install_into_store(home / "models", "tiny-draft", src)
+    install_into_store(home / "models", "tiny-draft", partial_draft)
+    install_into_store(home / "models", "tiny-specials",
+                       _specials_edited(tiny_llama, tmp_path_factory.mktemp("m") / "sp"))
     srv = LiveServer(make_settings(
         home, tiny_llama, engine=_engine(speculative="draft", draft_model="tiny-draft",
                                          speculative_max_batch=16))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def poor(tmp_path_factory, tiny_llama):
+    """A draft that almost never agrees (another tiny llama: other weights, same tokenizer),
+    speculating only while at most 4 sequences decode."""
+    home = tmp_path_factory.mktemp("spec-poor")
+    src = make_tiny_chat_model(tmp_path_factory.mktemp("m") / "poor-src", "llama", seed=7)
+    install_into_store(home / "models", "tiny-poor", src)
+    srv = LiveServer(make_settings(
+        home, tiny_llama, engine=_engine(speculative="draft", draft_model="tiny-poor",
+                                         speculative_max_batch=4))).start()
     yield srv
     srv.stop()
 
@@ -86,6 +131,12 @@ def _texts(srv, prompts: list[str], **kw) -> list[str]:
         return list(pool.map(lambda p: _complete(srv, p, **kw)["text"], prompts))
 
 
+def _each(srv, bodies: list[dict]) -> list[dict]:
+    """Concurrent completions, one per body (prompt and parameters each its own)."""
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: _complete(srv, **b), bodies))
+
+
 def _spec_stats(srv) -> dict:
     model = next(m for m in srv.health()["models"] if m["name"] == MODEL)
     return model["speculative"]
@@ -109,21 +160,79 @@ def test_prompt_lookup_greedy_tokens_match_plain_decoding(plain, lookup, batch):
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_draft_model_greedy_tokens_match_plain_decoding(plain, drafted, batch):
+    """The draft agrees on about half the tokens, so every step mixes accepted drafts,
+    rejected ones and per-row rollbacks of different lengths; the text must not change."""
     prompts = PROMPTS[:batch]
-    before = _spec_stats(drafted)["draft_tokens"]
+    before = _spec_stats(drafted)
     assert _texts(drafted, prompts) == _texts(plain, prompts)
-    assert _spec_stats(drafted)["draft_tokens"] > before
+    stats = _spec_stats(drafted)
+    assert stats["mode"] == "draft"
+    assert stats["accepted_tokens"] > before["accepted_tokens"]
+    # and some drafts were rejected: what the rollback is for
+    assert stats["draft_tokens"] - before["draft_tokens"] > \
+        stats["accepted_tokens"] - before["accepted_tokens"]
+    assert stats["max_verify_batch"] >= min(batch, 4)  # verified together, not one by one
+
+
+def test_above_the_max_batch_the_batch_decodes_plainly(plain, poor):
+    """16 requests with max_batch 4: while more than 4 decode, every step is plain; the
+    stragglers (max_tokens differ) speculate once at most 4 are left. Same text.
+
+    At most 24 tokens: further on, prompt 12 meets a near-tie that plain decoding itself
+    breaks either way depending on what shares the batch (float32 sums in another order)."""
+    bodies = [{"prompt": p, "max_tokens": 9 + i} for i, p in enumerate(PROMPTS)]
+    before = _spec_stats(poor)
+    got = [c["text"] for c in _each(poor, bodies)]
+    assert got == [c["text"] for c in _each(plain, bodies)]
+    stats = _spec_stats(poor)
+    assert stats["large_batch_steps"] > before["large_batch_steps"]
+    assert stats["plain_steps"] - before["plain_steps"] >= \
+        stats["large_batch_steps"] - before["large_batch_steps"]
+    assert stats["max_verify_batch"] <= 4  # no verify step while the batch was above 4
+    assert stats["verify_steps"] > before["verify_steps"]  # the stragglers did speculate
+
+
+def test_a_draft_that_keeps_failing_pauses_and_the_row_decodes_plainly(plain, poor):
+    before = _spec_stats(poor)
+    assert _complete(poor, PROMPTS[3], max_tokens=48)["text"] == \
+        _complete(plain, PROMPTS[3], max_tokens=48)["text"]
+    stats = _spec_stats(poor)
+    assert stats["acceptance_rate"] < 0.3  # the draft is poor indeed
+    assert stats["pauses"] > before["pauses"]
+    assert stats["paused_row_steps"] > before["paused_row_steps"]
+    # alone in the batch, the row spent most of its steps decoding plainly
+    plain_steps = stats["plain_steps"] - before["plain_steps"]
+    assert plain_steps > stats["verify_steps"] - before["verify_steps"]
+    assert stats["large_batch_steps"] == before["large_batch_steps"]
+
+
+def test_a_draft_whose_special_tokens_differ_is_refused_at_load(drafted):
+    r = httpx.post(drafted.url + "/v1/completions", timeout=120,
+                   json={"model": "tiny-specials", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_load_failed"
+    assert ("draft model tiny-draft does not share the tokenizer of 'tiny-specials' (their "
+            "special tokens differ, first at id 510: 'not special' for 'tiny-specials', "
+            "'<|im_start|>' for the draft)") in err["message"]
+    assert _complete(drafted, PROMPTS[0], max_tokens=2)["finish_reason"] == "length"
 
 
 def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_drafted):
+    before = _spec_stats(self_drafted)
+    metric_before = {k: _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total")
+                     for k in ("draft", "accepted")}
     assert _texts(self_drafted, PROMPTS[:2]) == _texts(plain, PROMPTS[:2])
     stats = _spec_stats(self_drafted)
-    assert stats["acceptance_rate"] == 1.0
+    drafted = stats["draft_tokens"] - before["draft_tokens"]
+    assert stats["accepted_tokens"] - before["accepted_tokens"] == drafted > 0
     assert stats["tokens_per_step"] > 2
-    assert _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == 1.0
+    assert _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == \
+        stats["acceptance_rate"]
     assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") > 2
-    assert _metric(self_drafted, "mlxd:spec_decode_num_accepted_tokens_total") == \
-        _metric(self_drafted, "mlxd:spec_decode_num_draft_tokens_total") > 0
+    for k in ("draft", "accepted"):
+        assert _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total") - \
+            metric_before[k] == drafted
 
 
 def test_prefix_cache_hits_under_speculation(lookup):
@@ -140,17 +249,21 @@ def test_prompt_lookup_metrics_move(lookup):
     assert 0 < _metric(lookup, "mlxd:spec_decode_draft_acceptance_rate") <= 1
 
 
-def test_stop_strings_cut_the_same_place(plain, lookup):
+@pytest.mark.parametrize("mode", ["lookup", "drafted"])
+def test_stop_strings_cut_the_same_place(plain, mode, request):
+    srv = request.getfixturevalue(mode)
     full = _complete(plain, PROMPTS[0])["text"]
     stop = full.strip().split()[len(full.split()) // 2]  # a word from the middle
-    a, b = _complete(lookup, PROMPTS[0], stop=[stop]), _complete(plain, PROMPTS[0], stop=[stop])
+    a, b = _complete(srv, PROMPTS[0], stop=[stop]), _complete(plain, PROMPTS[0], stop=[stop])
     assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"] == "stop"
     assert stop not in a["text"]
 
 
-def test_max_tokens_is_exact_when_drafts_run_past_it(plain, lookup):
+@pytest.mark.parametrize("mode", ["lookup", "drafted"])
+def test_max_tokens_is_exact_when_drafts_run_past_it(plain, mode, request):
+    srv = request.getfixturevalue(mode)
     for n in (1, 2, 3, 7):
-        a = _complete(lookup, PROMPTS[0], max_tokens=n, logprobs=0)
+        a = _complete(srv, PROMPTS[0], max_tokens=n, logprobs=0)
         assert a["finish_reason"] == "length"
         assert len(a["logprobs"]["tokens"]) == n
         assert a["text"] == _complete(plain, PROMPTS[0], max_tokens=n)["text"]
@@ -189,14 +302,49 @@ def test_json_schema_output_beside_speculating_rows(plain, lookup):
     assert texts == [_complete(plain, p)["text"] for p in PROMPTS[:3]]
 
 
-def test_sampled_requests_run_and_seeds_repeat(lookup):
+def test_seeded_requests_repeat(lookup):
+    """Seeded rows decode plainly inside the batch (the speculator's register says why)."""
     a = _complete(lookup, PROMPTS[0], temperature=0.8, seed=11)
     b = _complete(lookup, PROMPTS[0], temperature=0.8, seed=11)
     assert a["text"] == b["text"] and a["finish_reason"] == "length"
-    # unseeded sampled rows speculate (rejection sampling); they run to max_tokens
-    outs = [_complete(lookup, PROMPTS[0], temperature=0.7, top_p=0.9, logprobs=0)
-            for _ in range(3)]
-    assert all(len(o["logprobs"]["tokens"]) == 24 for o in outs)
+
+
+def test_sampled_rows_with_a_one_hot_distribution_give_the_greedy_text(plain, lookup):
+    """min_p 1 keeps only the most likely token, so the row's sampling distribution is
+    one-hot while the row is still a sampled one (top_k 1 would count as greedy): it
+    verifies by rejection sampling against that distribution, never by argmax, and must
+    give plain greedy text exactly, stop strings and max_tokens included."""
+    one_hot = {"temperature": 0.8, "min_p": 1.0}
+    full = _complete(plain, PROMPTS[2])["text"]
+    stop = full.strip().split()[len(full.split()) // 2]
+    before = _spec_stats(lookup)
+    for kw in ({}, {"stop": [stop]}, {"max_tokens": 3}):
+        a, b = _complete(lookup, PROMPTS[2], **one_hot, **kw), _complete(plain, PROMPTS[2], **kw)
+        assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"])
+    assert _spec_stats(lookup)["accepted_tokens"] > before["accepted_tokens"]
+
+
+def test_unseeded_sampled_rows_draft_and_keep_max_tokens_and_stops(self_drafted):
+    """Sampled rows speculate: with the target as its own (greedy) draft, a draft token is
+    accepted with the probability the row's distribution gives it (about 0.4 at these
+    settings), so the counters move; every row ends at max_tokens or before its stop."""
+    before = _spec_stats(self_drafted)
+    sampled = {"temperature": 0.3, "top_p": 0.95, "min_p": 0.01, "logprobs": 0}
+    bodies = [{"prompt": p, **sampled, **({"stop": [","]} if i % 2 else {})}
+              for i, p in enumerate(PROMPTS[:6])]
+    outs = _each(self_drafted, bodies)
+    for body, out in zip(bodies, outs, strict=True):
+        n = len(out["logprobs"]["tokens"])
+        if out["finish_reason"] == "length":
+            assert n == 24
+        else:
+            assert out["finish_reason"] == "stop" and n < 24
+        assert "," not in out["text"] or "stop" not in body
+    assert any(o["finish_reason"] == "stop" for o in outs[1::2])
+    stats = _spec_stats(self_drafted)
+    assert stats["draft_tokens"] > before["draft_tokens"]
+    assert stats["accepted_tokens"] > before["accepted_tokens"]
+    assert stats["acceptance_rate"] < 1.0  # sampled: some drafts are rejected now
 
 
 def _serve(home, *args: str) -> subprocess.CompletedProcess:
@@ -218,3 +366,69 @@ def test_draft_without_a_draft_model_is_a_configuration_error(tmp_path, tiny_lla
     r = _serve(tmp_path, "--model", str(tiny_llama), "--speculative", "draft")
     assert r.returncode == 2
     assert "engine.draft_model is not set" in r.stderr
+
+
+class _Served:
+    """An ``mlxd serve`` process on a free port: its URL and its log, for the helpers above."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = home / "serve.log"
+        env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxd", "serve", "--port", self.url.rsplit(":", 1)[1],
+                 *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 90
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.time() < deadline, self.log.read_text()
+            time.sleep(0.2)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        self.proc.wait(30)
+        return self.log.read_text()
+
+
+def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
+        tmp_path, tiny_llama, plain):
+    srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "prompt-lookup")
+    try:
+        text = _complete(srv, PROMPTS[0])["text"]
+        stats = _spec_stats(srv)
+    finally:
+        srv.stop()
+    assert text == _complete(plain, PROMPTS[0])["text"]
+    assert stats["mode"] == "prompt-lookup" and stats["accepted_tokens"] > 0
+
+
+def test_serve_draft_model_flag_takes_a_store_name_and_warns_when_its_eos_differs(
+        tmp_path, tiny_llama, partial_draft, plain):
+    """The draft ends sequences on <|im_end|> alone, the target on <|endoftext|> too: a
+    base/instruct pair looks like this. It serves (the target decides where a sequence
+    ends), with a warning."""
+    eos_draft = tmp_path / "eos-draft"
+    shutil.copytree(partial_draft, eos_draft)
+    gen = json.loads((eos_draft / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"][0]]
+    (eos_draft / "generation_config.json").write_text(json.dumps(gen))
+    install_into_store(tmp_path / "models", "tiny-eos-draft", eos_draft)
+    srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "draft",
+                  "--draft-model", "tiny-eos-draft")
+    try:
+        text = _complete(srv, PROMPTS[1])["text"]
+        stats = _spec_stats(srv)
+    finally:
+        log = srv.stop()
+    assert text == _complete(plain, PROMPTS[1])["text"]
+    assert stats["mode"] == "draft" and stats["accepted_tokens"] > 0
+    assert "draft model tiny-eos-draft ends sequences with other tokens" in log

@@ -1,5 +1,6 @@
 """The prefix cache's disk tier: index rebuilt from headers, LRU bound, redundancy, and
-files that must never be loaded (another model or version, truncated, corrupt)."""
+files that must never be loaded (another model or version, truncated, corrupt, a write's
+leftover temporary file)."""
 
 from __future__ import annotations
 
@@ -140,6 +141,35 @@ def test_files_that_must_not_load_are_removed(tmp_path):
     assert files(d) == [names[4]] and d.match(list(range(300, 340)) + [1])[0] is None
     assert d.load(d.match(list(range(400, 440)) + [1])[0]).result(10) is not None
     assert read_header(d.dir / names[4])["fingerprint"] == "fp-a"
+
+
+def test_leftover_temporary_files_are_never_loaded_and_stale_ones_go(tmp_path):
+    """A crash between writing and renaming leaves ``<key>-<pid>-<thread>.tmp.safetensors``:
+    a complete, valid cache file under a temporary name. It must never be indexed or read
+    (a rename that never happened is a write that never finished); one older than an hour
+    is a crashed write and is deleted at start, a fresh one may be another process's write
+    in flight (two servers on one MLXD_HOME) and is left alone."""
+    d = tier(tmp_path)
+    toks = list(range(500, 560))
+    write(d, toks)
+    (done,) = files(d)
+    d.close()
+    key = done.removesuffix(".safetensors")
+    fresh, stale = (d.dir / f"{key}-{pid}-1.tmp.safetensors" for pid in (11, 12))
+    os.replace(d.dir / done, fresh)
+    stale.write_bytes(fresh.read_bytes())
+    hours_ago = time.time() - 2 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+
+    d = tier(tmp_path)
+    assert d.stats()["entries"] == 0 and d.nbytes == 0
+    assert d.match(toks + [1])[0] is None  # nothing to load: the request prefills
+    assert files(d) == [fresh.name]  # the stale one went, the fresh one stays untouched
+    assert d.removed_bad == 0  # not counted as invalid cache files: they never were ones
+    # the same tokens written again land under the real name, beside the leftover
+    write(d, toks)
+    assert sorted(files(d)) == sorted([done, fresh.name]) and d.match(toks + [1])[1] == 60
+    d.close()
 
 
 def test_fingerprint_follows_the_files_and_the_options(tmp_path):

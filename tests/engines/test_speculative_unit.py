@@ -1,13 +1,18 @@
 """The pieces of speculative decoding that decide correctness: the rejection-sampling rule
 (emitted tokens follow the target distribution, checked on a small vocabulary with many
-draws), greedy verification, prompt lookup, and the adaptive draft length."""
+draws), the distribution it is given being the one the row's sampler draws from, greedy
+verification, prompt lookup, and the adaptive draft length."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxd.core.types import SamplingParams
+from mlxd.engines.sampling import build_sampler, sampling_probs
 from mlxd.engines.speculative import (
     Speculator,
     ngram_draft,
@@ -64,6 +69,33 @@ def test_rejection_sampling_follows_the_target_distribution(one_hot):
     assert abs((acc >= 1).mean() - expected) < 0.006
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=3),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=0.6, top_k=6, top_p=0.9, min_p=0.05),
+], ids=["temperature", "top_p", "top_k", "min_p", "all"])
+def test_sampling_probs_is_the_distribution_the_sampler_draws_from(params):
+    """Verification accepts drafts against ``sampling_probs``; if it differed from what the
+    row's own sampler draws from (filter order, temperature before or after top_p...),
+    speculation would change a sampled row's distribution. Many seeded draws from the real
+    sampler must match it, and the tokens its filters drop must never be drawn."""
+    v = 10
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(size=(1, v)) * 1.5, dtype=mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = np.array(sampling_probs(params, v)(logprobs))[0]
+    assert abs(want.sum() - 1) < 1e-5
+    seeded = dataclasses.replace(params, seed=5)
+    draws = np.array(build_sampler(seeded, v)(mx.broadcast_to(logprobs, (N, v))))
+    freq = np.bincount(draws, minlength=v) / N
+    assert np.abs(freq - want).max() < 0.006
+    assert set(np.flatnonzero(freq)) == set(np.flatnonzero(want > 0))
+    if params.top_k or params.top_p < 1 or params.min_p:
+        assert (want == 0).any()  # the filters did drop something: the check had teeth
+
+
 def test_rows_draft_different_lengths():
     """A row with a shorter draft (padded) samples after its last real draft token."""
     p = np.zeros((2, 3, V), dtype=np.float32)
@@ -116,8 +148,10 @@ def test_draft_length_adapts_and_low_acceptance_pauses_drafting():
         spec.update(1, 2, 0)
     st = spec.rows[1]
     assert st.cooldown > 0  # acceptance fell below the floor: plain decoding for a while
+    assert spec.stats.pauses == 1
     pause = st.cooldown
     assert not any(spec.wants_draft(1) for _ in range(pause))
+    assert spec.stats.paused_row_steps == pause  # what /health reports
     assert spec.wants_draft(1)
     assert spec.propose(1, history, 10) == [7]  # then it tries again, one token at a time
 

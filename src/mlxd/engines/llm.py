@@ -199,6 +199,24 @@ class LLMEngine(DecodeEngine):
                 f"draft model {path.name} does not share the tokenizer of '{self.name}' "
                 "(their vocabularies differ), so its drafts would be other tokens: pick a "
                 "draft model of the same family")
+        ours, theirs = _special_tokens(self.tokenizer), _special_tokens(tokenizer)
+        if ours != theirs:
+            i = min(set(ours.items()) ^ set(theirs.items()))[0]
+            raise ModelLoadError(
+                f"draft model {path.name} does not share the tokenizer of '{self.name}' "
+                f"(their special tokens differ, first at id {i}: "
+                f"{ours.get(i, 'not special')!r} for '{self.name}', "
+                f"{theirs.get(i, 'not special')!r} for the draft), so it was set up for "
+                "another format: pick a draft model of the same family")
+        if set(tokenizer.eos_token_ids) != set(self.eos_token_ids):
+            # Not a refusal: the served model alone decides where a sequence ends (drafts
+            # past the draft's own EOS are verified like any other token), and a base model
+            # drafting for its instruct sibling differs only here.
+            log.warning("draft model %s ends sequences with other tokens (EOS %s) than '%s' "
+                        "(EOS %s): probably another variant of the family (base or "
+                        "instruct), whose drafts may agree less; output is unchanged",
+                        path.name, sorted(tokenizer.eos_token_ids), self.name,
+                        self.eos_token_ids)
         if not can_speculate(model):
             raise ModelLoadError(f"draft model {path.name} has layers without a plain KV "
                                  "cache, which drafting cannot roll back")
@@ -690,6 +708,14 @@ class LLMEngine(DecodeEngine):
         mx.clear_cache()
         if self.tp_id:
             tensor_parallel.publish(("close", self.tp_id))
+
+
+def _special_tokens(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's special added tokens, id -> text: two tokenizers whose vocabularies
+    match but whose specials differ were configured apart (another chat format, another
+    version), which the draft-model check treats as another tokenizer."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {int(i): t.content for i, t in decoder.items() if getattr(t, "special", False)}
 
 
 def _context_length(config: dict, tokenizer: Any) -> int:

@@ -66,6 +66,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return super().next()
         if len(self.uids) > spec.max_batch:
             spec.stats.plain_steps += 1
+            spec.stats.large_batch_steps += 1
             return super().next()
         wanting = [spec.wants_draft(uid) for uid in self.uids]
         if not any(wanting):
@@ -148,6 +149,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         stats = spec.stats
         stats.verify_steps += 1
         stats.row_steps += n
+        stats.max_verify_batch = max(stats.max_verify_batch, n)
         emitted: list[list[int]] = []
         for i, uid in enumerate(self.uids):
             a = acc_list[i]

@@ -126,15 +126,27 @@ class SpecStats:
 
     verify_steps: int = 0  # forward passes that verified drafts
     plain_steps: int = 0  # steps decoded without speculation while it was on
+    large_batch_steps: int = 0  # plain steps because the batch was above max_batch
+    max_verify_batch: int = 0  # the most rows a verify step decoded
     drafts: int = 0  # rows that proposed a draft, summed over verify steps
     draft_tokens: int = 0
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # tokens emitted by verify steps (accepted + one per row)
     row_steps: int = 0  # rows decoded by verify steps, summed
+    pauses: int = 0  # times a row's acceptance fell below min_acceptance (it paused)
+    # row steps without a draft because the row was paused (low acceptance; with prompt
+    # lookup also its back-off after lookups that found nothing)
+    paused_row_steps: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """What /health shows: the counters an operator needs to see whether speculation
+        runs (verify vs plain steps, and why plain: a large batch, paused rows) and what it
+        gains (acceptance, tokens per verify step)."""
         return {
             "verify_steps": self.verify_steps, "plain_steps": self.plain_steps,
+            "large_batch_steps": self.large_batch_steps,
+            "max_verify_batch": self.max_verify_batch,
+            "pauses": self.pauses, "paused_row_steps": self.paused_row_steps,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": (self.accepted_tokens / self.draft_tokens
                                 if self.draft_tokens else None),
@@ -184,6 +196,7 @@ class Speculator:
             return True
         if st.cooldown > 0:
             st.cooldown -= 1
+            self.stats.paused_row_steps += 1
             return False
         return True
 
@@ -220,6 +233,7 @@ class Speculator:
         else:
             st.k = max(1, min(st.k, accepted + 1))
         if st.rate < self.min_acceptance:
+            self.stats.pauses += 1
             st.cooldown, st.backoff = st.backoff, min(st.backoff * 2, 256)
             st.rate, st.k = 2 * self.min_acceptance + 0.1, 1
         elif accepted:
