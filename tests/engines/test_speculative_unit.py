@@ -259,3 +259,51 @@ def test_loading_with_speculation_runs_verify_steps_in_the_warm_up(tiny):
         assert engine.speculator.stats.verify_steps == 0  # nobody's statistics
     finally:
         engine.close()
+
+
+def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny):
+    """With a draft model, a new row's first token comes from a step without drafts (the
+    draft's pass over the prompt would hold it back), that pass is queued right after, and
+    the row then drafts from the cache it built: the same greedy text as without a draft."""
+    from mlxd.engines.llm import LLMEngine
+
+    prompt = [1, 5, 9, 13, 17, 21, 25, 29]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    def run(engine: LLMEngine) -> tuple[list[int], list[tuple[int, int]]]:
+        seq = engine.new_sequence(list(prompt), params)
+        engine.add(seq)
+        tokens, steps = [], []
+        while not seq.finished:
+            for s, ev in engine.step():
+                if s is seq and ev.token is not None:
+                    tokens.append(ev.token)
+            st = engine.speculator.stats if engine.speculator else None
+            steps.append((len(tokens), st.verify_steps if st else 0))
+        return tokens, steps
+
+    plain = LLMEngine("p", tiny)
+    drafted = LLMEngine("d", tiny, speculative="draft", draft_path=tiny)
+    try:
+        plain.bind()
+        drafted.bind()
+        drafted.warmup()
+        want, _ = run(plain)
+        prefilled = []
+        real = drafted.speculator.drafter.prefill
+
+        def spy(uid: int, tokens: list[int]) -> None:
+            prefilled.append(list(tokens))
+            real(uid, tokens)
+
+        drafted.speculator.drafter.prefill = spy
+        got, steps = run(drafted)
+        assert got == want
+        assert prefilled == [prompt]  # the prompt, once, for the one row
+        first = next(i for i, (n, _) in enumerate(steps) if n > 0)
+        assert steps[first] == (1, 0)  # the first token came out of a plain step
+        assert steps[-1][1] > 0  # later steps verified the self-draft's tokens
+        assert drafted.speculator.stats.accepted_tokens > 0
+    finally:
+        plain.close()
+        drafted.close()

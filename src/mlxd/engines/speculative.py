@@ -185,6 +185,11 @@ class Speculator:
         for uid in list(self.rows):
             self.forget(uid)
 
+    def drafts_with_model(self, uid: int) -> bool:
+        """The row will be drafted for by a draft model (which needs its prompt first)."""
+        st = self.rows.get(uid)
+        return self.drafter is not None and st is not None and st.eligible
+
     def wants_draft(self, uid: int) -> bool:
         """Whether the row drafts this step (counts a paused row's step). Asked before the
         batch's pending tokens are read back, which synchronises with the device: a batch
@@ -257,6 +262,19 @@ class DraftModel:
 
     def forget(self, uid: int) -> None:
         self._rows.pop(uid, None)
+
+    def prefill(self, uid: int, tokens: list[int]) -> None:
+        """Read a new row's prompt into its draft cache without waiting for it
+        (``mx.async_eval``): queued after the step that emits the row's first token, so the
+        draft's prompt pass delays neither that token nor the host, only the row's first
+        draft, which :meth:`propose` then finds ready."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        for i in range(0, len(tokens), self.step_size):
+            self.model(mx.array(tokens[i:i + self.step_size])[None], cache=cache)
+            mx.async_eval([c.state for c in cache])
+        self._rows[uid] = (cache, list(tokens))
 
     def propose(self, uid: int, history: list[int], k: int) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
