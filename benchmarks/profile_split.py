@@ -68,6 +68,10 @@ def main() -> None:
     ap.add_argument("--warm", type=float, default=6.0, help="seconds of load before measuring")
     ap.add_argument("--rate", type=int, default=200)
     ap.add_argument("--port", type=int, default=8799)
+    ap.add_argument("--pyspy-args", default="",
+                    help="more py-spy record flags, e.g. '--idle --native' (where each "
+                         "thread waits) or '--gil' (who holds the GIL)")
+    ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -77,7 +81,7 @@ def main() -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "mlxd", "serve", "--model", a.model_dir, "--port", str(a.port),
          "--max-num-seqs", str(max(a.concurrency, 8)), "--log-level", "warning",
-         "--api-workers", str(a.api_workers)], stdout=log, stderr=log)
+         "--api-workers", str(a.api_workers), *a.mlxd_args.split()], stdout=log, stderr=log)
     try:
         for _ in range(600):
             try:
@@ -103,7 +107,10 @@ def main() -> None:
         g0, t0 = gen_tokens(url), time.perf_counter()
         spies = [subprocess.Popen(["py-spy", "record", "-p", str(p), "-d", str(int(a.window)),
                                    "-r", str(a.rate), "-f", "raw", "--threads",
-                                   "--nonblocking", "-o", str(out / f"pyspy-{k}.txt")],
+                                   # py-spy walks native stacks only of a paused process
+                                   *([] if "--native" in a.pyspy_args else ["--nonblocking"]),
+                                   *a.pyspy_args.split(),
+                                   "-o", str(out / f"pyspy-{k}.txt")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for k, p in procs.items() if k != "serve" or a.api_workers == 1]
         for s in spies:

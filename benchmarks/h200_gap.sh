@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Where mlxd's gap to the engine it wraps is, on one H200, in the calls the device tool
+# allows for one warm machine (wheels as in docs/benchmarks.md, fetched with
+# ../shared/gpu/prepare-wheels.sh into .gpu/a and .gpu/b):
+#
+#   bash benchmarks/h200_gap.sh upload           # first call, carries .gpu/a: stash it
+#   bash benchmarks/h200_gap.sh diag [LABEL]     # next call, carries .gpu/b: install, measure
+#   bash benchmarks/h200_gap.sh trace [LABEL]    # or: the step trace at C=16 and C=64
+#   bash benchmarks/h200_gap.sh ab [LABEL]       # or: A/B of the core's settings at C=16
+#   bash benchmarks/h200_gap.sh burn [LABEL]     # or: the engine alone, host idle vs busy
+#
+# diag runs, on the Qwen2.5-0.5B shape (random weights, bfloat16, 128-token replies):
+#   1. serve_compare: the engine alone with the engine core's MLX setting (cuDNN attention
+#      off) and mlxd as configured, C=16 and 64, with the server's own TTFT breakdown;
+#   2. the same mlxd with the prefix cache's disk tier off;
+#   3. engine_arrivals: mlxd's LLMEngine stepped in one thread, no HTTP, no other threads;
+#   4. py-spy of the engine core at C=16: every thread, idle included, native frames
+#      (where the device thread waits: the GIL, the device, or Python);
+#   5. py-spy --gil at C=16: who holds the GIL.
+# trace runs serve_compare at C=16 and C=64 with benchmarks/step_trace on the path: every
+# mlx-lm step of the engine alone and of the engine core, timed, with the batch's make-up.
+# Results: $OUT/gap-LABEL.{txt,tgz} or $OUT/trace-LABEL.{txt,tgz}.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+OUT=${OUT:-/tmp/out}
+label=${2:-run}
+mkdir -p "$OUT" /tmp/w /tmp/gap
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=/tmp/site:$root/src PATH=/tmp/site/bin:$PATH
+Q05=/tmp/q05
+CMP=(python3 "$here/serve_compare.py" --model-dir $Q05 --max-tokens 128
+     --requests-per-client 3 --skip mlx_lm --metrics --logdir /tmp/gap --client-procs 4
+     --engine-env MLX_CUDA_USE_CUDNN_SDPA=0)
+
+install() {
+  cp "$root"/.gpu/b/* /tmp/w/
+  (cd /tmp/w && for p in *.part00; do
+     [ -e "$p" ] || continue
+     cat "$p" "${p%.part00}.part01" > "${p%.part00}" && rm "$p" "${p%.part00}.part01"
+   done)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/w/*.whl 2>&1 | tail -2
+  python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())' || exit 1
+  [ -f $Q05/config.json ] || python3 "$here/make_random_model.py" --shape qwen2.5-0.5b \
+    --out $Q05 > /dev/null
+  (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) | tee /tmp/gap/summary.txt
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee -a /tmp/gap/summary.txt
+  date -u | tee -a /tmp/gap/summary.txt
+}
+
+case "${1:-}" in
+upload)
+  cp "$root/.gpu/a"/* /tmp/w/ && ls /tmp/w | wc -l
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+  ;;
+trace)
+  install
+  for c in 16 64; do
+    echo "== C=$c ${MLXD_TRACE_NOTE:-}" | tee -a /tmp/gap/summary.txt
+    STEP_TRACE=/tmp/gap/st$c PYTHONPATH=$here/step_trace:$PYTHONPATH timeout 150 "${CMP[@]}" \
+      --concurrency $c --out /tmp/gap/trace-c$c.json 2>&1 | grep -E '^\| [0-9]' \
+      | tee -a /tmp/gap/summary.txt
+    python3 "$here/step_trace/summary.py" /tmp/gap/st$c | tee -a /tmp/gap/summary.txt
+  done
+  cp /tmp/gap/summary.txt "$OUT/trace-$label.txt"
+  tar czf "$OUT/trace-$label.tgz" -C /tmp gap 2>/dev/null
+  ;;
+ab)
+  # A/B of the engine core's process-level settings at C=16, read from the step trace's
+  # decode-step durations (hundreds of steps per variant, not one throughput figure)
+  install
+  run_ab() {  # LABEL ENV...
+    local name=$1; shift
+    echo "== $name" | tee -a /tmp/gap/summary.txt
+    env STEP_TRACE=/tmp/gap/ab-$name PYTHONPATH=$here/step_trace:$PYTHONPATH "$@" timeout 120 \
+      "${CMP[@]}" --concurrency 16 --out /tmp/gap/ab-$name.json 2>&1 | grep -E '^\| [0-9]' \
+      | tee -a /tmp/gap/summary.txt
+    python3 "$here/step_trace/summary.py" /tmp/gap/ab-$name | tee -a /tmp/gap/summary.txt
+  }
+  run_ab engine-and-default
+  CMP+=(--skip mlx_lm,engine)
+  run_ab load-on-device STEP_TRACE_LOAD_ON_DEVICE=1
+  run_ab prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0
+  run_ab switch-5ms STEP_TRACE_KEEP_SWITCH=1
+  run_ab default-again
+  cp /tmp/gap/summary.txt "$OUT/ab-$label.txt"
+  tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
+  ;;
+burn)
+  # the engine alone at C=16, its decode steps timed by the step trace, with the host's
+  # other cores idle and then busy (6 spinning processes: what a server's front end and
+  # clients add): is a host-bound step slower when the host is busy?
+  install
+  (lscpu | grep -E 'Model name|^CPU\(s\)|MHz'; cat /sys/fs/cgroup/cpu.max 2>/dev/null) \
+    | tee -a /tmp/gap/summary.txt
+  CMP+=(--skip mlx_lm,mlxd --requests-per-client 2)
+  for name in idle busy idle2; do
+    pids=()
+    if [ $name = busy ]; then
+      for _ in 1 2 3 4 5 6; do python3 -c 'while True: pass' & pids+=($!); done
+    fi
+    echo "== engine, host $name" | tee -a /tmp/gap/summary.txt
+    STEP_TRACE=/tmp/gap/burn-$name PYTHONPATH=$here/step_trace:$PYTHONPATH timeout 90 \
+      "${CMP[@]}" --concurrency 16 --out /tmp/gap/burn-$name.json > /dev/null 2>&1
+    python3 "$here/step_trace/summary.py" /tmp/gap/burn-$name | tee -a /tmp/gap/summary.txt
+    [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}"
+  done
+  cp /tmp/gap/summary.txt "$OUT/burn-$label.txt"
+  ;;
+diag)
+  install
+  echo "== 1. engine (cuDNN off) vs mlxd" | tee -a /tmp/gap/summary.txt
+  timeout 200 "${CMP[@]}" --concurrency 16,64 --out /tmp/gap/cmp.json 2>&1 \
+    | grep -E '^\||C=' | tee -a /tmp/gap/summary.txt
+  echo "== 2. mlxd, disk tier off" | tee -a /tmp/gap/summary.txt
+  MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0 timeout 120 "${CMP[@]}" --skip mlx_lm,engine \
+    --concurrency 16,64 --out /tmp/gap/cmp-nodisk.json 2>&1 | grep -E 'C=' \
+    | tee -a /tmp/gap/summary.txt
+  echo "== 3. engine_arrivals (LLMEngine, one thread)" | tee -a /tmp/gap/summary.txt
+  MLX_CUDA_USE_CUDNN_SDPA=0 timeout 100 python3 "$here/engine_arrivals.py" --model-dir $Q05 \
+    --concurrency 16,64 --seconds 10 --label arrivals --out /tmp/gap/arrivals.json 2>&1 \
+    | tee -a /tmp/gap/summary.txt
+  echo "== 4. py-spy, C=16, idle + native" | tee -a /tmp/gap/summary.txt
+  timeout 100 python3 "$here/profile_split.py" --model-dir $Q05 --concurrency 16 \
+    --requests-per-client 30 --window 6 --warm 5 --rate 100 --pyspy-args "--idle --native" \
+    --out /tmp/gap/native > /tmp/gap/native.log 2>&1
+  grep -E 'server_gen_tps|core-|front-' /tmp/gap/native.log | head -8 | tee -a /tmp/gap/summary.txt
+  echo "== 5. py-spy --gil, C=16" | tee -a /tmp/gap/summary.txt
+  timeout 100 python3 "$here/profile_split.py" --model-dir $Q05 --concurrency 16 \
+    --requests-per-client 30 --window 6 --warm 5 --pyspy-args "--gil --idle" \
+    --out /tmp/gap/gil --port 8798 > /tmp/gap/gil.log 2>&1
+  grep -E 'server_gen_tps|core-|front-' /tmp/gap/gil.log | head -8 | tee -a /tmp/gap/summary.txt
+  for f in /tmp/gap/native/pyspy-core-*.txt; do
+    [ -f "$f" ] && python3 "$here/pyspy_summary.py" "$f" mlxd-device 40 \
+      > /tmp/gap/native-device-summary.txt 2>&1
+  done
+  cp /tmp/gap/summary.txt "$OUT/gap-$label.txt"
+  tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
+  ;;
+*)
+  echo "usage: $0 upload | diag [LABEL] | trace [LABEL] | ab [LABEL] | burn [LABEL]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,77 @@
+"""Step trace for diagnosis (benchmarks/h200_gap.sh trace): put this folder first on
+PYTHONPATH and set STEP_TRACE=PREFIX; every process that runs an mlx-lm BatchGenerator (the
+engine alone, mlxd's engine core) appends one JSON line per ``_next`` call to
+PREFIX.<pid>.jsonl: [start, duration ms, decode rows before, prompt-batch rows, queued rows,
+prompt tokens processed, decode rows after]. ``summary.py`` beside it sums them up.
+
+Two knobs for A/B runs, never used by mlxd itself:
+STEP_TRACE_LOAD_ON_DEVICE=1 builds chat models on the device thread (the loader thread only
+waits for it), so their weights are made on the stream that runs them;
+STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default.
+"""
+
+import builtins
+import json
+import os
+import sys
+import time
+
+_out = os.environ.get("STEP_TRACE")
+if _out:
+    _orig = builtins.__import__
+    _state: dict = {"traced": False, "registry": False, "f": None}
+
+    def _trace(gen_module) -> None:
+        batch = gen_module.BatchGenerator
+        orig = batch._next
+
+        def _next(self):
+            if _state["f"] is None:
+                _state["f"] = open(f"{_out}.{os.getpid()}.jsonl", "w", buffering=1)  # noqa: SIM115
+            gb, pb = len(self._generation_batch), len(self._prompt_batch)
+            up, pt0 = len(self._unprocessed_sequences), self._counters.prompt_tokens
+            t0 = time.perf_counter()
+            res = orig(self)
+            ms = (time.perf_counter() - t0) * 1000
+            _state["f"].write(json.dumps([round(t0, 5), round(ms, 3), gb, pb, up,
+                                          self._counters.prompt_tokens - pt0,
+                                          len(self._generation_batch)]) + "\n")
+            return res
+
+        batch._next = _next
+
+    def _hook(name, *args, **kwargs):
+        module = _orig(name, *args, **kwargs)
+        if not _state["traced"]:
+            g = sys.modules.get("mlx_lm.generate")
+            if g is not None and hasattr(g, "BatchGenerator"):
+                _state["traced"] = True
+                _trace(g)
+        if os.environ.get("STEP_TRACE_LOAD_ON_DEVICE") == "1":
+            w = sys.modules.get("mlxd.runtime.worker")
+            if "worker_patched" not in _state and w is not None and hasattr(w, "DeviceWorker"):
+                _state["worker_patched"] = True
+                init = w.DeviceWorker.__init__
+
+                def __init__(self, *args, **kwargs):
+                    init(self, *args, **kwargs)
+                    _state["worker"] = self
+
+                w.DeviceWorker.__init__ = __init__
+            r = sys.modules.get("mlxd.engines.registry")
+            if not _state["registry"] and r is not None and hasattr(r, "create_engine"):
+                _state["registry"] = True
+                create = r.create_engine
+
+                def create_engine(kind, *args, **kwargs):
+                    if kind != "chat" or "worker" not in _state:
+                        return create(kind, *args, **kwargs)
+                    sys.stderr.write("step_trace: building the chat model on the device thread\n")
+                    return _state["worker"].call(lambda: create(kind, *args, **kwargs)).result()
+
+                r.create_engine = create_engine
+        return module
+
+    builtins.__import__ = _hook
+    if os.environ.get("STEP_TRACE_KEEP_SWITCH") == "1":
+        sys.setswitchinterval = lambda interval: None
