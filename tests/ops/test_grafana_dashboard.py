@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mlxd-dashboard.json"
 # a metric name in PromQL: mlxd's colon names and the process collector's
-_NAME = re.compile(r"\b(mlxd:[a-z_:]+|process_[a-z_]+)\b")
+_NAME = re.compile(r"\b(mlxd:[a-z0-9_:]+|process_[a-z0-9_]+)\b")
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
                                                                "_created"),
              "gauge": ("",), "summary": ("_sum", "_count", "_created")}
