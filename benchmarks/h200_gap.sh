@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_gap.sh trace [LABEL]    # or: the step trace at C=16 and C=64
 #   bash benchmarks/h200_gap.sh ab [LABEL]       # or: A/B of the core's settings at C=16
 #   bash benchmarks/h200_gap.sh burn [LABEL]     # or: the engine alone, host idle vs busy
+#   bash benchmarks/h200_gap.sh prefix [LABEL]   # or: the prefix cache's tiers at C=64
 #
 # diag runs, on the Qwen2.5-0.5B shape (random weights, bfloat16, 128-token replies):
 #   1. serve_compare: the engine alone with the engine core's MLX setting (cuDNN attention
@@ -87,6 +88,24 @@ ab)
   cp /tmp/gap/summary.txt "$OUT/ab-$label.txt"
   tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
+prefix)
+  # the prefix cache's cost at C=64, from the step trace: as shipped, disk tier off, both
+  # tiers off (the summary is copied to $OUT after every run)
+  install
+  CMP+=(--skip mlx_lm,engine)
+  for v in "shipped" "disk-off MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0" \
+           "prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0"; do
+    set -- $v
+    name=$1; shift
+    echo "== $name" | tee -a /tmp/gap/summary.txt
+    env STEP_TRACE=/tmp/gap/px-$name PYTHONPATH=$here/step_trace:$PYTHONPATH "$@" timeout 100 \
+      "${CMP[@]}" --concurrency 64 --out /tmp/gap/px-$name.json 2>&1 | grep -E '^\| [0-9]' \
+      | tee -a /tmp/gap/summary.txt
+    python3 "$here/step_trace/summary.py" /tmp/gap/px-$name | tee -a /tmp/gap/summary.txt
+    cp /tmp/gap/summary.txt "$OUT/prefix-$label.txt"
+  done
+  tar czf "$OUT/prefix-$label.tgz" -C /tmp gap 2>/dev/null
+  ;;
 burn)
   # the engine alone at C=16, its decode steps timed by the step trace, with the host's
   # other cores idle and then busy (6 spinning processes: what a server's front end and
@@ -139,5 +158,5 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload | diag [LABEL] | trace [LABEL] | ab [LABEL] | burn [LABEL]" >&2; exit 2 ;;
+  echo "usage: $0 upload | diag [LABEL] | trace [LABEL] | ab [LABEL] | burn [LABEL] | prefix [LABEL]" >&2; exit 2 ;;
 esac
