@@ -35,6 +35,14 @@ def make_prompts(n: int, seed: int, min_words: int, max_words: int) -> list[str]
     return out
 
 
+def level_seeds(seed: int, concurrency: int) -> tuple[int, int]:
+    """(warm-up, measured) prompt seeds of one concurrency level: every level and pass gets
+    prompts of its own. With one seed for all levels, a level's first prompts were the
+    previous level's, and a server with a prefix cache answered them from it."""
+    base = seed + 2 * concurrency
+    return base + 1, base
+
+
 def pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None

@@ -62,12 +62,13 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
         levels = []
         for c in args.levels:
             # warm-up, as the engine gets: the same workload with other prompts
-            runs = [(args.seed + 1, args.requests_per_client, args.max_tokens)]
+            warm_seed, seed_c = serve_bench.level_seeds(args.seed, c)
+            runs = [(warm_seed, args.requests_per_client, args.max_tokens)]
             if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
-                runs = [(args.seed + 1, 1, 8)]
-            for seed, per_client, max_tokens in [*runs, (args.seed, args.requests_per_client,
+                runs = [(warm_seed, 1, 8)]
+            for seed, per_client, max_tokens in [*runs, (seed_c, args.requests_per_client,
                                                          args.max_tokens)]:
-                measured = getattr(args, "metrics", False) and seed == args.seed
+                measured = getattr(args, "metrics", False) and seed == seed_c
                 before = _ttft_parts(url) if measured else {}
                 if args.client_procs > 1:
                     r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
@@ -192,12 +193,14 @@ def level(c, per_client, max_tokens, seed):
 
 
 for c in a["levels"]:
-    # warm-up: the same workload with other prompts (kernels compile per shape)
+    # warm-up: the same workload with other prompts (kernels compile per shape); every
+    # level and pass has prompts of its own, as for the servers
+    warm_seed, seed_c = serve_bench.level_seeds(a["seed"], c)
     if a["short_warmup"]:
-        level(c, 1, 8, a["seed"] + 1)
+        level(c, 1, 8, warm_seed)
     else:
-        level(c, a["per_client"], a["max_tokens"], a["seed"] + 1)
-    out.append(level(c, a["per_client"], a["max_tokens"], a["seed"]))
+        level(c, a["per_client"], a["max_tokens"], warm_seed)
+    out.append(level(c, a["per_client"], a["max_tokens"], seed_c))
     print(json.dumps(out[-1]), flush=True)
 print("RESULT " + json.dumps(out))
 """
