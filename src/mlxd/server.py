@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -159,11 +161,20 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
 
     from mlxd.enginecore.supervisor import supervisors_for
     from mlxd.frontend.runtime import CORE_DIR_ENV
+    from mlxd.observability.metrics import MULTIPROC_ENV
 
+    if settings.metrics.enabled and settings.metrics.port:
+        log.warning("metrics.port is not served with --api-workers %d: scrape /metrics on "
+                    "port %d (any front end answers with all of them)",
+                    settings.server.api_workers, port)
     supervisors = supervisors_for(settings)
     for sup in supervisors:
         sup.start()
     os.environ[CORE_DIR_ENV] = os.pathsep.join(str(s.run_dir) for s in supervisors)
+    # one directory of metric files for all front ends, so that any of them answers a
+    # scrape with the sum over all (observability/metrics.py); empty at every start
+    metrics_dir = tempfile.mkdtemp(prefix="mlxd-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
     try:
         config = uvicorn.Config(
             "mlxd.frontend.workers:app_factory", factory=True, host=host, port=port,
@@ -179,3 +190,5 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
     finally:
         for sup in supervisors:
             sup.stop()
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -6,10 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def _mlxd(*args: str, env: dict, **kw) -> subprocess.Popen:
@@ -96,6 +99,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
     loaded once), and SIGTERM takes all of them down."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    metric_dirs = set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*"))
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
               env=_env(tmp_path), start_new_session=True)
     core_pid = None
@@ -119,6 +123,39 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         h = httpx.get(url + "/health").json()
         assert h["model_loads"] == {"tiny-llama": 1}
+        # whichever front end answers a scrape, it counts every front end's requests: one
+        # kept-alive connection to each front end, three more chats through each, and a
+        # scrape through each
+        by_pid: dict[int, httpx.Client] = {}
+        deadline = time.time() + 30
+        while len(by_pid) < 2 and time.time() < deadline:
+            c = httpx.Client(timeout=30)
+            pid = c.get(url + "/health").json()["frontend_pid"]
+            if pid in by_pid:
+                c.close()
+            else:
+                by_pid[pid] = c
+        assert len(by_pid) == 2
+        for c in by_pid.values():
+            for _ in range(3):
+                assert c.post(url + "/v1/chat/completions", json=chat).status_code == 200
+        for pid, c in by_pid.items():
+            assert c.get(url + "/health").json()["frontend_pid"] == pid  # still that one
+            fams = {f.name: f for f in text_string_to_metric_families(
+                c.get(url + "/metrics").text)}
+            c.close()
+            done = fams["mlxd:request_success"].samples
+            assert sum(s.value for s in done if s.name.endswith("_total")) == 12
+            assert all("pid" not in s.labels for s in done)
+            tokens = fams["mlxd:generation_tokens"].samples
+            assert sum(s.value for s in tokens if s.name.endswith("_total")) == 36
+            running = fams["mlxd:num_requests_running"].samples
+            assert all("pid" not in s.labels for s in running)
+            assert sum(s.value for s in running) == 0
+            # the core's families once (from the core, not from either front end's files)
+            assert [s.value for s in fams["mlxd:models_loaded"].samples
+                    if s.labels.get("kind") == "chat"] == [1]
+            assert any(f.startswith("process_") for f in fams)
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
@@ -126,6 +163,8 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
     while core_pid is not None and _alive(core_pid) and time.time() < deadline:
         time.sleep(0.1)
     assert core_pid is None or not _alive(core_pid)
+    # the front ends' shared metric files go with the server
+    assert set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*")) <= metric_dirs
 
 
 def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from mlxd.backend_env import core_env
 from mlxd.config import ConfigError, Settings
 from mlxd.core.devices import DEFAULT, Device, resolve
+from mlxd.observability.metrics import MULTIPROC_ENV
 
 if TYPE_CHECKING:
     from mlxd.enginecore import group
@@ -71,6 +72,9 @@ class CoreSupervisor:
         settings_file.write_bytes(pickle.dumps(self.settings))
         env = {**os.environ, **self.device.env, **core_env(self.settings.backend),
                "PYTHONUNBUFFERED": "1"}
+        # the front ends' shared metric files (--api-workers N) are theirs alone: the core
+        # serves its own families, which every front end fetches and labels
+        env.pop(MULTIPROC_ENV, None)
         if self.settings.engine.rank_group_size > 1:  # a group of rank processes
             from mlxd.enginecore import group
 

@@ -7,6 +7,7 @@ every core (``MLXD_CORE_DIR``: their run directories) instead of starting its ow
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from mlxd.frontend.runtime import CORE_DIR_ENV, Runtime
+from mlxd.observability.metrics import MULTIPROC_ENV, front_end_exited
 
 
 def app_factory() -> FastAPI:
@@ -23,4 +25,6 @@ def app_factory() -> FastAPI:
     run_dirs = [Path(d) for d in os.environ[CORE_DIR_ENV].split(os.pathsep)]
     settings = pickle.loads((run_dirs[0] / "settings.pkl").read_bytes())
     setup_logging(settings.log.level, settings.log.format)
+    if os.environ.get(MULTIPROC_ENV):  # metrics shared by the front ends
+        atexit.register(front_end_exited, os.getpid())
     return create_app(settings, Runtime(settings, core_dirs=run_dirs))

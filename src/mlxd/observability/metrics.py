@@ -2,6 +2,13 @@
 
 One module-level registry: a process runs one server. Every metric that concerns a model
 carries a ``model`` label.
+
+With ``--api-workers N`` the front ends are N processes behind one socket, and a scrape
+reaches whichever one accepts it: each keeping its own counters, two scrapes in a row
+would disagree (Prometheus would see resets). So the serving process gives them one
+directory for prometheus-client's multiprocess mode (:data:`MULTIPROC_ENV`, as vLLM does)
+and every front end exposes the sum over all of them; the engine cores keep single-process
+metrics, which each front end fetches as before.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from mlxd.observability.context import add_usage
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+
+# prometheus-client's own variable: set (by ``mlxd serve --api-workers N``) before a front
+# end imports it, its metric values live in files there, summed over the processes
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Families the engine-core process records (models, encoder batches, vision features); a
 # front end's /metrics takes these from the core and every other family from itself.
@@ -66,10 +77,33 @@ class MergedCollector:
         self.core_texts = core_texts
 
     def collect(self) -> Any:
-        for family in REGISTRY.collect():
+        for family in _own_families():
             if family.name not in CORE_FAMILIES:
                 yield family
         yield from core_families(self.core_texts)
+
+
+def _own_families() -> Any:
+    """This front end's families; with several front ends, all of theirs summed (gauges
+    of processes that have exited dropped), plus this process's own ``process_*``."""
+    import os
+
+    if not os.environ.get(MULTIPROC_ENV):
+        yield from REGISTRY.collect()
+        return
+    from prometheus_client import multiprocess
+
+    yield from multiprocess.MultiProcessCollector(None).collect()  # type: ignore[arg-type]
+    for family in REGISTRY.collect():
+        if family.name.startswith("process_"):
+            yield family
+
+
+def front_end_exited(pid: int) -> None:
+    """A front end of several is gone: its live gauges stop counting (counters stay)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)
 
 
 def merged_text(core_texts: list[str]) -> bytes:
@@ -85,10 +119,11 @@ _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # -- generation (vLLM names) ---------------------------------------------------------------
 num_requests_running = Gauge("mlxd:num_requests_running",
-                             "Requests in a running batch.", ["model"], registry=REGISTRY)
+                             "Requests in a running batch.", ["model"], registry=REGISTRY,
+                             multiprocess_mode="livesum")
 num_requests_waiting = Gauge("mlxd:num_requests_waiting",
                              "Requests admitted and waiting for a batch slot.", ["model"],
-                             registry=REGISTRY)
+                             registry=REGISTRY, multiprocess_mode="livesum")
 time_to_first_token = Histogram("mlxd:time_to_first_token_seconds",
                                 "Time from admission to the first token.", ["model"],
                                 buckets=_LATENCY, registry=REGISTRY)
