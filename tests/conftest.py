@@ -42,6 +42,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc, timeout: float, why) -> dict:
+    """Poll ``url``/health until an ``mlxd serve`` subprocess answers 200 (its body);
+    fails, with ``why()`` (its log, say) as the message, when it exits or time runs out."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            r = httpx.get(url + "/health", timeout=2)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, why()
+        assert time.time() < deadline, why()
+        time.sleep(0.2)
+
+
 class LiveServer:
     """mlxd's real app under uvicorn in a background thread, reached over real HTTP."""
 

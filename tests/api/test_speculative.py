@@ -15,13 +15,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer, free_port, install_into_store, make_settings
+from conftest import LiveServer, free_port, install_into_store, make_settings, wait_healthy
 from fixtures.tiny_models import make_tiny_chat_model, perturbed_copy
 
 BASE = "the cat sat on the mat and the dog sat on the log and the cat sat on the"
@@ -394,16 +393,7 @@ class _Served:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mlxd", "serve", "--port", self.url.rsplit(":", 1)[1],
                  *args], env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.time() < deadline, self.log.read_text()
-            time.sleep(0.2)
+        wait_healthy(self.url, self.proc, 90, self.log.read_text)
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()

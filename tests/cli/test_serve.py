@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -73,17 +73,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
 
 
 def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        try:
-            r = httpx.get(url + "/health", timeout=2)
-            if r.status_code == 200:
-                return r.json()
-        except httpx.TransportError:
-            pass
-        assert p.poll() is None, p.stdout.read()
-        assert time.time() < deadline
-        time.sleep(0.2)
+    return wait_healthy(url, p, timeout, lambda: p.stdout.read() if p.poll() is not None
+                        else f"not healthy after {timeout} s")
 
 
 def _alive(pid: int) -> bool:

@@ -36,7 +36,7 @@ from conftest import require  # noqa: E402
 
 require("playwright")
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, wait_healthy  # noqa: E402
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
 from store.fake_hub import FakeHub  # noqa: E402
 
@@ -130,16 +130,7 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     srv = Served(f"http://127.0.0.1:{port}", proc, log)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.time() < deadline, "no healthy server after 120 s"
-            time.sleep(0.2)
+        wait_healthy(srv.url, proc, 120, lambda: log.read_text()[-3000:])
         yield srv
     finally:
         proc.send_signal(signal.SIGTERM)

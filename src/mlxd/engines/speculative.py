@@ -271,10 +271,15 @@ class DraftModel:
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
+        self._feed(cache, tokens, mx.async_eval)
+        self._rows[uid] = (cache, list(tokens))
+
+    def _feed(self, cache: list[Any], tokens: list[int], evaluate: Any) -> None:
+        """Run ``tokens`` into ``cache`` a prefill chunk at a time, each chunk handed to
+        ``evaluate`` (``mx.eval`` or ``mx.async_eval``) so the graph stays one chunk deep."""
         for i in range(0, len(tokens), self.step_size):
             self.model(mx.array(tokens[i:i + self.step_size])[None], cache=cache)
-            mx.async_eval([c.state for c in cache])
-        self._rows[uid] = (cache, list(tokens))
+            evaluate([c.state for c in cache])
 
     def propose(self, uid: int, history: list[int], k: int) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
@@ -288,10 +293,9 @@ class DraftModel:
             for c in cache:
                 c.trim(len(seen) - common)
         feed = history[common:]
-        while len(feed) > self.step_size:
-            self.model(mx.array(feed[:self.step_size])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            feed = feed[self.step_size:]
+        ahead = (len(feed) - 1) // self.step_size * self.step_size  # all but the last chunk
+        self._feed(cache, feed[:ahead], mx.eval)
+        feed = feed[ahead:]
         out: list[int] = []
         tok = mx.array(feed)[None]
         for i in range(k):

@@ -13,6 +13,7 @@ metrics, which each front end fetches as before.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -86,8 +87,6 @@ class MergedCollector:
 def _own_families() -> Any:
     """This front end's families; with several front ends, all of theirs summed (gauges
     of processes that have exited dropped), plus this process's own ``process_*``."""
-    import os
-
     if not os.environ.get(MULTIPROC_ENV):
         yield from REGISTRY.collect()
         return
