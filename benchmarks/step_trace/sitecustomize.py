@@ -7,7 +7,11 @@ prompt tokens processed, decode rows after]. ``summary.py`` beside it sums them 
 Two knobs for A/B runs, never used by mlxd itself:
 STEP_TRACE_LOAD_ON_DEVICE=1 builds chat models on the device thread (the loader thread only
 waits for it), so their weights are made on the stream that runs them;
-STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default.
+STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default;
+STEP_TRACE_PREFILL_CLEARS=1 makes mlxd's prefill clear MLX's buffer cache after every
+chunk again, as mlx-lm's does (engines/serving_batch.py keeps it);
+STEP_TRACE_NO_CLEAR=1 turns ``mx.clear_cache()`` into nothing in that process (for the
+engine alone: what mlx-lm's per-chunk clearing costs it).
 """
 
 import builtins
@@ -47,6 +51,16 @@ if _out:
             if g is not None and hasattr(g, "BatchGenerator"):
                 _state["traced"] = True
                 _trace(g)
+        if os.environ.get("STEP_TRACE_PREFILL_CLEARS") == "1" and "clears" not in _state:
+            sb = sys.modules.get("mlxd.engines.serving_batch")
+            if sb is not None and hasattr(sb, "CACHE_KEEP_BYTES"):
+                _state["clears"] = True
+                sb.CACHE_KEEP_BYTES = -1
+        if os.environ.get("STEP_TRACE_NO_CLEAR") == "1" and "no_clear" not in _state:
+            core = sys.modules.get("mlx.core")
+            if core is not None and hasattr(core, "clear_cache"):
+                _state["no_clear"] = True
+                core.clear_cache = lambda: None
         if os.environ.get("STEP_TRACE_LOAD_ON_DEVICE") == "1":
             w = sys.modules.get("mlxd.runtime.worker")
             if "worker_patched" not in _state and w is not None and hasattr(w, "DeviceWorker"):

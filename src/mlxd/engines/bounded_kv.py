@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from mlxd.engines.serving_batch import ServingBatchGenerator
 
 
 def bounded_prompt_cache(model: Any, max_kv_size: int) -> list[Any]:
@@ -37,8 +38,9 @@ def can_bound(model: Any) -> bool:
     return any(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-class BoundedBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator whose new sequences get :func:`bounded_prompt_cache`.
+class BoundedBatchGenerator(ServingBatchGenerator):
+    """The serving batch (engines/serving_batch.py) whose new sequences get
+    :func:`bounded_prompt_cache`.
 
     Sequences inserted with a cache (a prefix-cache hit) keep theirs: it was extracted from
     this same bounded batch.

@@ -27,7 +27,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.core.errors import ModelLoadError
@@ -39,6 +38,7 @@ from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepO
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
+from mlxd.engines.serving_batch import ServingBatchGenerator
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
 from mlxd.engines.structured import GrammarProcessor
@@ -256,8 +256,9 @@ class LLMEngine(DecodeEngine):
             return tensor_parallel.ReplicatedBatch(gen, self.tp_id)
         return gen
 
-    def raw_generator(self) -> BatchGenerator:
-        """mlx-lm's batch, built on the worker thread, on *that thread's* default stream.
+    def raw_generator(self) -> ServingBatchGenerator:
+        """mlx-lm's batch (as engines/serving_batch.py runs it), built on the worker thread,
+        on *that thread's* default stream.
 
         mlx-lm's module-level ``generation_stream`` is created by whichever thread imports
         mlx_lm first; running the batch on a stream of another thread makes MLX synchronise
@@ -276,7 +277,7 @@ class LLMEngine(DecodeEngine):
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if s["max_kv_size"] is not None:
             return BoundedBatchGenerator(self.model, max_kv_size=s["max_kv_size"], **common)
-        return BatchGenerator(self.model, **common)
+        return ServingBatchGenerator(self.model, **common)
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
@@ -351,19 +352,24 @@ class LLMEngine(DecodeEngine):
         until a prefill batch is full or the oldest has waited about two decode steps
         (capped at 25 ms); with nothing running they go at once.
 
+        mlx-lm gets newcomers only as clean prefill groups (:meth:`_prefill_room`): never
+        more than its prompt batch takes in one step, and none while it holds a group that
+        joins the decode batch at this step; the rest wait here, in order.
+
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
         """
         failed: list[tuple[Sequence, StepOutput]] = []
         self._poll_loads()
-        if not self._pending:
+        room = self._prefill_room()
+        if not self._pending or room == 0:
             return failed
         running = self.num_running
         if running and len(self._pending) < self._settings["prefill_batch_size"]:
             waited = time.monotonic() - self._pending[0].t_added
             if waited < min(0.025, 2 * self._step_ema):
                 return failed
-        batch, self._pending = self._pending, []
+        batch, self._pending = self._pending[:room], self._pending[room:]
         ready: list[tuple[Sequence, Any, Any, list]] = []
         for seq in batch:
             try:
@@ -400,6 +406,33 @@ class LLMEngine(DecodeEngine):
             if self.speculator is not None:
                 self._register_speculation(seq, bool(processors))
         return failed
+
+    def _prefill_room(self) -> int:
+        """How many newcomers mlx-lm's batch takes now as one clean prefill group.
+
+        mlx-lm moves queued sequences into its prompt batch up to ``prefill_batch_size``,
+        and once a group is prefilled up to its last tokens, the next step moves it into
+        the decode batch. Sequences that reach its prompt batch while such a group is still
+        there are merged into it first: in one step mlx-lm then copies the batch's caches,
+        splits the group off, starts its decoding and prefills the newcomers. On an H200
+        such a mixed step cost about twice a clean prefill step, and a server's staggered
+        arrivals made a third of its prefill steps mixed where an offline batch's waves
+        make none (docs/benchmarks.md, "round 2, session 4"). So: nothing while sequences
+        still wait in mlx-lm's own queue or a prefilled group is about to join; otherwise
+        what its prompt batch has room for. A prompt still mid-prefill (longer than a
+        prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next
+        chunk. A batch without these internals (another mlx-lm version) takes everyone.
+        """
+        gen = self._gen
+        rows = getattr(gen, "_currently_processing", None)
+        queued = getattr(gen, "_unprocessed_sequences", None)
+        size = getattr(gen, "prefill_batch_size", None)
+        if rows is None or queued is None or not isinstance(size, int):
+            return len(self._pending)
+        if queued or (rows and all(len(segments) == 1 and len(segments[0]) == 1
+                                   for segments, *_ in rows)):
+            return 0
+        return max(size - len(rows), 0)
 
     def _register_speculation(self, seq: Sequence, has_processors: bool) -> None:
         """Rows with logits processors or a seed decode plainly (speculator.register says
@@ -563,6 +596,8 @@ class LLMEngine(DecodeEngine):
                 self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
                     self._keep(r.all_tokens, r.prompt_cache)
+        if not self._seqs and not self._pending:
+            mx.clear_cache()  # the batch ran dry: memory at rest as mlx-lm leaves it
         return out
 
     # -- DecodeEngine hooks ----------------------------------------------------------------

@@ -27,9 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxd.engines.serving_batch import ServingBatchGenerator
 from mlxd.engines.speculative import Speculator, verify_greedy, verify_sampled
 
 
@@ -209,8 +210,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         return responses
 
 
-class SpeculativeBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator whose generation batch can verify drafts."""
+class SpeculativeBatchGenerator(ServingBatchGenerator):
+    """The serving batch (engines/serving_batch.py) whose generation batch can verify drafts."""
 
     def __init__(self, model: Any, *, speculator: Speculator, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
