@@ -147,7 +147,7 @@ groups)
   run_g() {  # NAME C ARGS... (env assignments first, then serve_compare options)
     local name=$1 c=$2; shift 2
     local envs=() opts=()
-    for a in "$@"; do case $a in *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
+    for a in "$@"; do case $a in -*) opts+=("$a") ;; *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
     echo "== $name C=$c" | tee -a /tmp/gap/summary.txt
     env STEP_TRACE=/tmp/gap/g-$name "${envs[@]}" timeout 150 "${CMP[@]}" "${opts[@]}" \
       --concurrency $c --out /tmp/gap/g-$name.json 2>&1 | grep -E '^\| [0-9]' \
@@ -159,7 +159,7 @@ groups)
   run_g old-c64 64 "$old" --skip mlx_lm,engine
   run_g groups-only-c64 64 "$new" STEP_TRACE_PREFILL_CLEARS=1 --skip mlx_lm,engine
   run_g engine-noclear-c64 64 "$new" --skip mlx_lm,mlxd \
-    --engine-env MLX_CUDA_USE_CUDNN_SDPA=0,STEP_TRACE_NO_CLEAR=1
+    --engine-env=MLX_CUDA_USE_CUDNN_SDPA=0,STEP_TRACE_NO_CLEAR=1
   run_g new2-c64 64 "$new" --skip mlx_lm,engine
   run_g old2-c64 64 "$old" --skip mlx_lm,engine
   run_g both-c16 16 "$new"
