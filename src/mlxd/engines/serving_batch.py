@@ -21,9 +21,6 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
 CACHE_KEEP_BYTES = 1 << 30
-# Round a prefill chunk's length up to a multiple of this many tokens (0: exact lengths),
-# so that prefill shapes repeat across groups of different prompt lengths.
-PREFILL_BUCKET = 0
 
 
 def trim_buffer_cache(limit: int | None = None) -> None:
@@ -45,8 +42,6 @@ class ServingPromptBatch(PromptProcessingBatch):
             held += new  # what the KV cache will hold, as mlx-lm keeps it
         lengths = [len(t) for t in tokens]
         longest = max(lengths)
-        if PREFILL_BUCKET > 0:
-            longest = -(-longest // PREFILL_BUCKET) * PREFILL_BUCKET
         padding = [longest - n for n in lengths]
         padded = any(padding)
         if padded:  # right padding, rolled away by the caches' finalize()
