@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +82,10 @@ def main() -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "mlxd", "serve", "--model", a.model_dir, "--port", str(a.port),
          "--max-num-seqs", str(max(a.concurrency, 8)), "--log-level", "warning",
-         "--api-workers", str(a.api_workers), *a.mlxd_args.split()], stdout=log, stderr=log)
+         "--api-workers", str(a.api_workers), *a.mlxd_args.split()], stdout=log, stderr=log,
+        # a disk tier of its own: another run's prefixes (same seeded prompts) would be hits
+        env={"MLXD_ENGINE__PREFIX_CACHE_DIR": tempfile.mkdtemp(prefix="mlxd-prefix-"),
+             **os.environ})
     try:
         for _ in range(600):
             try:

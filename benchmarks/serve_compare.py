@@ -23,6 +23,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -267,11 +268,17 @@ def main() -> None:
         results["engine"] = bench_engine(args)
     if "mlxd" not in skip:
         print("mlxd", flush=True)
-        results["mlxd"] = bench_server(
-            [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
-             "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
-             "--api-workers", str(args.api_workers), *args.mlxd_args.split()],
-            env, name, args, "/health")
+        # The prefix cache's disk tier outlives the server, and the prompts are the same
+        # from run to run (seeded): in the default home a later run found an earlier run's
+        # prompts on disk and skipped their prefill (on an H200, a third of the prefill
+        # steps of every run after the first). Each run gets a disk tier of its own unless
+        # the caller names one.
+        with tempfile.TemporaryDirectory(prefix="mlxd-prefix-") as prefix_dir:
+            results["mlxd"] = bench_server(
+                [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
+                 "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
+                 "--api-workers", str(args.api_workers), *args.mlxd_args.split()],
+                {"MLXD_ENGINE__PREFIX_CACHE_DIR": prefix_dir, **env}, name, args, "/health")
     if "mlx_lm" not in skip:
         print("mlx_lm.server (as shipped)", flush=True)
         results["mlx_lm"] = bench_server(
