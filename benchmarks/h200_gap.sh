@@ -11,6 +11,7 @@
 #   bash benchmarks/h200_gap.sh prefix [LABEL]   # or: the prefix cache's tiers at C=64
 #   bash benchmarks/h200_gap.sh groups [LABEL]   # or: clean prefill groups + kept buffer
 #                                                #     cache vs the tree in .ab/old (carry it)
+#   bash benchmarks/h200_gap.sh contexts [LABEL] # which mlxd processes hold a CUDA context
 #   bash benchmarks/h200_gap.sh table [LABEL]    # carries .gpu/c (stashed): C=1..128 and
 #                                                #     --api-workers 2 at C=128
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
@@ -189,6 +190,23 @@ draft-ab)
       tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
     done
   done
+  ;;
+contexts)
+  # which of mlxd's processes hold a CUDA context (two contexts time-slice one GPU): one
+  # chat request through a running server, then nvidia-smi's compute apps against the
+  # server's process tree
+  [ -d /tmp/site/mlx ] || install
+  python3 -m mlxd serve --model $Q05 --port 8799 --log-level warning > /tmp/gap/ctx.log 2>&1 &
+  srv=$!
+  for _ in $(seq 240); do curl -sf localhost:8799/health > /dev/null && break; sleep 0.5; done
+  curl -s localhost:8799/v1/chat/completions -H 'content-type: application/json' \
+    -d '{"model":"q05","messages":[{"role":"user","content":"hi"}],"max_tokens":4}' \
+    | head -c 300; echo
+  { echo "== server pid $srv and children"; ps -o pid,ppid,rss,args --ppid $srv -p $srv
+    echo "== nvidia-smi compute apps"
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv; } \
+    | tee "$OUT/contexts-$label.txt"
+  kill $srv; wait $srv 2>/dev/null
   ;;
 table)
   # #11's table: the engine alone (cuDNN attention off, as the core) and mlxd at

@@ -1,6 +1,7 @@
-"""How newcomers enter mlx-lm's batch (engines/llm.py, ``_admit``): never merged into a
-prompt batch whose group joins the decode batch at that step, and the same tokens as a
-sequence decoded alone."""
+"""How newcomers enter mlx-lm's batch (engines/llm.py, ``_admit``): with clean prefill groups
+(a GPU's default), never merged into a prompt batch whose group joins the decode batch at
+that step, and the same tokens as a sequence decoded alone; on the CPU (the default there)
+mlx-lm groups them itself."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from mlxd.engines.llm import LLMEngine
 
 @pytest.fixture()
 def engine(tiny_llama) -> LLMEngine:
-    e = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0)
+    e = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
+                  clean_prefill_groups=True)
     e.bind()  # the batch on this thread's stream, as the device thread does
     return e
 
@@ -72,7 +74,7 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(eng
 def test_a_prompt_mid_prefill_holds_nobody(tiny_llama):
     """A prompt longer than a prefill chunk is still being prefilled: newcomers join it."""
     engine = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefill_step_size=16,
-                       prefix_cache_bytes=0)
+                       prefix_cache_bytes=0, clean_prefill_groups=True)
     engine.bind()
     long = _seq(engine, " ".join(["ocean garden market"] * 20))
     seen: dict[int, list[int]] = {}
@@ -89,7 +91,8 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama):
     """Twelve at once with a prefill batch of 8: eight go in as one group, four wait here
     (not in mlx-lm's own queue, whence they would be merged into the first group's
     joining step), and go in as the next clean group once the first has joined."""
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0)
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0,
+                       clean_prefill_groups=True)
     engine.bind()
     seen: dict[int, list[int]] = {}
     seqs = [_seq(engine, f"story {i} of the ocean") for i in range(12)]
@@ -101,5 +104,18 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama):
     assert engine.num_running == 8 and engine._pending == seqs[8:]
     _step(engine, seen)
     assert engine._pending == [] and engine._gen._prompt_batch.uids == [s.uid for s in seqs[8:]]
+    got = _tokens(engine, seqs, seen)
+    assert all(len(got[id(s)]) == 6 for s in seqs)
+
+
+def test_on_the_cpu_mlx_lm_groups_newcomers_itself(tiny_llama):
+    """The CPU default: every newcomer goes to mlx-lm at once, as before clean groups."""
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0)
+    engine.bind()
+    assert not engine._clean_groups  # the tests run on the CPU
+    seen: dict[int, list[int]] = {}
+    seqs = [_seq(engine, f"story {i} of the ocean") for i in range(12)]
+    _step(engine, seen)
+    assert engine._pending == [] and all(s.uid >= 0 for s in seqs)
     got = _tokens(engine, seqs, seen)
     assert all(len(got[id(s)]) == 6 for s in seqs)
