@@ -356,9 +356,10 @@ class LLMEngine(DecodeEngine):
         until a prefill batch is full or the oldest has waited about two decode steps
         (capped at 25 ms); with nothing running they go at once.
 
-        mlx-lm gets newcomers only as clean prefill groups (:meth:`_prefill_room`): never
-        more than its prompt batch takes in one step, and none while it holds a group that
-        joins the decode batch at this step; the rest wait here, in order.
+        On a GPU, mlx-lm gets newcomers only as clean prefill groups
+        (:meth:`_prefill_room`): never more than its prompt batch takes in one step, and
+        none while it holds a group that joins the decode batch at this step; the rest wait
+        here, in order.
 
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
