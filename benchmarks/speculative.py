@@ -138,6 +138,12 @@ def concurrent(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
     return summarize(res, time.perf_counter() - t0)
 
 
+def _progress(t0: float, what: str) -> None:
+    """Where a long run is (stderr): a run cut short by a time limit still says how far
+    it got."""
+    print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     """Every mode's server up at once, measured in turns so that a shared machine's
     changing load falls on all modes alike: at batch 1 each prompt goes to every mode in
@@ -145,14 +151,18 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     alternate, and per mode the median round counts."""
     servers = {}
     try:
+        t0 = time.perf_counter()
         for mode in args.modes:
             home = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
             servers[mode] = start(home, args.model_dir or args.model, args.dtype, mode,
                                   args.draft_model, args.max_batch)
+            _progress(t0, f"server '{mode}' up")
         for _, url in servers.values():
             one(url, prompts[0], 8)  # warm the server and the model (not measured)
+        _progress(t0, "warmed")
         runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
         for c in args.concurrency:
+            _progress(t0, f"C={c}")
             if c == 1:
                 seq: dict[str, list[dict]] = {m: [] for m in args.modes}
                 for _ in range(args.rounds):
