@@ -77,3 +77,23 @@ def test_a_prefill_beside_a_running_batch_keeps_the_buffer_cache(model_and_token
     monkeypatch.setattr(serving_batch, "CACHE_KEEP_BYTES", held - 1)
     serving_batch.trim_buffer_cache()  # over it: cleared
     assert mx.get_cache_memory() == 0
+
+
+def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
+    """Memory at rest is what mlx-lm leaves: the cache kept for decode steps is handed back
+    once the last sequence has finished."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
+    engine.bind()
+    seq = engine.new_sequence(engine.encode_prompt("the river runs to the sea"),
+                              SamplingParams(max_tokens=6, temperature=0.0))
+    engine.add(seq)
+    held = []
+    while engine.has_work():
+        engine.step()
+        if not seq.finished:
+            held.append(mx.get_cache_memory())
+    assert seq.finished and max(held) > 0
+    assert mx.get_cache_memory() == 0

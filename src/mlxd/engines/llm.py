@@ -570,8 +570,13 @@ class LLMEngine(DecodeEngine):
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One decode step for the running batch plus one prefill chunk for newcomers."""
+        running = bool(self._seqs)
         out = self._step()
         self._warm_step(out)
+        if running and not self._seqs and not self._pending:
+            # the batch ran dry (and this step's arrays are gone): hand MLX's buffer
+            # cache back, so memory at rest is what mlx-lm leaves (engines/serving_batch.py)
+            mx.clear_cache()
         return out
 
     def _step(self) -> list[tuple[Sequence, StepOutput]]:
@@ -608,8 +613,6 @@ class LLMEngine(DecodeEngine):
                 self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
                     self._keep(r.all_tokens, r.prompt_cache)
-        if not self._seqs and not self._pending:
-            mx.clear_cache()  # the batch ran dry: memory at rest as mlx-lm leaves it
         return out
 
     # -- DecodeEngine hooks ----------------------------------------------------------------
