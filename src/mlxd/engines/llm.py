@@ -127,7 +127,7 @@ class LLMEngine(DecodeEngine):
             if max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
                                      "keeps a plain KV cache that a bound could rotate")
-            # None: on a GPU only (see _prefill_room)
+            # None: on a GPU only (see _admit)
             self._clean_groups = (mx.default_device() != mx.cpu
                                   if clean_prefill_groups is None else clean_prefill_groups)
             self._gen: Any = None  # built by bind(), on the device thread
@@ -357,17 +357,24 @@ class LLMEngine(DecodeEngine):
         (capped at 25 ms); with nothing running they go at once.
 
         On a GPU, mlx-lm gets newcomers only as clean prefill groups
-        (:meth:`_prefill_room`): never more than its prompt batch takes in one step, and
-        none while it holds a group that joins the decode batch at this step; the rest wait
-        here, in order.
+        (``ServingBatchGenerator.clean_group_room``): never more than its prompt batch takes
+        in one step, and none while it holds a group that joins the decode batch at this
+        step; the rest wait here, in order. On the CPU, where a step's cost is its
+        arithmetic rather than its fixed per-step host work, holding newcomers back cost
+        more than the mixed step does (SmolLM2, C=16: 0.91-0.94x the engine alone against
+        0.96-1.05x, TTFT 4.1-5.5 s against 3.8-4.6 s), so there mlx-lm groups them itself
+        (``clean_prefill_groups``).
 
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
         """
         failed: list[tuple[Sequence, StepOutput]] = []
         self._poll_loads()
-        room = self._prefill_room()
-        if not self._pending or room == 0:
+        if not self._pending:
+            return failed
+        room = (self._gen.clean_group_room() if self._clean_groups
+                else len(self._pending))
+        if room == 0:
             return failed
         running = self.num_running
         if running and len(self._pending) < self._settings["prefill_batch_size"]:
@@ -411,40 +418,6 @@ class LLMEngine(DecodeEngine):
             if self.speculator is not None:
                 self._register_speculation(seq, bool(processors))
         return failed
-
-    def _prefill_room(self) -> int:
-        """How many newcomers mlx-lm's batch takes now as one clean prefill group.
-
-        mlx-lm moves queued sequences into its prompt batch up to ``prefill_batch_size``,
-        and once a group is prefilled up to its last tokens, the next step moves it into
-        the decode batch. Sequences that reach its prompt batch while such a group is still
-        there are merged into it first: in one step mlx-lm then copies the batch's caches,
-        splits the group off, starts its decoding and prefills the newcomers. On an H200
-        such a mixed step cost about twice a clean prefill step, and a server's staggered
-        arrivals made a third of its prefill steps mixed where an offline batch's waves
-        make none (docs/benchmarks.md, "round 2, session 4"). So: nothing while sequences
-        still wait in mlx-lm's own queue or a prefilled group is about to join; otherwise
-        what its prompt batch has room for. A prompt still mid-prefill (longer than a
-        prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next
-        chunk. A batch without these internals (another mlx-lm version) takes everyone.
-
-        On the CPU, where a step's cost is its arithmetic rather than its fixed per-step
-        host work, holding newcomers back costs more than the mixed step does (SmolLM2,
-        C=16: 0.91-0.94x the engine alone against 0.96-1.05x, TTFT 4.1-5.5 s against
-        3.8-4.6 s), so there mlx-lm groups them itself (``clean_prefill_groups``).
-        """
-        if not self._clean_groups:
-            return len(self._pending)
-        gen = self._gen
-        rows = getattr(gen, "_currently_processing", None)
-        queued = getattr(gen, "_unprocessed_sequences", None)
-        size = getattr(gen, "prefill_batch_size", None)
-        if rows is None or queued is None or not isinstance(size, int):
-            return len(self._pending)
-        if queued or (rows and all(len(segments) == 1 and len(segments[0]) == 1
-                                   for segments, *_ in rows)):
-            return 0
-        return max(size - len(rows), 0)
 
     def _register_speculation(self, seq: Sequence, has_processors: bool) -> None:
         """Rows with logits processors or a seed decode plainly (speculator.register says

@@ -1,4 +1,5 @@
-"""mlx-lm's continuous batch as the engine core runs it: prefill keeps MLX's buffer cache.
+"""mlx-lm's continuous batch as the engine core runs it: prefill keeps MLX's buffer cache,
+and the batch says how many newcomers make a clean prefill group.
 
 mlx-lm's ``PromptProcessingBatch.prompt`` calls ``mx.clear_cache()`` after every prefill
 chunk, which suits a script that prefills once and then decodes. In a server, newcomers
@@ -10,7 +11,9 @@ chunk can leave big attention buffers behind) and when the batch runs dry (the e
 clears it then: engines/llm.py), so memory at rest is what mlx-lm leaves.
 
 Everything else is mlx-lm's: the batch's right padding, chunking by
-``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol.
+``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
+(:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
+which is why it lives here, beside the subclass, and not in the engine.
 """
 
 from __future__ import annotations
@@ -72,3 +75,26 @@ class ServingBatchGenerator(BatchGenerator):
         super().__init__(model, **kwargs)
         self._prompt_batch = ServingPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+
+    def clean_group_room(self) -> int:
+        """How many newcomers the batch takes now as one clean prefill group.
+
+        mlx-lm moves queued sequences into its prompt batch up to ``prefill_batch_size``,
+        and once a group is prefilled up to its last tokens, the next step moves it into
+        the decode batch. Sequences that reach the prompt batch while such a group is still
+        there are merged into it first: in one step mlx-lm then copies the batch's caches,
+        splits the group off, starts its decoding and prefills the newcomers. On an H200
+        such a mixed step cost about twice a clean prefill step, and a server's staggered
+        arrivals made a third of its prefill steps mixed where an offline batch's waves
+        make none (docs/benchmarks.md, "round 2, session 4"). So: none while sequences
+        still wait in mlx-lm's own queue or a prefilled group is about to join; otherwise
+        what the prompt batch has room for. A prompt still mid-prefill (longer than a
+        prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next
+        chunk.
+        """
+        rows = self._currently_processing
+        if self._unprocessed_sequences or (
+                rows and all(len(segments) == 1 and len(segments[0]) == 1
+                             for segments, *_ in rows)):
+            return 0
+        return max(self.prefill_batch_size - len(rows), 0)
