@@ -62,6 +62,24 @@ install() {
   date -u | tee -a /tmp/gap/summary.txt
 }
 
+# A/B of this tree against another one carried in .ab/old/src, every run step-traced
+AB_OLD="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
+AB_NEW="PYTHONPATH=$here/step_trace:$PYTHONPATH"
+run_traced() {  # OUTNAME NAME C SECONDS ARGS... (VAR=VALUE: environment, else options)
+  local outname=$1 name=$2 c=$3 secs=$4; shift 4
+  local envs=() opts=()
+  for a in "$@"; do case $a in -*) opts+=("$a") ;; *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
+  echo "== $name C=$c" | tee -a /tmp/gap/summary.txt
+  env STEP_TRACE=/tmp/gap/t-$name "${envs[@]}" timeout "$secs" "${CMP[@]}" "${opts[@]}" \
+    --concurrency "$c" --out /tmp/gap/t-$name.json 2>&1 | grep -E '^\| [0-9]' \
+    | tee -a /tmp/gap/summary.txt
+  python3 "$here/step_trace/summary.py" /tmp/gap/t-$name | grep -v "by batch" \
+    | tee -a /tmp/gap/summary.txt
+  # after every run: a call cut short by its time limit still brings back what ran
+  cp /tmp/gap/summary.txt "$OUT/$outname.txt"
+  tar czf "$OUT/$outname.tgz" -C /tmp gap 2>/dev/null
+}
+
 case "${1:-}" in
 upload)
   cp "$root/.gpu/${2:-a}"/* /tmp/w/ && ls /tmp/w | wc -l
@@ -145,50 +163,25 @@ groups)
   # C=64 (interleaved, twice) and C=16, plus each change alone at C=64 and the engine
   # alone with mlx-lm's per-chunk clearing turned off
   install
-  old="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
-  new="PYTHONPATH=$here/step_trace:$PYTHONPATH"
-  run_g() {  # NAME C ARGS... (env assignments first, then serve_compare options)
-    local name=$1 c=$2; shift 2
-    local envs=() opts=()
-    for a in "$@"; do case $a in -*) opts+=("$a") ;; *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
-    echo "== $name C=$c" | tee -a /tmp/gap/summary.txt
-    env STEP_TRACE=/tmp/gap/g-$name "${envs[@]}" timeout 150 "${CMP[@]}" "${opts[@]}" \
-      --concurrency $c --out /tmp/gap/g-$name.json 2>&1 | grep -E '^\| [0-9]' \
-      | tee -a /tmp/gap/summary.txt
-    python3 "$here/step_trace/summary.py" /tmp/gap/g-$name | tee -a /tmp/gap/summary.txt
-    cp /tmp/gap/summary.txt "$OUT/groups-$label.txt"
-  }
-  run_g both-c64 64 "$new"
-  run_g old-c64 64 "$old" --skip mlx_lm,engine
-  run_g groups-only-c64 64 "$new" STEP_TRACE_PREFILL_CLEARS=1 --skip mlx_lm,engine
-  run_g engine-noclear-c64 64 "$new" --skip mlx_lm,mlxd \
+  t() { run_traced "groups-$label" "$@"; }
+  t both-c64 64 150 "$AB_NEW"
+  t old-c64 64 150 "$AB_OLD" --skip mlx_lm,engine
+  t groups-only-c64 64 150 "$AB_NEW" STEP_TRACE_PREFILL_CLEARS=1 --skip mlx_lm,engine
+  t engine-noclear-c64 64 150 "$AB_NEW" --skip mlx_lm,mlxd \
     --engine-env=MLX_CUDA_USE_CUDNN_SDPA=0,STEP_TRACE_NO_CLEAR=1
-  run_g new2-c64 64 "$new" --skip mlx_lm,engine
-  run_g old2-c64 64 "$old" --skip mlx_lm,engine
-  run_g both-c16 16 "$new"
-  run_g old-c16 16 "$old" --skip mlx_lm,engine
-  tar czf "$OUT/groups-$label.tgz" -C /tmp gap 2>/dev/null
+  t new2-c64 64 150 "$AB_NEW" --skip mlx_lm,engine
+  t old2-c64 64 150 "$AB_OLD" --skip mlx_lm,engine
+  t both-c16 16 150 "$AB_NEW"
+  t old-c16 16 150 "$AB_OLD" --skip mlx_lm,engine
   ;;
 draft-ab)
   # one call after upload a, c and d: #14's draft run, then C=64 step traces interleaved:
   # this tree and the tree in .ab/old
   install
   bash "$0" draft "$label"
-  old="PYTHONPATH=$here/step_trace:/tmp/site:$root/.ab/old/src"
-  new="PYTHONPATH=$here/step_trace:$PYTHONPATH"
   for i in 1 2; do
-    for v in "new$i $new" "old$i $old"; do
-      set -- $v
-      name=$1; shift
-      echo "== $name C=64" | tee -a /tmp/gap/summary.txt
-      env STEP_TRACE=/tmp/gap/d-$name "$@" timeout 80 "${CMP[@]}" --skip mlx_lm,engine \
-        --concurrency 64 --out /tmp/gap/d-$name.json 2>&1 | grep -E '^\| [0-9]' \
-        | tee -a /tmp/gap/summary.txt
-      python3 "$here/step_trace/summary.py" /tmp/gap/d-$name | grep -v "by batch" \
-        | tee -a /tmp/gap/summary.txt
-      cp /tmp/gap/summary.txt "$OUT/ab-$label.txt"
-      tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
-    done
+    run_traced "ab-$label" new$i 64 80 "$AB_NEW" --skip mlx_lm,engine
+    run_traced "ab-$label" old$i 64 80 "$AB_OLD" --skip mlx_lm,engine
   done
   ;;
 contexts)
