@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_gap.sh groups [LABEL]   # or: clean prefill groups + kept buffer
 #                                                #     cache vs the tree in .ab/old (carry it)
 #   bash benchmarks/h200_gap.sh contexts [LABEL] # which mlxd processes hold a CUDA context
+#   bash benchmarks/h200_gap.sh cpus [LABEL]     # C=16 decode steps by CPU: free, the
+#                                                #     stepping thread pinned, a busy sibling
 #   bash benchmarks/h200_gap.sh table [LABEL]    # carries .gpu/c (stashed): C=1..128 and
 #                                                #     --api-workers 2 at C=128
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
@@ -69,8 +71,9 @@ run_traced() {  # OUTNAME NAME C SECONDS ARGS... (VAR=VALUE: environment, else o
   local outname=$1 name=$2 c=$3 secs=$4; shift 4
   local envs=() opts=()
   for a in "$@"; do case $a in -*) opts+=("$a") ;; *=*) envs+=("$a") ;; *) opts+=("$a") ;; esac; done
-  echo "== $name C=$c" | tee -a /tmp/gap/summary.txt
-  env STEP_TRACE=/tmp/gap/t-$name "${envs[@]}" timeout "$secs" "${CMP[@]}" "${opts[@]}" \
+  echo "== $name C=$c ${TASKSET:+(others on CPUs $TASKSET)}" | tee -a /tmp/gap/summary.txt
+  env STEP_TRACE=/tmp/gap/t-$name "${envs[@]}" timeout "$secs" \
+    ${TASKSET:+taskset -c "$TASKSET"} "${CMP[@]}" "${opts[@]}" \
     --concurrency "$c" --out /tmp/gap/t-$name.json 2>&1 | grep -E '^\| [0-9]' \
     | tee -a /tmp/gap/summary.txt
   python3 "$here/step_trace/summary.py" /tmp/gap/t-$name | grep -v "by batch" \
@@ -173,6 +176,37 @@ groups)
   t old2-c64 64 150 "$AB_OLD" --skip mlx_lm,engine
   t both-c16 16 150 "$AB_NEW"
   t old-c16 16 150 "$AB_OLD" --skip mlx_lm,engine
+  ;;
+cpus)
+  # Session 4's traces show the decode step at 16 rows in two modes, ~7 and ~11.5 ms, in
+  # the engine alone and in the core alike, switching every few hundred steps; the core
+  # spends more steps in the slow one. Is it the CPU the stepping thread lands on (a busy
+  # hyperthread sibling)? Every step's CPU is traced; then the stepping thread is pinned
+  # to one CPU with everything else kept off that CPU and its siblings, and last a spinner
+  # is put on the sibling. Also: which processes hold a CUDA context while mlxd serves.
+  install
+  { lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA'; lscpu -e
+    grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list; } \
+    | tee -a /tmp/gap/summary.txt > "$OUT/cpus-topology-$label.txt"
+  pin=${PIN_CPU:-2}
+  sib=$(cat /sys/devices/system/cpu/cpu$pin/topology/thread_siblings_list)
+  others=$(python3 -c "import os,sys; s=set(); [s.update(range(int(a), int(b or a) + 1)) for p in sys.argv[1].split(',') for a, _, b in [p.partition('-')]]; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - s)))" "$sib")
+  echo "pin $pin, siblings $sib, others $others" | tee -a /tmp/gap/summary.txt
+  t() { run_traced "cpus-$label" "$@"; }
+  ( sleep 45; for _ in 1 2 3 4; do
+      { date -u +%T; nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+        ps -eo pid,ppid,rss,args | grep -E 'mlxd|serve_compare' | grep -v grep; } \
+        >> "$OUT/cpus-contexts-$label.txt"; sleep 8; done ) &
+  t free 16 150 "$AB_NEW"
+  TASKSET=$others t pinned 16 150 "$AB_NEW" STEP_TRACE_PIN=$pin
+  spin=$(echo "$sib" | tr ',-' '\n\n' | grep -vx "$pin" | head -1)
+  if [ -n "$spin" ]; then
+    taskset -c "$spin" python3 -c 'while True: pass' & sp=$!
+    TASKSET=$others t pinned-busy-sibling 16 100 "$AB_NEW" STEP_TRACE_PIN=$pin \
+      --skip mlx_lm,mlxd
+    kill $sp
+  fi
+  t free2 16 150 "$AB_NEW"
   ;;
 draft-ab)
   # one call after upload a, c and d: #14's draft run, then C=64 step traces interleaved:

@@ -2,7 +2,8 @@
 PYTHONPATH and set STEP_TRACE=PREFIX; every process that runs an mlx-lm BatchGenerator (the
 engine alone, mlxd's engine core) appends one JSON line per ``_next`` call to
 PREFIX.<pid>.jsonl: [start, duration ms, decode rows before, prompt-batch rows, queued rows,
-prompt tokens processed, decode rows after]. ``summary.py`` beside it sums them up.
+prompt tokens processed, decode rows after, the CPU the call ended on]. ``summary.py`` beside
+it sums them up.
 
 Two knobs for A/B runs, never used by mlxd itself:
 STEP_TRACE_LOAD_ON_DEVICE=1 builds chat models on the device thread (the loader thread only
@@ -11,10 +12,12 @@ STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default;
 STEP_TRACE_PREFILL_CLEARS=1 makes mlxd's prefill clear MLX's buffer cache after every
 chunk again, as mlx-lm's does (engines/serving_batch.py keeps it);
 STEP_TRACE_NO_CLEAR=1 turns ``mx.clear_cache()`` into nothing in that process (for the
-engine alone: what mlx-lm's per-chunk clearing costs it).
+engine alone: what mlx-lm's per-chunk clearing costs it);
+STEP_TRACE_PIN=N pins the thread that steps the batch (and only that thread) to CPU N.
 """
 
 import builtins
+import ctypes
 import json
 import os
 import sys
@@ -24,6 +27,10 @@ _out = os.environ.get("STEP_TRACE")
 if _out:
     _orig = builtins.__import__
     _state: dict = {"traced": False, "registry": False, "f": None}
+    try:
+        _getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        _getcpu = lambda: -1  # noqa: E731
 
     def _trace(gen_module) -> None:
         batch = gen_module.BatchGenerator
@@ -32,6 +39,9 @@ if _out:
         def _next(self):
             if _state["f"] is None:
                 _state["f"] = open(f"{_out}.{os.getpid()}.jsonl", "w", buffering=1)  # noqa: SIM115
+                pin = os.environ.get("STEP_TRACE_PIN")
+                if pin:
+                    os.sched_setaffinity(0, {int(pin)})  # 0: the calling thread
             gb, pb = len(self._generation_batch), len(self._prompt_batch)
             up, pt0 = len(self._unprocessed_sequences), self._counters.prompt_tokens
             t0 = time.perf_counter()
@@ -39,7 +49,7 @@ if _out:
             ms = (time.perf_counter() - t0) * 1000
             _state["f"].write(json.dumps([round(t0, 5), round(ms, 3), gb, pb, up,
                                           self._counters.prompt_tokens - pt0,
-                                          len(self._generation_batch)]) + "\n")
+                                          len(self._generation_batch), _getcpu()]) + "\n")
             return res
 
         batch._next = _next

@@ -1,6 +1,7 @@
 """Sum up step traces (sitecustomize.py beside this file): per process, the time in prefill
 steps, join steps (newcomers moving into the decode batch), leave steps (finished rows
-filtered out of it) and plain decode steps, and the decode steps' median by batch size.
+filtered out of it) and plain decode steps, the decode steps' median by batch size, and (in
+traces that record it) by the CPU the step ran on.
 
     python benchmarks/step_trace/summary.py PREFIX
 """
@@ -20,7 +21,9 @@ def main() -> None:
             continue
         kinds = collections.defaultdict(list)
         decode_by_batch = collections.defaultdict(list)
-        for _t0, ms, rows_before, _prompting, _queued, prompt_tokens, rows_after in rows:
+        decode_by_cpu = collections.defaultdict(list)
+        for row in rows:
+            _t0, ms, rows_before, _prompting, _queued, prompt_tokens, rows_after = row[:7]
             if prompt_tokens > 0:
                 kinds["prefill"].append(ms)
             elif rows_after > rows_before:
@@ -30,6 +33,8 @@ def main() -> None:
             elif rows_before > 0:
                 kinds["decode"].append(ms)
                 decode_by_batch[rows_before].append(ms)
+                if len(row) > 7:
+                    decode_by_cpu[row[7]].append(ms)
             else:
                 kinds["other"].append(ms)
         span = rows[-1][0] + rows[-1][1] / 1000 - rows[0][0]
@@ -42,6 +47,10 @@ def main() -> None:
         common = sorted(decode_by_batch.items(), key=lambda kv: -len(kv[1]))[:8]
         print("  decode ms by batch:", ", ".join(
             f"B={b}: {statistics.median(v):.2f} (n={len(v)})" for b, v in sorted(common)))
+        if decode_by_cpu:
+            print("  decode ms by cpu:", ", ".join(
+                f"{c}: {statistics.median(v):.2f} (n={len(v)})"
+                for c, v in sorted(decode_by_cpu.items()) if len(v) >= 5))
 
 
 if __name__ == "__main__":
