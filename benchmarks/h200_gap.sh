@@ -15,7 +15,8 @@
 #   bash benchmarks/h200_gap.sh cpus [LABEL]     # C=16 decode steps by CPU: free, the
 #                                                #     stepping thread pinned, a busy sibling
 #   bash benchmarks/h200_gap.sh table [LABEL]    # carries .gpu/c (stashed): C=1..128 and
-#                                                #     --api-workers 2 at C=128
+#                                                #     --api-workers 2 at C=128 (ROUNDS=N:
+#                                                #     engine and mlxd in turns, N rounds)
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
 #   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
@@ -242,8 +243,9 @@ table)
   [ -d /tmp/site/mlx ] || install
   (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/table.txt
   date -u >> /tmp/gap/table.txt
-  timeout 330 "${CMP[@]}" --concurrency 1,4,16,64,128 --out "$OUT/table-$label.json" 2>&1 \
-    | grep -E '^\||C=' | tee -a /tmp/gap/table.txt
+  timeout ${TABLE_TIMEOUT:-330} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64,128} \
+    --rounds ${ROUNDS:-1} --out "$OUT/table-$label.json" 2>&1 \
+    | grep -E '^\||C=|^round' | tee -a /tmp/gap/table.txt
   cp /tmp/gap/table.txt "$OUT/table-$label.txt"
   timeout 120 "${CMP[@]}" --skip mlx_lm,engine --api-workers 2 --concurrency 128 \
     --out "$OUT/api-workers-2-$label.json" 2>&1 | grep -E '^\||C=' | tee -a /tmp/gap/table.txt

@@ -11,16 +11,25 @@
   a second run of it with the BLAS mlxd picked preloaded (LD_PRELOAD), to separate what
   comes from the BLAS from what comes from the server.
 Ratios are computed against the engine and against mlx_lm.server from the same run.
+
+``--rounds N`` (engine and mlxd only) alternates the two N times on fresh prompts per round,
+mlxd's server staying up: engine round 1, mlxd round 1, engine round 2, ... and reports each
+level's median ratio over the rounds. On a host whose CPU speed changes from minute to
+minute (an H200 VM: the same engine's decode step took 7 or 11.5 ms depending on when it
+ran, docs/benchmarks.md) one engine run and one mlxd run minutes apart compare the host's
+moods as much as the two programs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,38 +62,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 6
     raise TimeoutError(url)
 
 
-def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> list[dict]:
+@contextlib.contextmanager
+def serving(cmd: list[str], env: dict, args, health: str):
+    """A server started for the block; yields its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(Path(args.logdir) / f"{cmd[2].replace('.', '_')}-{port}.log", "w")
     proc = subprocess.Popen(cmd + ["--port", str(port)], env=env, stdout=log, stderr=log)
     try:
         wait_healthy(url, proc, health)
-        levels = []
-        for c in args.levels:
-            # warm-up, as the engine gets: the same workload with other prompts
-            warm_seed, seed_c = serve_bench.level_seeds(args.seed, c)
-            runs = [(warm_seed, args.requests_per_client, args.max_tokens)]
-            if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
-                runs = [(warm_seed, 1, 8)]
-            for seed, per_client, max_tokens in [*runs, (seed_c, args.requests_per_client,
-                                                         args.max_tokens)]:
-                measured = getattr(args, "metrics", False) and seed == seed_c
-                before = _ttft_parts(url) if measured else {}
-                if args.client_procs > 1:
-                    r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
-                                                    args.min_words, args.max_words,
-                                                    args.client_procs)
-                else:
-                    r = asyncio.run(serve_bench.run_level(url, model, c, per_client,
-                                                          max_tokens, seed, args.min_words,
-                                                          args.max_words))
-                if measured:
-                    r["server_side"] = _diff_parts(before, _ttft_parts(url))
-            print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
-                  f"errors {r['errors']}", flush=True)
-            levels.append(r)
-        return levels
+        yield url
     finally:
         proc.terminate()
         try:
@@ -92,6 +79,40 @@ def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> li
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def bench_server(cmd: list[str], env: dict, model: str, args, health: str) -> list[dict]:
+    with serving(cmd, env, args, health) as url:
+        return measure_server(url, model, args, args.seed)
+
+
+def measure_server(url: str, model: str, args, seed: int) -> list[dict]:
+    """Every level against a running server: a warm-up pass, then the measured one."""
+    levels = []
+    for c in args.levels:
+        # warm-up, as the engine gets: the same workload with other prompts
+        warm_seed, seed_c = serve_bench.level_seeds(seed, c)
+        passes = [(warm_seed, args.requests_per_client, args.max_tokens)]
+        if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
+            passes = [(warm_seed, 1, 8)]
+        for pass_seed, per_client, max_tokens in [
+                *passes, (seed_c, args.requests_per_client, args.max_tokens)]:
+            measured = getattr(args, "metrics", False) and pass_seed == seed_c
+            before = _ttft_parts(url) if measured else {}
+            if args.client_procs > 1:
+                r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens,
+                                                pass_seed, args.min_words, args.max_words,
+                                                args.client_procs)
+            else:
+                r = asyncio.run(serve_bench.run_level(url, model, c, per_client, max_tokens,
+                                                      pass_seed, args.min_words,
+                                                      args.max_words))
+            if measured:
+                r["server_side"] = _diff_parts(before, _ttft_parts(url))
+        print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
+              f"errors {r['errors']}", flush=True)
+        levels.append(r)
+    return levels
 
 
 # Where a request's time to first token goes, from the server's own histograms (sums and
@@ -207,8 +228,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def bench_engine(args) -> list[dict]:
-    params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": args.seed,
+def bench_engine(args, seed: int | None = None) -> list[dict]:
+    params = {"levels": args.levels, "per_client": args.requests_per_client,
+              "seed": args.seed if seed is None else seed,
               "min_words": args.min_words, "max_words": args.max_words,
               "max_tokens": args.max_tokens, "short_warmup": args.short_warmup}
     env = dict(os.environ)
@@ -250,6 +272,9 @@ def main() -> None:
     ap.add_argument("--metrics", action="store_true",
                     help="per level, the server's mean queue time, TTFT and latency from "
                          "/metrics (mlxd only)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate the engine alone and mlxd this many times, fresh prompts "
+                         "each round (the module's docstring says why)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
@@ -263,22 +288,27 @@ def main() -> None:
                      "machine": f"{platform.node()} {platform.machine()} "
                                 f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     name = Path(args.model_dir).name
-    if "engine" not in skip:
-        print("engine alone", flush=True)
-        results["engine"] = bench_engine(args)
-    if "mlxd" not in skip:
-        print("mlxd", flush=True)
-        # The prefix cache's disk tier outlives the server, and the prompts are the same
-        # from run to run (seeded): in the default home a later run found an earlier run's
-        # prompts on disk and skipped their prefill (on an H200, a third of the prefill
-        # steps of every run after the first). Each run gets a disk tier of its own unless
-        # the caller names one.
-        with tempfile.TemporaryDirectory(prefix="mlxd-prefix-") as prefix_dir:
-            results["mlxd"] = bench_server(
-                [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
-                 "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
-                 "--api-workers", str(args.api_workers), *args.mlxd_args.split()],
-                {"MLXD_ENGINE__PREFIX_CACHE_DIR": prefix_dir, **env}, name, args, "/health")
+    mlxd_cmd = [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
+                "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
+                "--api-workers", str(args.api_workers), *args.mlxd_args.split()]
+    # The prefix cache's disk tier outlives the server, and the prompts are the same from
+    # run to run (seeded): in the default home a later run found an earlier run's prompts
+    # on disk and skipped their prefill (on an H200, a third of the prefill steps of every
+    # run after the first). Each run gets a disk tier of its own unless the caller names one.
+    prefix_dir = tempfile.TemporaryDirectory(prefix="mlxd-prefix-")
+    mlxd_env = {"MLXD_ENGINE__PREFIX_CACHE_DIR": prefix_dir.name, **env}
+    if args.rounds > 1:
+        results["rounds"] = run_rounds(args, skip, mlxd_cmd, mlxd_env, name)
+        first = results["rounds"][0]
+        results.update({k: first[k] for k in ("engine", "mlxd") if k in first})
+    else:
+        if "engine" not in skip:
+            print("engine alone", flush=True)
+            results["engine"] = bench_engine(args)
+        if "mlxd" not in skip:
+            print("mlxd", flush=True)
+            results["mlxd"] = bench_server(mlxd_cmd, mlxd_env, name, args, "/health")
+    prefix_dir.cleanup()
     if "mlx_lm" not in skip:
         print("mlx_lm.server (as shipped)", flush=True)
         results["mlx_lm"] = bench_server(
@@ -295,6 +325,8 @@ def main() -> None:
                     [sys.executable, "-m", "mlx_lm.server", "--model", args.model_dir,
                      "--decode-concurrency", str(max(args.levels))],
                     dict(env, LD_PRELOAD=info.path), args.model_dir, args, "/v1/models")
+    if "rounds" in results:
+        print(f"\nround 1 of {args.rounds}:", end="")
     print("\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
           "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm | decode tok/s per request "
           "engine / mlxd / mlx_lm |")
@@ -315,8 +347,47 @@ def main() -> None:
               f"{f(s.get('ttft_p50'), '{:.3f}')} | "
               f"{f(e.get('decode_tps_per_request'))} / {f(m.get('decode_tps_per_request'))} / "
               f"{f(s.get('decode_tps_per_request'))} |")
+    if "rounds" in results:
+        print_rounds(args, results["rounds"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def run_rounds(args, skip: set, mlxd_cmd: list[str], mlxd_env: dict, name: str) -> list[dict]:
+    """Engine alone and mlxd in turns, round after round, on fresh prompts each round
+    (mlxd's server stays up: a round's prompts must not be the previous round's, or its
+    prefix cache would answer them)."""
+    rounds: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        url = (stack.enter_context(serving(mlxd_cmd, mlxd_env, args, "/health"))
+               if "mlxd" not in skip else None)
+        for i in range(args.rounds):
+            seed = args.seed + 1000 * i
+            rnd: dict = {"round": i + 1, "seed": seed}
+            if "engine" not in skip:
+                print(f"round {i + 1}: engine alone", flush=True)
+                rnd["engine"] = bench_engine(args, seed)
+            if url is not None:
+                print(f"round {i + 1}: mlxd", flush=True)
+                rnd["mlxd"] = measure_server(url, name, args, seed)
+            rounds.append(rnd)
+    return rounds
+
+
+def print_rounds(args, rounds: list[dict]) -> None:
+    """Per level: each round's mlxd / engine ratio and their median."""
+    print("\n| C | mlxd / engine per round | median | engine tok/s per round | "
+          "mlxd tok/s per round |")
+    print("|---|---|---|---|---|")
+    for i, c in enumerate(args.levels):
+        eng = [r["engine"][i]["output_tps"] for r in rounds if r.get("engine")]
+        mx_ = [r["mlxd"][i]["output_tps"] for r in rounds if r.get("mlxd")]
+        ratios = [m / e for m, e in zip(mx_, eng, strict=False) if e]
+        med = statistics.median(ratios) if ratios else None
+        print(f"| {c} | {', '.join(f'{x:.2f}' for x in ratios) or '-'} | "
+              f"{f'{med:.2f}' if med is not None else '-'} | "
+              f"{', '.join(f'{x:.0f}' for x in eng) or '-'} | "
+              f"{', '.join(f'{x:.0f}' for x in mx_) or '-'} |")
 
 
 if __name__ == "__main__":
