@@ -367,6 +367,9 @@ def run_rounds(args, skip: set, mlxd_cmd: list[str], mlxd_env: dict, name: str) 
             if "engine" not in skip:
                 print(f"round {i + 1}: engine alone", flush=True)
                 rnd["engine"] = bench_engine(args, seed)
+                for r in rnd["engine"]:
+                    print(f"  C={r['concurrency']}: {r['output_tps']:.1f} tok/s (engine), "
+                          f"ttft p50 {r['ttft_p50']:.3f}s", flush=True)
             if url is not None:
                 print(f"round {i + 1}: mlxd", flush=True)
                 rnd["mlxd"] = measure_server(url, name, args, seed)
