@@ -185,7 +185,11 @@ def test_draft_model_greedy_tokens_match_plain_decoding(plain, drafted, batch):
     # and some drafts were rejected: what the rollback is for
     assert stats["draft_tokens"] - before["draft_tokens"] > \
         stats["accepted_tokens"] - before["accepted_tokens"]
-    assert stats["max_verify_batch"] >= min(batch, 4)  # verified together, not one by one
+    # verified together, not one by one. How many rows share a verify step depends on when
+    # the concurrent requests arrive and on which rows sit out a step (a newcomer's first
+    # token comes from a step without drafts; a row with low acceptance pauses): on a busy
+    # CI machine 4 requests once met 3 at most, so the floor is "more than one"
+    assert stats["max_verify_batch"] >= min(batch, 2)
 
 
 def test_above_the_max_batch_the_batch_decodes_plainly(plain, poor):
