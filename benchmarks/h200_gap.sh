@@ -82,8 +82,7 @@ run_traced() {  # OUTNAME NAME C SECONDS ARGS... (VAR=VALUE: environment, else o
     ${TASKSET:+taskset -c "$TASKSET"} "${CMP[@]}" "${opts[@]}" \
     --concurrency "$c" --out /tmp/gap/t-$name.json 2>&1 | grep -E '^\| [0-9]' \
     | tee -a /tmp/gap/summary.txt
-  python3 "$here/step_trace/summary.py" /tmp/gap/t-$name | grep -v "by batch" \
-    | tee -a /tmp/gap/summary.txt
+  python3 "$here/step_trace/summary.py" /tmp/gap/t-$name | tee -a /tmp/gap/summary.txt
   # after every run: a call cut short by its time limit still brings back what ran
   cp /tmp/gap/summary.txt "$OUT/$outname.txt"
   tar czf "$OUT/$outname.tgz" -C /tmp gap 2>/dev/null
@@ -97,53 +96,30 @@ upload)
 trace)
   install
   for c in 16 64; do
-    echo "== C=$c ${MLXD_TRACE_NOTE:-}" | tee -a /tmp/gap/summary.txt
-    STEP_TRACE=/tmp/gap/st$c PYTHONPATH=$here/step_trace:$PYTHONPATH timeout 150 "${CMP[@]}" \
-      --concurrency $c --out /tmp/gap/trace-c$c.json 2>&1 | grep -E '^\| [0-9]' \
-      | tee -a /tmp/gap/summary.txt
-    python3 "$here/step_trace/summary.py" /tmp/gap/st$c | tee -a /tmp/gap/summary.txt
+    run_traced "trace-$label" st$c $c 150 "$AB_NEW"
   done
-  cp /tmp/gap/summary.txt "$OUT/trace-$label.txt"
-  tar czf "$OUT/trace-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 ab)
   # A/B of the engine core's process-level settings at C=16, read from the step trace's
   # decode-step durations (hundreds of steps per variant, not one throughput figure)
   install
-  run_ab() {  # LABEL ENV...
-    local name=$1; shift
-    echo "== $name" | tee -a /tmp/gap/summary.txt
-    env STEP_TRACE=/tmp/gap/ab-$name PYTHONPATH=$here/step_trace:$PYTHONPATH "$@" timeout 120 \
-      "${CMP[@]}" --concurrency 16 --out /tmp/gap/ab-$name.json 2>&1 | grep -E '^\| [0-9]' \
-      | tee -a /tmp/gap/summary.txt
-    python3 "$here/step_trace/summary.py" /tmp/gap/ab-$name | tee -a /tmp/gap/summary.txt
-  }
-  run_ab engine-and-default
+  t() { run_traced "ab-$label" "$1" 16 120 "$AB_NEW" "${@:2}"; }
+  t engine-and-default
   CMP+=(--skip mlx_lm,engine)
-  run_ab load-on-device STEP_TRACE_LOAD_ON_DEVICE=1
-  run_ab prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0
-  run_ab switch-5ms STEP_TRACE_KEEP_SWITCH=1
-  run_ab default-again
-  cp /tmp/gap/summary.txt "$OUT/ab-$label.txt"
-  tar czf "$OUT/ab-$label.tgz" -C /tmp gap 2>/dev/null
+  t load-on-device STEP_TRACE_LOAD_ON_DEVICE=1
+  t prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0
+  t switch-5ms STEP_TRACE_KEEP_SWITCH=1
+  t default-again
   ;;
 prefix)
   # the prefix cache's cost at C=64, from the step trace: as shipped, disk tier off, both
-  # tiers off (the summary is copied to $OUT after every run)
+  # tiers off
   install
   CMP+=(--skip mlx_lm,engine)
-  for v in "shipped" "disk-off MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0" \
-           "prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0"; do
-    set -- $v
-    name=$1; shift
-    echo "== $name" | tee -a /tmp/gap/summary.txt
-    env STEP_TRACE=/tmp/gap/px-$name PYTHONPATH=$here/step_trace:$PYTHONPATH "$@" timeout 100 \
-      "${CMP[@]}" --concurrency 64 --out /tmp/gap/px-$name.json 2>&1 | grep -E '^\| [0-9]' \
-      | tee -a /tmp/gap/summary.txt
-    python3 "$here/step_trace/summary.py" /tmp/gap/px-$name | tee -a /tmp/gap/summary.txt
-    cp /tmp/gap/summary.txt "$OUT/prefix-$label.txt"
-  done
-  tar czf "$OUT/prefix-$label.tgz" -C /tmp gap 2>/dev/null
+  t() { run_traced "prefix-$label" "$1" 64 100 "$AB_NEW" "${@:2}"; }
+  t shipped
+  t disk-off MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0
+  t prefix-off MLXD_ENGINE__PREFIX_CACHE_BYTES=0
   ;;
 burn)
   # the engine alone at C=16, its decode steps timed by the step trace, with the host's
