@@ -35,8 +35,11 @@ class SeqPlan:
 
 
 def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
-    """mlx-lm's tokenizer wrapper for a model directory, as ``mlx_lm.load`` builds it."""
+    """mlx-lm's tokenizer wrapper for a model directory, as ``mlx_lm.load`` builds it, less
+    the Python copies of the vocabulary that nothing reads (see the two helpers)."""
     from mlx_lm.utils import load_tokenizer as _load
+
+    from mlxd.engines.detokenizer import use_lazy_detokenizer
 
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -51,6 +54,7 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
     except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     _drop_build_inputs(getattr(tok, "_tokenizer", tok))
+    use_lazy_detokenizer(tok)  # the byte-level detokenizer's token table (engines/detokenizer.py)
     return tok
 
 
