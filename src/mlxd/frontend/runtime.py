@@ -91,6 +91,8 @@ class Runtime:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # before the tokenizer loads: their worker thread's arena gives its top back (heap.py)
+        heap.cap_thresholds()
         try:
             for sup in self.supervisors:
                 sup.start()
