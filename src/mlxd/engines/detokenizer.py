@@ -11,11 +11,11 @@ The streaming algorithm is mlx-lm's own, inherited unchanged: same text after ev
 same held-back partial UTF-8, same leading-space trim, same quirks
 (tests/engines/test_detokenizer.py compares the two token by token).
 
-Why not ``tokenizers.decoders.DecodeStream``: it decodes with the tokenizer's whole decoder
-pipeline, which differs from mlx-lm's detokenizer where clients would see it (the NUL byte
-token: mlx-lm streams "Ā", DecodeStream "\\x00"; added tokens, which the Rust decoder
-inserts verbatim and mlx-lm maps through the byte table), and matching those would mean
-re-implementing mlx-lm's rules around it (docs/benchmarks.md).
+Why not ``tokenizers.decoders.DecodeStream``: it decodes with the tokenizer's decoder
+pipeline, so mlx-lm's own streaming rules (trim one leading space, hold a lone space
+token, "!" for ids past the vocabulary, flushing in ``finalize``) would have to be copied
+around it, and it still streams the NUL byte token differently (mlx-lm: "Ā",
+DecodeStream: "\\x00"); see docs/benchmarks.md.
 """
 
 from __future__ import annotations
