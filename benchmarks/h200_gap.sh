@@ -21,6 +21,8 @@
 #                                                #     engine and mlxd in turns, N rounds)
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
+#   bash benchmarks/h200_gap.sh aging [LABEL]    # a long-lived mlxd, ROUNDS rounds: prefix
+#                                                #     cache off, disk tier off, as shipped
 #   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
 #                                                #     draft, then C=64 A/B (new/old)
 #
@@ -189,6 +191,22 @@ cpus)
     kill $sp
   fi
   t free2 16 150 "$AB_NEW"
+  ;;
+aging)
+  # Does a long-lived server slow down, and is it the prefix cache? One mlxd server per
+  # variant kept up for ROUNDS rounds of LEVELS on fresh prompts (no engine rounds between):
+  # the prefix cache off, its disk tier off, as shipped
+  python3 -c "import mlx.core" 2>/dev/null || install
+  CMP+=(--skip mlx_lm,engine)
+  for v in prefix-off:MLXD_ENGINE__PREFIX_CACHE_BYTES=0 \
+           disk-off:MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0 shipped:MLXD_X=0; do
+    name=${v%%:*}
+    echo "== $name (${v#*:})" | tee -a /tmp/gap/aging.txt
+    env "${v#*:}" timeout ${AGING_TIMEOUT:-185} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64} \
+      --rounds ${ROUNDS:-3} --out "$OUT/aging-$label-$name.json" 2>&1 \
+      | grep -E '^\||C=|^round' | tee -a /tmp/gap/aging.txt
+    cp /tmp/gap/aging.txt "$OUT/aging-$label.txt"
+  done
   ;;
 draft-ab)
   # one call after upload a, c and d: #14's draft run, then C=64 step traces interleaved:
