@@ -69,3 +69,33 @@ def test_short_hits_are_ignored_and_the_block_index_finds_long_ones():
     cache, n = pc.lookup(long[:40] + [9])  # through the index, then the exact prefix
     assert n == 40
     assert pc.lookup(list(range(200, 225)) + [1])[1] == 0  # a 25-token match: too short
+
+
+def test_an_insert_compares_only_entries_that_may_be_its_prefix(monkeypatch):
+    """Every chat prompt shares its template's preamble: an insert must not compare itself
+    with every entry that shares it (a cost per insert that grew with the cache), and must
+    still find the entries it makes redundant, ending on a block boundary or inside one."""
+    from mlxd.engines import prefix_cache
+
+    preamble = list(range(5000, 5032))  # two full blocks every entry shares
+    pc = PrefixCache(1 << 26)
+    for i in range(200):
+        pc.insert(preamble + [10_000 + i] * 20, kv(52))
+    inside = preamble + [1, 2, 3, 4, 5]  # ends inside its third block
+    boundary = preamble + list(range(16))  # ends on its third block's boundary
+    pc.insert(inside, kv(len(inside)))
+    pc.insert(boundary, kv(len(boundary)))  # does not extend `inside`: both stay
+    assert len(pc) == 202
+    calls = []
+    real = prefix_cache.common_prefix
+    monkeypatch.setattr(prefix_cache, "common_prefix",
+                        lambda a, b: calls.append(1) or real(a, b))
+    longer = boundary + [1, 2, 3]
+    pc.insert(longer, kv(len(longer)))
+    assert len(calls) <= 2  # `boundary` (and nothing of the 200 that share the preamble)
+    assert len(pc) == 202  # `boundary` went, `longer` came
+    assert pc.lookup(boundary + [9])[1] == len(boundary)  # served by `longer`, cut back
+    calls.clear()
+    again = inside + [6, 7]
+    pc.insert(again, kv(len(again)))  # `inside` ends inside the preamble's next block
+    assert len(pc) == 202 and len(calls) <= 2

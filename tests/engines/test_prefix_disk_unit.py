@@ -226,3 +226,26 @@ def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama
         assert st["hits"] == 2 and st["bytes_read"] == on_disk
     finally:
         second.close()
+
+
+def test_a_write_compares_only_entries_near_its_prefix(tmp_path, monkeypatch):
+    """The redundancy check of a write runs under the lock the device thread's match()
+    takes: it must compare the near-prefixes of the new entry, not every entry sharing
+    the chat template's preamble, and still find those near-prefixes."""
+    from mlxd.engines import prefix_disk
+
+    d = tier(tmp_path)
+    preamble = list(range(7000, 7032))
+    for i in range(30):
+        write(d, preamble + [9000 + i] * 40)  # more than a block apart: all stay
+    near = preamble + list(range(40)) + [3] * 10  # 82 tokens
+    write(d, near)
+    assert d.stats()["entries"] == 31
+    calls = []
+    real = prefix_disk.common_prefix
+    monkeypatch.setattr(prefix_disk, "common_prefix",
+                        lambda a, b: calls.append(1) or real(a, b))
+    write(d, preamble + list(range(40)) + [4] * 40)  # differs from `near` in its last 10
+    assert d.stats()["entries"] == 31  # `near` went
+    assert len(calls) <= 2
+    d.close()

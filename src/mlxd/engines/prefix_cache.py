@@ -107,6 +107,10 @@ class PrefixCache:
         self.min_hit_tokens = max(0, int(min_hit_tokens))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, list[int]] = {}  # block hash -> entry keys holding it
+        # last full block's hash -> entry keys ending there: the entries that may be a
+        # prefix of a newcomer, found without walking the entries that only share its first
+        # blocks (every entry shares a chat template's preamble)
+        self._ends: dict[int, list[int]] = {}
         self._short: set[int] = set()  # entries shorter than a block (the index misses them)
         self._next_key = 0
         self.nbytes = 0
@@ -149,7 +153,7 @@ class PrefixCache:
         if not self._entries or len(tokens) < 2:
             return None, 0
         limit = len(tokens) - 1  # the last prompt token always runs
-        level, keys, _ = self._walk(tokens, limit)
+        level, keys = self._walk(tokens, limit)
         # A match ends within the block after the deepest shared one: if even that cannot
         # reach min_hit_tokens, no entry is worth comparing (the common case: prompts that
         # share only a chat template's preamble).
@@ -170,20 +174,16 @@ class PrefixCache:
             return None, 0
         return best_key, best_n
 
-    def _walk(self, tokens: list[int], limit: int, ends: bool = False
-              ) -> tuple[int, list[int], list[int]]:
-        """(the deepest block level ``tokens`` shares with an entry, the entries sharing it
-        (oldest first), and with ``ends`` the entries that end inside a block the walk passed:
-        those that may be a prefix of ``tokens``)."""
-        level, found, ending = 0, [], []
+    def _walk(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
+        """(the deepest block level ``tokens`` shares with an entry, the entries sharing it,
+        oldest first)."""
+        level, found = 0, []
         for lv, h in enumerate(block_hashes(tokens, limit), 1):
             keys = self._index.get(h)
             if not keys:
                 break
             level, found = lv, keys
-            if ends:
-                ending += [k for k in keys if len(self._entries[k].hashes) == lv]
-        return level, found, ending
+        return level, found
 
     def insert(self, tokens: list[int], cache: list[Any]) -> None:
         if not self.enabled or not cache or len(tokens) < 2:
@@ -196,17 +196,20 @@ class PrefixCache:
             return
         arr = np.asarray(tokens, dtype=np.int64)
         trimmable = can_trim_prompt_cache(cache)
+        hashes = block_hashes(arr)
         # Drop entries that this one makes redundant: the same tokens, or a prefix of them
-        # (when this one can be cut back to serve it).
-        _, deepest, ending = self._walk(tokens, len(tokens), ends=True)
-        for key in dict.fromkeys([*deepest, *ending, *self._short]):
+        # (when this one can be cut back to serve it). Such an entry holds every one of its
+        # full blocks in common with this one, its last among them: only entries ending at
+        # one of this one's blocks (or inside the first) are compared, never the thousands
+        # that share just the preamble (once a cost per insert that grew with the cache).
+        ending = [k for h in hashes for k in self._ends.get(h, ())]
+        for key in dict.fromkeys([*ending, *self._short]):
             e = self._entries[key]
             n = common_prefix(e.tokens, arr)
             if n == len(e.tokens) and (trimmable or n == len(arr)):
                 self._drop(key)
         key = self._next_key
         self._next_key += 1
-        hashes = block_hashes(arr)
         # Materialise the extracted cache without waiting for it: until then its lazy copy
         # would keep the whole batch's KV buffer referenced, and every later in-place update
         # of the batch would have to copy that buffer instead of writing into it.
@@ -214,6 +217,8 @@ class PrefixCache:
         self._entries[key] = _Entry(arr, cache, nbytes, trimmable, hashes)
         if not hashes:
             self._short.add(key)
+        else:
+            self._ends.setdefault(hashes[-1], []).append(key)
         for h in hashes:
             self._index.setdefault(h, []).append(key)
         self.nbytes += nbytes
@@ -225,9 +230,11 @@ class PrefixCache:
         self.nbytes -= e.nbytes
         self._short.discard(key)
         unindex(self._index, e.hashes, key)
+        unindex(self._ends, e.hashes[-1:], key)
 
     def clear(self) -> None:
         self._entries.clear()
         self._index.clear()
+        self._ends.clear()
         self._short.clear()
         self.nbytes = 0

@@ -62,6 +62,10 @@ TMP_SUFFIX = ".tmp" + SUFFIX
 _STALE_TMP_S = 3600.0  # a temporary file this old is a crashed write, not one in flight
 _MAX_QUEUED_BYTES = 1 << 30  # writes waiting beyond this are dropped, never queued forever
 _NEAR = BLOCK  # an entry this close to being a prefix of a newer one goes (see _write)
+# An entry within _NEAR tokens of being a prefix of a newer one shares all its full blocks
+# but the last ceil(_NEAR / BLOCK) with it: indexing each entry under its last blocks'
+# hashes finds every such entry from the newer one's hashes alone (see _write).
+_TAIL = -(-_NEAR // BLOCK) + 1
 _SAMPLE = 1 << 16
 _WHOLE_FILE = 16 << 20
 
@@ -155,6 +159,7 @@ class DiskPrefixCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, DiskEntry] = OrderedDict()  # least recent first
         self._index: dict[int, list[str]] = {}  # block hash -> keys of entries holding it
+        self._tails: dict[int, list[str]] = {}  # the same for each entry's last _TAIL blocks
         self._loads: dict[str, Future] = {}
         self._queued_bytes = 0
         self.nbytes = 0
@@ -238,6 +243,8 @@ class DiskPrefixCache:
         self._entries[e.key] = e
         for h in e.hashes:
             self._index.setdefault(h, []).append(e.key)
+        for h in e.hashes[-_TAIL:]:
+            self._tails.setdefault(h, []).append(e.key)
         self.nbytes += e.nbytes
 
     def _forget(self, key: str) -> DiskEntry | None:
@@ -246,6 +253,7 @@ class DiskPrefixCache:
             return None
         self.nbytes -= e.nbytes
         unindex(self._index, e.hashes, key)
+        unindex(self._tails, e.hashes[-_TAIL:], key)
         return e
 
     def _delete(self, key: str) -> None:
@@ -362,9 +370,11 @@ class DiskPrefixCache:
             # near-prefixes that differ only in their last few tokens. The next turn of a
             # chat re-tokenizes the previous answer and closes it with the template's end
             # tokens, so turn n+1 rarely extends turn n token for token; keeping every
-            # turn would grow the disk quadratically with the conversation.
+            # turn would grow the disk quadratically with the conversation. Candidates come
+            # from the tail index: the whole index would hand over every entry sharing the
+            # chat template's preamble, compared one by one under the lock match() waits on.
             if trimmable:
-                candidates = {k for h in entry.hashes for k in self._index.get(h, ())}
+                candidates = {k for h in entry.hashes for k in self._tails.get(h, ())}
                 for k in candidates:
                     e = self._entries.get(k)
                     if e is not None and k != key and len(e.tokens) <= len(tokens) and \
