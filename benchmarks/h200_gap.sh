@@ -199,10 +199,10 @@ aging)
   python3 -c "import mlx.core" 2>/dev/null || install
   CMP+=(--skip mlx_lm,engine)
   for v in prefix-off:MLXD_ENGINE__PREFIX_CACHE_BYTES=0 \
-           disk-off:MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0 shipped:MLXD_X=0; do
+           disk-off:MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES=0 shipped:; do
     name=${v%%:*}
     echo "== $name (${v#*:})" | tee -a /tmp/gap/aging.txt
-    env "${v#*:}" timeout ${AGING_TIMEOUT:-185} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64} \
+    env ${v#*:} timeout ${AGING_TIMEOUT:-185} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64} \
       --rounds ${ROUNDS:-3} --out "$OUT/aging-$label-$name.json" 2>&1 \
       | grep -E '^\||C=|^round' | tee -a /tmp/gap/aging.txt
     cp /tmp/gap/aging.txt "$OUT/aging-$label.txt"
