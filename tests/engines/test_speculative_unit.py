@@ -307,3 +307,54 @@ def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny
     finally:
         plain.close()
         drafted.close()
+
+
+def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny, monkeypatch):
+    """Where MLX compiles per shape (a GPU: forced here on the CPU), the warm-up also
+    prefills prompts of 128 tokens and of a whole prefill chunk (within the model's
+    context), and runs the draft model
+    itself, which forced drafts never do: its prompt pass at each of those lengths and every
+    catch-up length up to num_draft + 1 (an H200 served a quantized draft's first request
+    at 2.7 tokens/s without this)."""
+    import mlxd.engines.llm as llm
+
+    monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
+    engine = llm.LLMEngine("d", tiny, speculative="draft", draft_path=tiny,
+                           max_num_seqs=4, prefill_step_size=200)
+    try:
+        engine.bind()
+        prompts, fed = [], []
+        real_add = engine.add
+
+        def spy_add(seq):
+            prompts.append(len(seq.prompt_tokens))
+            real_add(seq)
+
+        drafter = engine.speculator.drafter
+        real_model = drafter.model
+
+        class Spy:
+            def __call__(self, x, cache=None):
+                fed.append(x.shape[1])
+                return real_model(x, cache=cache)
+
+            def __getattr__(self, name):
+                return getattr(real_model, name)
+
+        engine.add = spy_add
+        drafter.model = Spy()
+        engine.warmup()
+        short = min(prompts)
+        assert {128, 200} <= set(prompts) and short < 128
+        # the draft's prompt passes (short, 128, 200 tokens) and catch-ups of 1..num_draft+1
+        assert {short, 128, 200} <= set(fed)
+        assert set(range(1, engine.speculator.num_draft + 2)) <= set(fed)
+        assert engine.speculator.stats.verify_steps == 0
+        drafter.model = real_model
+        seq = engine.new_sequence([1, 5, 9, 13], SamplingParams(max_tokens=4, temperature=0))
+        real_add(seq)
+        while not seq.finished:  # the engine serves as before after such a warm-up
+            engine.step()
+        assert seq.generated == 4
+    finally:
+        engine.close()

@@ -646,7 +646,7 @@ class LLMEngine(DecodeEngine):
             SamplingParams(max_tokens=3, temperature=1.0)
         yield [self.new_sequence(ids, greedy), self.new_sequence(ids, sampled)]
         yield from self._warm_verify_batches(ids)
-        if mx.default_device() == mx.cpu:
+        if not compiles_per_shape():
             return  # nothing compiles per shape on the CPU: one pair warms every path
         n = min(self._settings["prefill_batch_size"], self._settings["max_num_seqs"])
         if n > 2:
@@ -655,6 +655,21 @@ class LLMEngine(DecodeEngine):
         while size <= self._settings["max_num_seqs"]:
             yield [self.new_sequence(ids, greedy) for _ in range(size)]
             size *= 2
+        for n in self._warm_prompt_lengths(ids):  # longer prefills, one at a time
+            yield [self.new_sequence(_stretch(ids, n), greedy)]
+
+    def _warm_prompt_lengths(self, ids: list[int]) -> list[int]:
+        """Prompt lengths a GPU warm-up prefills beyond the short templated one.
+
+        On an H200 a model whose weights are MLX-quantized (the store's native GGUF import)
+        took 18 s over its first request of ~150 prompt tokens after a warm-up that had
+        prefilled only ~30 (later requests of other lengths: normal), i.e. MLX compiles
+        its quantized kernels per range of rows, not per length; a draft model that had
+        never run decoded its first request at 2.7 tokens/s. So: one prefill of a few
+        hundred tokens and one of a whole chunk (docs/benchmarks.md, "session 8")."""
+        step = self._settings["prefill_step_size"]
+        room = self.context_length - 4  # the warm-up's few new tokens
+        return [n for n in sorted({min(128, step, room), min(step, room)}) if n > len(ids)]
 
     def _warm_verify_batches(self, ids: list[int]) -> Iterator[list[Sequence]]:
         """With speculation on: verify steps at every draft length and at power-of-two
@@ -668,6 +683,11 @@ class LLMEngine(DecodeEngine):
         spec = self.speculator
         if spec is None:
             return
+        if spec.drafter is not None and compiles_per_shape():
+            # the draft model's own shapes: its prompt passes and every catch-up length
+            # (forced drafts below never run it)
+            for n in [len(ids), *self._warm_prompt_lengths(ids)]:
+                spec.drafter.warm(_stretch(ids, n), spec.num_draft)
         params = SamplingParams(max_tokens=3 * spec.num_draft, temperature=0.0)
         spec.warm = True
         size = 1
@@ -731,6 +751,17 @@ class LLMEngine(DecodeEngine):
         mx.clear_cache()
         if self.tp_id:
             tensor_parallel.publish(("close", self.tp_id))
+
+
+def compiles_per_shape() -> bool:
+    """Whether MLX compiles kernels per shape on first contact here (a GPU), which the
+    warm-up then runs ahead of the first requests."""
+    return mx.default_device() != mx.cpu
+
+
+def _stretch(ids: list[int], n: int) -> list[int]:
+    """``ids`` repeated to ``n`` tokens: a warm-up prompt of a given length."""
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
 
 
 def _special_tokens(tokenizer: Any) -> dict[int, str]:

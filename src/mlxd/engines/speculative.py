@@ -281,6 +281,18 @@ class DraftModel:
             self.model(mx.array(tokens[i:i + self.step_size])[None], cache=cache)
             evaluate([c.state for c in cache])
 
+    def warm(self, tokens: list[int], num_draft: int) -> None:
+        """Run the shapes a row's drafting meets: its prompt pass, then catch-up feeds of
+        every length up to ``num_draft + 1`` tokens (one is a draft step's). On a GPU
+        each shape compiles on first contact, a quantized model's slowly (docs/benchmarks.md,
+        "session 8"); at load that costs nothing anyone waits for."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        self._feed(cache, tokens, mx.eval)
+        for n in range(1, num_draft + 2):
+            mx.eval(self.model(mx.array(tokens[:n])[None], cache=cache))
+
     def propose(self, uid: int, history: list[int], k: int) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
 
