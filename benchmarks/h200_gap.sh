@@ -27,6 +27,8 @@
 #                                                #     (PAIRS=K, ALSO_AW=2, PAIRS_SKIP=...)
 #   bash benchmarks/h200_gap.sh spec [LABEL]     # after upload a, c, d: #14's prompt lookup
 #                                                #     at batch 1 against the engine alone
+#   bash benchmarks/h200_gap.sh native [LABEL]   # after upload a, c, d: SmolLM2 as the store
+#                                                #     imports it (4-bit blocks), served plainly
 #   bash benchmarks/h200_gap.sh draft-ab [LABEL] # carries .gpu/b after upload a, c, d:
 #                                                #     draft, then C=64 A/B (new/old)
 #
@@ -350,6 +352,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|draft [LABEL]" >&2
+  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|native|draft [LABEL]" >&2
   exit 2 ;;
 esac
