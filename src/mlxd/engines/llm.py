@@ -663,10 +663,11 @@ class LLMEngine(DecodeEngine):
 
         On an H200 a model whose weights are MLX-quantized (the store's native GGUF import)
         took 18 s over its first request of ~150 prompt tokens after a warm-up that had
-        prefilled only ~30 (later requests of other lengths: normal), i.e. MLX compiles
-        its quantized kernels per range of rows, not per length; a draft model that had
-        never run decoded its first request at 2.7 tokens/s. So: one prefill of a few
-        hundred tokens and one of a whole chunk (docs/benchmarks.md, "session 8")."""
+        prefilled only ~30 (later requests of other lengths: normal), so MLX apparently
+        compiles its quantized kernels by ranges of rows rather than per length. So: one
+        prefill of 128 tokens and one of a whole chunk; with them that model's first
+        request came at once (docs/benchmarks.md, "session 8"). A quantized *draft* model
+        still looked slow on its first request after this: not yet understood."""
         step = self._settings["prefill_step_size"]
         room = self.context_length - 4  # the warm-up's few new tokens
         return [n for n in sorted({min(128, step, room), min(step, room)}) if n > len(ids)]
