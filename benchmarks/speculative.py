@@ -7,7 +7,8 @@ Starts ``mlxd serve`` once per mode on the same model and measures, through HTTP
 
 * batch 1: requests one after another, streamed; decode rate per request
   (completion tokens after the first / time from first to last content chunk), TTFT;
-* C=16: sixteen concurrent requests; aggregate output tokens per second.
+* C=16: sixteen concurrent requests; aggregate output tokens per second (with
+  ``--rounds N``, the modes in ABBA order and each round's ratio to the first mode's).
 
 Greedy, so both modes must produce the same text (checked and reported). The speculation
 counters (acceptance rate, tokens per verify step) come from ``/health``.
@@ -267,14 +268,23 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     runs.setdefault(mode, {})["1"] = run
                 continue
             rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
-            for _ in range(args.rounds):
-                for mode, (_, url) in servers.items():
-                    if mode == "engine":  # batch 1 only
-                        continue
-                    rounds[mode].append(concurrent(url, prompts, c, args.max_tokens))
+            order = [m for m in servers if m != "engine"]  # the engine: batch 1 only
+            for i in range(args.rounds):
+                # ABBA: the modes' order reverses every other round, so that a machine
+                # speeding up or slowing down over a round favours no mode
+                for mode in (order if i % 2 == 0 else order[::-1]):
+                    rounds[mode].append(concurrent(servers[mode][1], prompts, c,
+                                                   args.max_tokens))
+            base = args.modes[0]
             for mode, rs in rounds.items():
                 mid = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
-                runs[mode][str(c)] = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
+                run = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
+                if mode != base:  # per round against the base mode's same round
+                    ratios = [a["output_tps"] / b["output_tps"]
+                              for a, b in zip(rs, rounds[base], strict=True)]
+                    run["paired_output_tps_ratio_p50"] = round(statistics.median(ratios), 3)
+                    run["paired_output_tps_ratios"] = [round(x, 3) for x in ratios]
+                runs[mode][str(c)] = run
         return [{"mode": m, "runs": runs.get(m, {}),
                  "speculative": None if m == "engine" else spec_stats(url)}
                 for m, (_, url) in servers.items()]
