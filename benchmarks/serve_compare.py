@@ -47,6 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve_bench  # noqa: E402
+from line_process import LineProcess  # noqa: E402
 
 
 def free_port() -> int:
@@ -274,39 +275,6 @@ def bench_engine(args, seed: int | None = None) -> list[dict]:
     return json.loads(line[7:])
 
 
-class EngineProcess:
-    """The engine alone kept loaded in a process of its own, one level per request, so
-    that --interleave can alternate it with a running server seconds apart."""
-
-    def __init__(self, args) -> None:
-        cmd, env = _engine_run(args, args.seed, interactive=True)
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
-        self._read("READY")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):]
-        self.err.seek(0)
-        raise RuntimeError("the engine process ended: " + self.err.read()[-2000:])
-
-    def run(self, c: int, per_client: int, max_tokens: int, seed: int) -> dict:
-        self.proc.stdin.write(json.dumps({"c": c, "per_client": per_client,
-                                          "max_tokens": max_tokens, "seed": seed}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.err.close()
-
-
 def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
                     name: str) -> list[dict]:
     """Every side loaded at once (the engine alone in a process of its own, each server
@@ -320,14 +288,16 @@ def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
                 for k, (cmd, env) in sides.items()}
         engine = None
         if "engine" not in skip:
-            engine = EngineProcess(args)
+            # the engine alone kept loaded, one level per request (ENGINE's interactive mode)
+            engine = LineProcess(*_engine_run(args, args.seed, interactive=True))
             stack.callback(engine.close)
 
         def one(side: str, c: int, seed: int, warm: bool = False) -> dict:
             if side == "engine":
-                if warm and args.short_warmup:
-                    return engine.run(c, 1, 8, seed)
-                return engine.run(c, args.requests_per_client, args.max_tokens, seed)
+                short = warm and args.short_warmup
+                return engine.ask({"c": c, "seed": seed,
+                                   "per_client": 1 if short else args.requests_per_client,
+                                   "max_tokens": 8 if short else args.max_tokens})
             if warm:
                 warm_server(urls[side], name, args, c, seed)
                 return {}

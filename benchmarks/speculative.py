@@ -44,10 +44,12 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import httpx
 import mlxd_proc
+from line_process import LineProcess
 from make_random_model import write_random_model
 
 TEXTS = [
@@ -115,34 +117,6 @@ for line in sys.stdin:
           "ttft": (stamps[0] if stamps else end) - t0, "wall": end - t0,
           "decode_tps": (n - 1) / span if span > 0 else None}), flush=True)
 """
-
-
-class EngineAlone:
-    """The engine alone, loaded once in a process of its own (see ENGINE)."""
-
-    def __init__(self, model_dir: str, dtype: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", ENGINE, model_dir, dtype],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        self._read("READY")
-
-    def _read(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):]
-        raise RuntimeError("the engine-alone process ended (its stderr is above)")
-
-    def one(self, prompt: str, max_tokens: int) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
@@ -236,20 +210,23 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             first = next(iter(servers))
             model_dir = args.model_dir or str(
                 Path(args.home or homes[first]).expanduser() / "models" / args.model)
-            engine = EngineAlone(model_dir, args.dtype)
-            engine.one(prompts[0], 8)
-            servers = {"engine": (None, engine), **servers}
+            engine = LineProcess([sys.executable, "-c", ENGINE, model_dir, args.dtype],
+                                 {**os.environ, "HF_HUB_OFFLINE": "1"})
+            engine.ask({"prompt": prompts[0], "max_tokens": 8})
         _progress(t0, "warmed")
+        # batch 1's sides: the engine alone first (when asked for), then every mode's server
+        ask = {} if engine is None else {
+            "engine": lambda p, n: engine.ask({"prompt": p, "max_tokens": n})}
+        ask.update({m: partial(one, url) for m, (_, url) in servers.items()})
         runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
         for c in args.concurrency:
             _progress(t0, f"C={c}")
             if c == 1:
-                seq: dict[str, list[dict]] = {m: [] for m in servers}
+                seq: dict[str, list[dict]] = {m: [] for m in ask}
                 for _ in range(args.rounds):
                     for p in prompts:
-                        for mode, (_, url) in servers.items():
-                            seq[mode].append(url.one(p, args.max_tokens) if mode == "engine"
-                                             else one(url, p, args.max_tokens))
+                        for mode, side in ask.items():
+                            seq[mode].append(side(p, args.max_tokens))
                 base = args.modes[0]
                 for mode, res in seq.items():
                     run = summarize(res, sum(r["wall"] for r in res))  # all rounds
@@ -268,7 +245,7 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     runs.setdefault(mode, {})["1"] = run
                 continue
             rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
-            order = [m for m in servers if m != "engine"]  # the engine: batch 1 only
+            order = list(servers)  # the engine alone: batch 1 only
             for i in range(args.rounds):
                 # ABBA: the modes' order reverses every other round, so that a machine
                 # speeding up or slowing down over a round favours no mode
@@ -285,15 +262,15 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     run["paired_output_tps_ratio_p50"] = round(statistics.median(ratios), 3)
                     run["paired_output_tps_ratios"] = [round(x, 3) for x in ratios]
                 runs[mode][str(c)] = run
-        return [{"mode": m, "runs": runs.get(m, {}),
-                 "speculative": None if m == "engine" else spec_stats(url)}
-                for m, (_, url) in servers.items()]
+        return ([{"mode": "engine", "runs": runs.get("engine", {}), "speculative": None}]
+                if engine is not None else []) + [
+            {"mode": m, "runs": runs[m], "speculative": spec_stats(url)}
+            for m, (_, url) in servers.items()]
     finally:
         if engine is not None:
             engine.close()
         for proc, _ in servers.values():
-            if proc is not None:
-                mlxd_proc.stop(proc, 30)
+            mlxd_proc.stop(proc, 30)
 
 
 def random_target(args: argparse.Namespace) -> str:
