@@ -312,10 +312,9 @@ def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny
 def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny, monkeypatch):
     """Where MLX compiles per shape (a GPU: forced here on the CPU), the warm-up also
     prefills prompts of 128 tokens and of a whole prefill chunk (within the model's
-    context), and runs the draft model
-    itself, which forced drafts never do: its prompt pass at each of those lengths and every
-    catch-up length up to num_draft + 1 (an H200 served a quantized draft's first request
-    at 2.7 tokens/s without this)."""
+    context), and runs the draft model itself, which forced drafts never do: its prompt
+    pass at each of those lengths and every catch-up length up to num_draft + 1 (an H200
+    served a quantized draft's first request at 2.7 tokens/s without this)."""
     import mlxd.engines.llm as llm
 
     monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
