@@ -314,7 +314,8 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
     prefills prompts of 128 tokens and of a whole prefill chunk (within the model's
     context), and runs the draft model itself, which forced drafts never do: its prompt
     pass at each of those lengths and every catch-up length up to num_draft + 1 (an H200
-    served a quantized draft's first request at 2.7 tokens/s without this)."""
+    served a quantized draft's first request at 2.7 tokens/s without this), and its
+    drafting loop."""
     import mlxd.engines.llm as llm
 
     monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
@@ -322,7 +323,7 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
                            max_num_seqs=4, prefill_step_size=200)
     try:
         engine.bind()
-        prompts, fed = [], []
+        prompts, fed, dtypes = [], [], []
         real_add = engine.add
 
         def spy_add(seq):
@@ -335,6 +336,7 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
         class Spy:
             def __call__(self, x, cache=None):
                 fed.append(x.shape[1])
+                dtypes.append(x.dtype)
                 return real_model(x, cache=cache)
 
             def __getattr__(self, name):
@@ -348,6 +350,10 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
         # the draft's prompt passes (short, 128, 200 tokens) and catch-ups of 1..num_draft+1
         assert {short, 128, 200} <= set(fed)
         assert set(range(1, engine.speculator.num_draft + 2)) <= set(fed)
+        # and the drafting loop, which feeds the model its own argmax (uint32: another
+        # kernel on a GPU than the int32 feeds'), leaving no warm-up row behind
+        assert mx.int32 in dtypes and mx.uint32 in dtypes
+        assert not drafter._rows
         assert engine.speculator.stats.verify_steps == 0
         drafter.model = real_model
         seq = engine.new_sequence([1, 5, 9, 13], SamplingParams(max_tokens=4, temperature=0))

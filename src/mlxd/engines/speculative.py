@@ -245,6 +245,9 @@ class Speculator:
             st.backoff = 8
 
 
+_WARM_ROW = -1  # the warm-up's row (the batch's uids count up from 0)
+
+
 class DraftModel:
     """A small model that drafts greedily for each row, from a KV cache of its own.
 
@@ -282,16 +285,29 @@ class DraftModel:
             evaluate([c.state for c in cache])
 
     def warm(self, tokens: list[int], num_draft: int) -> None:
-        """Run the shapes a row's drafting meets: its prompt pass, then catch-up feeds of
-        every length up to ``num_draft + 1`` tokens (one is a draft step's). On a GPU
-        each shape compiles on first contact, a quantized model's slowly (docs/benchmarks.md,
-        "session 8"); at load that costs nothing anyone waits for."""
+        """Run what a row's drafting runs: its prompt pass, catch-up feeds of every length
+        up to ``num_draft + 1`` tokens, then the drafting loop itself. On a GPU each kernel
+        compiles on first contact, a quantized model's slowly; at load that costs nothing
+        anyone waits for.
+
+        The loop matters apart from the feeds: from its second token on it feeds the model
+        the argmax it just took, a uint32 array where feeds are int32, and so another
+        kernel for the quantized embedding's lookup. On an H200 that first draft of two
+        tokens took 6 s after a warm-up without the loop, every other shape ~10-60 ms
+        (docs/benchmarks.md, "session 9")."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)
         self._feed(cache, tokens, mx.eval)
+        seen = list(tokens)
         for n in range(1, num_draft + 2):
             mx.eval(self.model(mx.array(tokens[:n])[None], cache=cache))
+            seen += tokens[:n]
+        self._rows[_WARM_ROW] = (cache, seen)
+        try:
+            self.propose(_WARM_ROW, [*seen, tokens[0]], num_draft)
+        finally:
+            self.forget(_WARM_ROW)
 
     def propose(self, uid: int, history: list[int], k: int) -> list[int]:
         from mlx_lm.models.cache import make_prompt_cache
