@@ -363,3 +363,40 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
         assert seq.generated == 4
     finally:
         engine.close()
+
+
+def test_a_draft_catches_up_in_passes_no_longer_than_the_warm_up_ran(tiny):
+    """With ``max_catch_up`` (set on a GPU: the catch-up lengths the warm-up runs), a row
+    that resumes drafting after a pause feeds what it missed in passes of at most that
+    many tokens, never one longer pass (on an H200 a quantized draft's first such pass
+    took 17-40 s), and drafts what one pass would have drafted."""
+    from mlx_lm import load
+
+    from mlxd.engines.speculative import DraftModel
+
+    model, _ = load(str(tiny))
+    prompt = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45]
+    missed = [50 + 3 * i for i in range(11)]  # eleven tokens the paused row did not see
+    widths: list[int] = []
+
+    class Spy:
+        def __call__(self, x, cache=None):
+            widths.append(x.shape[1])
+            return model(x, cache=cache)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    def drafts(max_catch_up: int | None) -> list[int]:
+        drafter = DraftModel(Spy(), 1000, prefill_step_size=64, max_catch_up=max_catch_up)
+        drafter.prefill(7, prompt)
+        widths.clear()
+        return drafter.propose(7, prompt + missed, 3)
+
+    whole = drafts(None)
+    assert widths[0] == len(missed)  # the missed tokens in one pass, then 2 draft steps
+    pieces = drafts(4)
+    assert pieces == whole
+    # 11 tokens in passes of at most 4 (4, 4, then 3 with the first draft step), then the
+    # two further draft steps of one token each
+    assert widths == [4, 4, 3, 1, 1]

@@ -188,7 +188,9 @@ class LLMEngine(DecodeEngine):
                 raise ModelLoadError(f"speculative 'draft' for '{self.name}' needs a draft model")
             spec.drafter = DraftModel(
                 self._load_draft(Path(draft_path), dtype, trust_remote_code), self.vocab_size,
-                self._settings["prefill_step_size"])
+                self._settings["prefill_step_size"],
+                # the catch-up lengths the warm-up runs (DraftModel.warm)
+                max_catch_up=spec.num_draft + 1 if compiles_per_shape() else None)
         return spec
 
     def _load_draft(self, path: Path, dtype: str, trust_remote_code: bool) -> Any:

@@ -257,10 +257,18 @@ class DraftModel:
     history (rejected drafts go) and fed the rest.
     """
 
-    def __init__(self, model: Any, target_vocab: int, prefill_step_size: int = 512) -> None:
+    def __init__(self, model: Any, target_vocab: int, prefill_step_size: int = 512,
+                 max_catch_up: int | None = None) -> None:
+        """``max_catch_up``: the most tokens one forward pass feeds into a row's non-empty
+        cache (None: any number). On a GPU the engine sets it to the catch-up lengths the
+        warm-up runs (``num_draft + 1``): a row that resumes drafting after a pause has
+        more to catch up, and on an H200 such a pass (~10-20 tokens into a cache of ~200)
+        met kernels nothing had run yet, 17-40 s for a quantized draft's first ones
+        (docs/benchmarks.md, "session 9"). In pieces it costs a few small passes instead."""
         self.model = model
         self.vocab = target_vocab
         self.step_size = prefill_step_size
+        self.max_catch_up = max_catch_up
         self._rows: dict[int, tuple[list[Any], list[int]]] = {}
 
     def forget(self, uid: int) -> None:
@@ -277,11 +285,14 @@ class DraftModel:
         self._feed(cache, tokens, mx.async_eval)
         self._rows[uid] = (cache, list(tokens))
 
-    def _feed(self, cache: list[Any], tokens: list[int], evaluate: Any) -> None:
-        """Run ``tokens`` into ``cache`` a prefill chunk at a time, each chunk handed to
-        ``evaluate`` (``mx.eval`` or ``mx.async_eval``) so the graph stays one chunk deep."""
-        for i in range(0, len(tokens), self.step_size):
-            self.model(mx.array(tokens[i:i + self.step_size])[None], cache=cache)
+    def _feed(self, cache: list[Any], tokens: list[int], evaluate: Any,
+              size: int | None = None) -> None:
+        """Run ``tokens`` into ``cache`` ``size`` tokens (default a prefill chunk) at a
+        time, each pass handed to ``evaluate`` (``mx.eval`` or ``mx.async_eval``) so the
+        graph stays one pass deep."""
+        size = size or self.step_size
+        for i in range(0, len(tokens), size):
+            self.model(mx.array(tokens[i:i + size])[None], cache=cache)
             evaluate([c.state for c in cache])
 
     def warm(self, tokens: list[int], num_draft: int) -> None:
@@ -321,8 +332,11 @@ class DraftModel:
             for c in cache:
                 c.trim(len(seen) - common)
         feed = history[common:]
-        ahead = (len(feed) - 1) // self.step_size * self.step_size  # all but the last chunk
-        self._feed(cache, feed[:ahead], mx.eval)
+        size = self.step_size
+        if common and self.max_catch_up:  # a cache that holds tokens: catch-up passes
+            size = min(size, self.max_catch_up)
+        ahead = (len(feed) - 1) // size * size  # all but the last pass
+        self._feed(cache, feed[:ahead], mx.async_eval, size)
         feed = feed[ahead:]
         out: list[int] = []
         tok = mx.array(feed)[None]
