@@ -328,7 +328,7 @@ draft-steps)
   timeout ${DS_TIMEOUT:-330} python3 "$here/draft_steps.py" --home /tmp/mh-ds \
     --out "$OUT/draft-steps-$label.json" > "$OUT/draft-steps-$label.log" 2>&1 &
   pid=$!
-  py-spy record -p $pid --native --threads -r 50 -f raw \
+  py-spy record -p $pid --subprocesses --native --threads -r 50 -f raw \
     -o "$OUT/draft-steps-$label.pyspy.txt" > /dev/null 2>&1 &
   wait $pid
   sleep 2
