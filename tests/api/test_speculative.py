@@ -349,8 +349,8 @@ def test_unseeded_sampled_rows_draft_and_keep_max_tokens_and_stops(self_drafted)
 
     Unseeded, so each run samples other text: a row with the stop meets a "," within its
     24 tokens about four times in five, and eight such rows make "none of them stopped"
-    (which would leave the stop path untried) about a one-in-a-million run; three rows
-    once failed a CI run that way. A "," in a row's last allowed token ends it with "stop"
+    (which would leave the stop path untried) a few runs in a million; with three rows it
+    once failed a CI run. A "," in a row's last allowed token ends it with "stop"
     and all 24 tokens."""
     before = _spec_stats(self_drafted)
     sampled = {"temperature": 0.3, "top_p": 0.95, "min_p": 0.01, "logprobs": 0}
