@@ -669,7 +669,8 @@ class LLMEngine(DecodeEngine):
         compiles its quantized kernels by ranges of rows rather than per length. So: one
         prefill of 128 tokens and one of a whole chunk; with them that model's first
         request came at once (docs/benchmarks.md, "session 8"). A quantized *draft* model's
-        slow first request was its drafting loop's own kernel (``DraftModel.warm``)."""
+        slow first request was shapes of its own: its drafting loop's and its catch-ups
+        after a pause (``DraftModel``, "session 9")."""
         step = self._settings["prefill_step_size"]
         room = self.context_length - 4  # the warm-up's few new tokens
         return [n for n in sorted({min(128, step, room), min(step, room)}) if n > len(ids)]
