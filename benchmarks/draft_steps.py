@@ -21,14 +21,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from make_random_model import write_random_model  # noqa: E402
-from speculative import ASKS, TEXTS  # noqa: E402
+from speculative import ASKS, TEXTS, random_target  # noqa: E402
 
 
 def main() -> None:
@@ -42,14 +40,11 @@ def main() -> None:
     ap.add_argument("--out", default="draft-steps.json")
     args = ap.parse_args()
 
-    home = Path(args.home).expanduser()
-    draft = home / "models" / args.draft
-    if not (draft / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "mlxd", "pull", args.draft], check=True,
-                       env={**os.environ, "MLXD_HOME": str(home)})
-    target = home / f"random-{args.target_shape}-{args.dtype}"
-    if not (target / "config.json").exists():
-        write_random_model(args.target_shape, args.dtype, target, tokenizer_from=draft)
+    # the draft pulled into the home and the target written there, as speculative.py does
+    draft = Path(args.home).expanduser() / "models" / args.draft
+    target = Path(random_target(argparse.Namespace(
+        home=args.home, draft_model=args.draft, draft_import_dtype=None,
+        random_target=args.target_shape, dtype=args.dtype)))
 
     import mlx.core as mx
 

@@ -81,13 +81,14 @@ def main() -> None:
     k = args.num_draft
     rows: list[dict] = []
 
-    def record(op: str, shape: str, fn) -> None:
-        first = timed(fn)
-        again = timed(fn)
+    def row(op: str, shape: str, first: float, again: float) -> None:
         rows.append({"op": op, "shape": shape, "first_s": round(first, 4),
                      "again_s": round(again, 4), "ratio": round(first / max(again, 1e-6), 1)})
         print(f"{op:12s} {shape:24s} first {first * 1e3:9.1f} ms  again {again * 1e3:8.1f} ms",
               flush=True)
+
+    def record(op: str, shape: str, fn) -> None:
+        row(op, shape, timed(fn), timed(fn))
 
     # the engine's warm-up (LLMEngine._warm_verify_batches: the templated prompt, then 128
     # tokens and a whole prefill chunk), timed as one
@@ -112,12 +113,8 @@ def main() -> None:
         return time.perf_counter() - t
 
     def record_resume(n: int, max_catch_up: int | None) -> None:
-        first, again = resume(n, max_catch_up), resume(n, max_catch_up)
         shape = f"{n} tokens, {'pieces of ' + str(max_catch_up) if max_catch_up else 'one pass'}"
-        rows.append({"op": "resume", "shape": shape, "first_s": round(first, 4),
-                     "again_s": round(again, 4), "ratio": round(first / max(again, 1e-6), 1)})
-        print(f"{'resume':12s} {shape:24s} first {first * 1e3:9.1f} ms  again {again * 1e3:8.1f} ms",
-              flush=True)
+        row("resume", shape, resume(n, max_catch_up), resume(n, max_catch_up))
 
     for n in (10, 17):  # the catch-ups that stalled an H200 (draft_steps.py, session 9)
         record_resume(n, k + 1)

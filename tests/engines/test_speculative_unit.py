@@ -309,6 +309,23 @@ def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny
         drafted.close()
 
 
+class _FeedSpy:
+    """A model that records each forward pass's input width (and dtype) and runs it."""
+
+    def __init__(self, model, widths: list[int], dtypes: list | None = None) -> None:
+        # not "model": mlx-lm's models keep their body under that name
+        self._wrapped, self.widths, self.dtypes = model, widths, dtypes
+
+    def __call__(self, x, cache=None):
+        self.widths.append(x.shape[1])
+        if self.dtypes is not None:
+            self.dtypes.append(x.dtype)
+        return self._wrapped(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
 def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny, monkeypatch):
     """Where MLX compiles per shape (a GPU: forced here on the CPU), the warm-up also
     prefills prompts of 128 tokens and of a whole prefill chunk (within the model's
@@ -333,17 +350,8 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
         drafter = engine.speculator.drafter
         real_model = drafter.model
 
-        class Spy:
-            def __call__(self, x, cache=None):
-                fed.append(x.shape[1])
-                dtypes.append(x.dtype)
-                return real_model(x, cache=cache)
-
-            def __getattr__(self, name):
-                return getattr(real_model, name)
-
         engine.add = spy_add
-        drafter.model = Spy()
+        drafter.model = _FeedSpy(real_model, fed, dtypes)
         engine.warmup()
         short = min(prompts)
         assert {128, 200} <= set(prompts) and short < 128
@@ -379,16 +387,9 @@ def test_a_draft_catches_up_in_passes_no_longer_than_the_warm_up_ran(tiny):
     missed = [50 + 3 * i for i in range(11)]  # eleven tokens the paused row did not see
     widths: list[int] = []
 
-    class Spy:
-        def __call__(self, x, cache=None):
-            widths.append(x.shape[1])
-            return model(x, cache=cache)
-
-        def __getattr__(self, name):
-            return getattr(model, name)
-
     def drafts(max_catch_up: int | None) -> list[int]:
-        drafter = DraftModel(Spy(), 1000, prefill_step_size=64, max_catch_up=max_catch_up)
+        drafter = DraftModel(_FeedSpy(model, widths), 1000, prefill_step_size=64,
+                             max_catch_up=max_catch_up)
         drafter.prefill(7, prompt)
         widths.clear()
         return drafter.propose(7, prompt + missed, 3)
