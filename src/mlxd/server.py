@@ -26,6 +26,7 @@ from typing import Any
 import uvicorn
 
 from mlxd.config import ConfigError, Settings
+from mlxd.frontend import tokenizer_side
 from mlxd.observability.logs import setup_logging
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class DrainingServer(uvicorn.Server):
 
 def run(settings: Settings) -> int:
     # No BLAS preload here: front ends never compute; the engine core loads it (core.py).
+    # Nor MLX: mlx-lm's tokenizer side without its package's imports (frontend/tokenizer_side.py)
+    tokenizer_side.register_without_init()
     setup_logging(settings.log.level, settings.log.format)
     from mlxd import process
 

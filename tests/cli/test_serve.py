@@ -62,6 +62,16 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"n": {"type": "integer"}}}}}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                             "response_format": schema})
+        assert r.status_code == 200
+        # the front end templated, tokenized, validated the grammar and detokenized without
+        # MLX: the engine core owns everything MLX (frontend/tokenizer_side.py)
+        core_pid = httpx.get(f"http://127.0.0.1:{port}/health").json()["engine_core"]["pid"]
+        assert _maps_mlx(core_pid) and not _maps_mlx(p.pid)
     finally:
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
@@ -75,6 +85,11 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
 def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
     return wait_healthy(url, p, timeout, lambda: p.stdout.read() if p.poll() is not None
                         else f"not healthy after {timeout} s")
+
+
+def _maps_mlx(pid: int) -> bool:
+    """Whether process ``pid`` has MLX's library mapped (Linux's /proc)."""
+    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _alive(pid: int) -> bool:
@@ -114,6 +129,8 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         h = httpx.get(url + "/health").json()
         assert h["model_loads"] == {"tiny-llama": 1}
+        # uvicorn's worker processes serve without MLX too (frontend/workers.py)
+        assert _maps_mlx(core_pid) and not any(_maps_mlx(pid) for pid in frontends)
         # whichever front end answers a scrape, it counts every front end's requests: one
         # kept-alive connection to each front end, three more chats through each, and a
         # scrape through each

@@ -11,7 +11,8 @@ import pytest
 
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import OutputConstraint
-from mlxd.engines.structured import GrammarCompiler, GrammarProcessor
+from mlxd.engines.grammar_mask import GrammarProcessor
+from mlxd.engines.structured import GrammarCompiler
 
 
 @pytest.fixture(scope="module")

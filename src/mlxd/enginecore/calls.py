@@ -16,6 +16,7 @@ from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 from mlxd.enginecore import group
+from mlxd.engines.text import tokenizer_defaults
 
 
 def model_info(entry: Any) -> dict[str, Any]:
@@ -30,6 +31,8 @@ def model_info(entry: Any) -> dict[str, Any]:
         else None,
         "sample_rate": int(getattr(engine, "sample_rate", 0) or 0),
         "window_seconds": int(getattr(engine, "window_seconds", 0) or 0),
+        # what the front end's tokenizer load cannot find without importing MLX (text.py)
+        "tokenizer_defaults": tokenizer_defaults(getattr(engine, "model", None)),
     }
 
 

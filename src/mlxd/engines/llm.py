@@ -35,13 +35,13 @@ from mlxd.engines import tensor_parallel
 from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
+from mlxd.engines.grammar_mask import GrammarProcessor
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
 from mlxd.engines.serving_batch import ServingBatchGenerator
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
-from mlxd.engines.structured import GrammarProcessor
 from mlxd.engines.text import TextProcessor
 from mlxd.observability import metrics
 

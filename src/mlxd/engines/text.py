@@ -9,6 +9,7 @@ files, never the weights.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,18 @@ class SeqPlan:
     arm_after: tuple[int, ...] | None = None  # grammar waits for these tokens (think end)
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
+                   defaults: dict[str, Any] | None = None) -> Any:
     """mlx-lm's tokenizer wrapper for a model directory, as ``mlx_lm.load`` builds it, less
-    the Python copies of the vocabulary that nothing reads (see the two helpers)."""
-    from mlx_lm.utils import load_tokenizer as _load
+    the Python copies of the vocabulary that nothing reads (see the two helpers).
+
+    ``defaults`` are the model family's tokenizer settings for checkpoints that lack them
+    (mlx-lm keeps them as ``TOKENIZER_DEFAULTS`` in the family's model module). mlx-lm's
+    own ``load_tokenizer`` imports that module, and with it MLX; a front end never imports
+    MLX, so the engine core, which has the module loaded, sends them
+    (:func:`tokenizer_defaults`, in the model's info).
+    """
+    from mlx_lm.tokenizer_utils import load as _load
 
     from mlxd.engines.detokenizer import use_lazy_detokenizer
 
@@ -50,12 +59,20 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False) -> Any:
         eos = (config.get("text_config") or {}).get("eos_token_id")
     try:
         tok = _load(Path(path), {"trust_remote_code": trust_remote_code},
-                    eos_token_ids=eos)
+                    eos_token_ids=eos, defaults=defaults)
     except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     _drop_build_inputs(getattr(tok, "_tokenizer", tok))
     use_lazy_detokenizer(tok)  # the byte-level detokenizer's token table (engines/detokenizer.py)
     return tok
+
+
+def tokenizer_defaults(model: Any) -> dict[str, Any] | None:
+    """The tokenizer settings mlx-lm keeps in a loaded model's family module
+    (``TOKENIZER_DEFAULTS``: chat template, tool parser, EOS ids), if it has any."""
+    module = sys.modules.get(type(model).__module__) if model is not None else None
+    found = getattr(module, "TOKENIZER_DEFAULTS", None)
+    return dict(found) if isinstance(found, dict) else None
 
 
 def _drop_build_inputs(hf: Any) -> None:

@@ -238,7 +238,8 @@ class Runtime:
 
             def load() -> Any:
                 tok = load_tokenizer(Path(info["path"]),
-                                     trust_remote_code=self.settings.models.trust_remote_code)
+                                     trust_remote_code=self.settings.models.trust_remote_code,
+                                     defaults=info.get("tokenizer_defaults"))
                 vocab = info["vocab_size"] or len(tok)
                 eos = info["eos_token_ids"] or None
                 proc = TextProcessor(info["name"], tok, vocab, eos, masks=False)

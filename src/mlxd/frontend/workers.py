@@ -14,11 +14,13 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from mlxd.frontend import tokenizer_side
 from mlxd.frontend.runtime import CORE_DIR_ENV, Runtime
 from mlxd.observability.metrics import MULTIPROC_ENV, front_end_exited
 
 
 def app_factory() -> FastAPI:
+    tokenizer_side.register_without_init()  # before anything imports mlx-lm
     from mlxd.api.app import create_app
     from mlxd.observability.logs import setup_logging
 
