@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fixtures.byte_level import write_byte_level_tokenizer
 from fixtures.tiny_models import make_tiny_chat_model
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 from mlx_lm.tokenizer_utils import load as mlx_lm_load
@@ -64,26 +65,14 @@ def _qwen_vocab(tmp: Path) -> Path:
 def _tricky(tmp: Path) -> Path:
     """Qwen2-family byte-level BPE with merges and added tokens that mlx-lm maps through
     its byte table (non-ASCII, spaces, byte-level letters)."""
-    from tokenizers import Tokenizer, decoders, models
-
-    out = tmp / "tricky"
-    out.mkdir()
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = [("Ġ", "Ġ"), ("ĠĠ", "Ġ"), ("H", "e"), ("l", "l"), ("He", "ll"), ("Ġ", "w"),
               ("ð", "Ł"), ("æ", "Ĺ")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab, merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tk.add_tokens(TRICKY_ADDED)
-    tk.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>"}))
-    (out / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    return out
+    return write_byte_level_tokenizer(
+        tmp / "tricky", merges=merges, special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        added=TRICKY_ADDED,
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>"},
+        config={"model_type": "qwen2"})
 
 
 def _smollm2(tmp: Path) -> Path:

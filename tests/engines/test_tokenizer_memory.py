@@ -5,40 +5,28 @@ with Qwen2Tokenizer, a class that keeps the copy): byte-level BPE with a few mer
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from fixtures.byte_level import CHATML, write_byte_level_tokenizer
 from mlx_lm.tokenizer_utils import load as mlx_lm_load
 
 from mlxd.engines.text import TextProcessor, load_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "  spaces\tand\nnewlines  ", ""]
 
 
 @pytest.fixture(scope="module")
 def qwen_tok(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    d = tmp_path_factory.mktemp("qwen-tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    merges = [("H", "e"), ("l", "l"), ("He", "ll"), ("Ġ", "w")]
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab, merges))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIAL)
-    tk.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHATML}))
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen2",
-                                               "eos_token_id": len(vocab) + 2}))
-    return d
+    return write_byte_level_tokenizer(
+        tmp_path_factory.mktemp("qwen-tok"), merges=[("H", "e"), ("l", "l"), ("He", "ll"),
+                                                     ("Ġ", "w")],
+        special=SPECIAL,
+        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>", "chat_template": CHATML},
+        # <|im_end|>'s id: after the 256 byte tokens, the four merges and two specials
+        config={"model_type": "qwen2", "eos_token_id": 256 + 4 + 2})
 
 
 def test_same_tokens_template_and_text_without_the_python_vocabulary(qwen_tok):

@@ -11,33 +11,22 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fixtures.byte_level import CHATML, write_byte_level_tokenizer
 
 from mlxd.enginecore.calls import model_info
 from mlxd.engines.text import load_tokenizer, tokenizer_defaults
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer with ChatML and no EOS in its config.json (so that a
     family default can supply one)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    d = tmp_path_factory.mktemp("tok-side")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tk = Tokenizer(models.BPE(vocab, []))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>",
-                           "</tool_call>"])
-    tk.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "chat_template": CHATML}))
-    (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    return d
+    return write_byte_level_tokenizer(
+        tmp_path_factory.mktemp("tok-side"),
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
+        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast",
+                          "eos_token": "<|im_end|>", "chat_template": CHATML},
+        config={"model_type": "qwen2"})
 
 
 def test_a_front_end_process_tokenizes_templates_and_validates_without_mlx(tok_dir):
