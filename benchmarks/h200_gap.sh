@@ -273,12 +273,14 @@ pairs)
   # #11's table as interleaved pairs (serve_compare.py --interleave): the engine alone and
   # one mlxd server both loaded, per level PAIRS pairs of passes seconds apart in ABBA
   # order; ALSO_AW=2 adds a server with --api-workers 2 as a third side, PAIRS_SKIP=
-  # mlx_lm,engine leaves the engine out (the --api-workers comparison alone)
+  # mlx_lm,engine leaves the engine out (the --api-workers comparison alone); ALSO_ENV=
+  # "NAME:VAR=VALUE,... NAME2:..." adds a server side per word with those settings
   python3 -c "import mlx.core" 2>/dev/null || install
+  also_env=(); for spec in ${ALSO_ENV:-}; do also_env+=(--also-env "$spec"); done
   (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/pairs.txt
   date -u >> /tmp/gap/pairs.txt
   timeout ${PAIRS_TIMEOUT:-560} "${CMP[@]}" --concurrency ${LEVELS:-1,4,16,64,128} \
-    --interleave ${PAIRS:-4} ${ALSO_AW:+--also-api-workers $ALSO_AW} \
+    --interleave ${PAIRS:-4} ${ALSO_AW:+--also-api-workers $ALSO_AW} "${also_env[@]}" \
     ${PAIRS_SKIP:+--skip $PAIRS_SKIP} --out "$OUT/pairs-$label.json" 2>&1 \
     | grep -E '^\||C=' | tee -a /tmp/gap/pairs.txt
   cp /tmp/gap/pairs.txt "$OUT/pairs-$label.txt"

@@ -24,7 +24,9 @@ beside the running server, and per level K pairs of passes alternate them second
 (ABBA order, fresh prompts per pair, the same prompts for both sides of a pair); each
 level reports the median of its K ratios, of the TTFT p50 differences and of the ITL p95
 ratios. ``--also-api-workers N`` adds a second server with ``--api-workers N`` as a third
-side of every pair.
+side of every pair; each ``--also-env NAME:VAR=VALUE[,VAR=VALUE...]`` adds a server with
+those settings (``MLXD_*`` variables, or a ``PYTHONPATH`` naming another tree's ``src``)
+as one more side, so that variants meet the host in the same pairs as the engine.
 """
 
 from __future__ import annotations
@@ -401,6 +403,9 @@ def main() -> None:
     ap.add_argument("--also-api-workers", type=int, default=0, metavar="N",
                     help="with --interleave: a second mlxd server with --api-workers N as "
                          "a third side")
+    ap.add_argument("--also-env", action="append", default=[], metavar="NAME:VAR=VALUE,...",
+                    help="with --interleave: one more mlxd server side called NAME, with "
+                         "these environment variables (repeatable)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
@@ -432,6 +437,13 @@ def main() -> None:
             cmd_b = [*mlxd_cmd[:i + 1], str(args.also_api_workers), *mlxd_cmd[i + 2:]]
             sides[f"mlxd-aw{args.also_api_workers}"] = (
                 cmd_b, dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name))
+        for spec in args.also_env:
+            side, _, pairs = spec.partition(":")
+            extra = dict(kv.split("=", 1) for kv in pairs.split(",") if kv)
+            dirs.append(tempfile.TemporaryDirectory(prefix="mlxd-prefix-"))
+            sides[side] = (mlxd_cmd, dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name,
+                                          **extra))
+        results["also_env"] = args.also_env
         results["interleaved"] = run_interleaved(args, skip, sides, name)
         results["interleaved_summary"] = summarise_interleaved(results["interleaved"])
         print_interleaved(results["interleaved_summary"])
