@@ -382,6 +382,16 @@ class EngineSettings(_Section):
             "0 turns the disk tier off (so does prefix_cache_bytes: 0)."
         ),
     )
+    prefix_cache_disk_writes: Literal["reused", "all"] = Field(
+        "reused",
+        description=(
+            "Which finished requests the disk tier writes. 'reused' (default): those that "
+            "started from a cached prefix (a conversation's second turn, a shared system "
+            "prompt's second use), so one-off prompts never cost a write, nor the copy of "
+            "their KV cache out of device memory that a write needs; 'all': every finished "
+            "request (write-through), e.g. to persist first turns across a restart."
+        ),
+    )
     prefix_cache_disk_min_tokens: int = Field(
         256,
         ge=1,

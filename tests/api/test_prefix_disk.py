@@ -1,7 +1,8 @@
 """The prefix cache's disk tier through HTTP: a conversation survives a restart, or the
 memory tier's eviction within one process, the byte bound holds (set from the
-environment), and files that must not load (corrupt, truncated, another model, another
-mlxd version) are removed while the request still succeeds with the cold answer."""
+environment), files that must not load (corrupt, truncated, another model, another
+mlxd version) are removed while the request still succeeds with the cold answer, and by
+default only reused prefixes are written (one-off prompts cost no write)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from conftest import LiveServer, make_settings
 SYSTEM = {"role": "system",
           "content": "You are a careful agent. Follow the tool rules exactly. " * 14}
 DISK = {"prefix_cache_disk_min_tokens": 64, "warmup": False}
+# the tier's mechanics below are shown on first turns: written only with "all"
+ALL = {"prefix_cache_disk_writes": "all"}
 
 
 def _client(srv) -> openai.OpenAI:
@@ -90,7 +93,7 @@ def _converse(srv, turns, history=None) -> tuple[list[dict], list[str], int]:
 
 
 def test_a_conversation_continues_from_disk_after_a_restart(tmp_path, tool_qwen2, cold):
-    first = _server(tmp_path, tool_qwen2)
+    first = _server(tmp_path, tool_qwen2)  # default writes: the second turn reused the first
     history, said, last_prompt = _converse(first, _turns(2))
     first.stop()  # at once: the engine core finishes its queued writes before it exits
     assert _files(tmp_path)
@@ -132,7 +135,7 @@ def test_a_prefix_the_memory_tier_evicted_comes_back_from_disk_in_the_same_proce
         tmp_path, tool_qwen2, cold):
     """The memory tier holds one conversation (~260 KB of KV), not two: the second evicts
     the first, whose next turn is then read from the disk tier -- no restart."""
-    srv = _server(tmp_path, tool_qwen2, prefix_cache_bytes=400_000)
+    srv = _server(tmp_path, tool_qwen2, prefix_cache_bytes=400_000, **ALL)
     try:
         systems = [{"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]}
                    for tag in "ab"]
@@ -169,6 +172,7 @@ def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen
         _settled(srv)
         return (set(_files(tmp_path)) - before).pop()
 
+    monkeypatch.setenv("MLXD_ENGINE__PREFIX_CACHE_DISK_WRITES", "all")
     srv = _server(tmp_path, tool_qwen2)
     a = talk(srv, "a")
     one = _disk(srv)["bytes"]
@@ -197,7 +201,7 @@ def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen
 def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
         tmp_path, tool_qwen2, plain_llama, cold):
     tags = (" flip", " cut", " version", " model")
-    srv = _server(tmp_path, tool_qwen2)
+    srv = _server(tmp_path, tool_qwen2, **ALL)
     written = []
     for tag in tags:
         before = set(_files(tmp_path))
@@ -207,7 +211,7 @@ def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
         written.append((history, new))
     srv.stop()
     # a file of another model: plain-llama's, written under its own fingerprint
-    other = _server(tmp_path, plain_llama)
+    other = _server(tmp_path, plain_llama, **ALL)
     _converse(other, _turns(1, " model"))
     other.stop()
     foreign = [f for f in _files(tmp_path) if f.parent != written[0][1].parent]
@@ -224,7 +228,7 @@ def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
     version.write_bytes(bytes(raw))
     os.replace(foreign[0], model)  # same name, other model's content
 
-    srv = _server(tmp_path, tool_qwen2)
+    srv = _server(tmp_path, tool_qwen2, **ALL)
     try:
         # at start: the truncated file, the other version's and the other model's go
         d = _disk(srv)
@@ -238,5 +242,31 @@ def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
         d = _disk(srv)
         assert d["hits"] == 0 and d["removed_invalid"] == 4
         assert not flip.exists()
+    finally:
+        srv.stop()
+
+
+def test_by_default_one_off_prompts_are_never_written_and_reused_prefixes_are(tmp_path,
+                                                                              tool_qwen2):
+    """``prefix_cache_disk_writes: reused`` (the default): first turns of unrelated
+    conversations write nothing (no file, no bytes, nothing queued); the next turn of one
+    of them, which starts from the memory tier's copy of its prefix, is written."""
+    srv = _server(tmp_path, tool_qwen2)
+    try:
+        histories = []
+        for tag in "xyz":
+            system = {"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]}
+            history, _, _ = _converse(srv, _turns(1, tag), [system])
+            histories.append(history)
+        d = _settled(srv)
+        assert d["entries"] == 0 and d["bytes_written"] == 0 and not _files(tmp_path)
+        assert _memory(srv)["entries"] == 3  # the memory tier keeps them all
+
+        nxt = histories[1] + [{"role": "user", "content": "Next."}]
+        _, usage = _chat(srv, nxt)
+        assert usage.prompt_tokens_details.cached_tokens > 0
+        d = _settled(srv, entries=1)
+        assert d["entries"] == 1 and d["bytes_written"] > 0 and len(_files(tmp_path)) == 1
+        assert _metric(srv, "mlxd:prefix_cache_disk_written_bytes_total") == d["bytes_written"]
     finally:
         srv.stop()

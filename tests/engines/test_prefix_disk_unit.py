@@ -191,7 +191,8 @@ def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama
 
     def engine() -> LLMEngine:
         e = LLMEngine("m", tiny_llama, prefix_cache_bytes=1 << 26, prefix_cache_dir=tmp_path,
-                      prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32)
+                      prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32,
+                      prefix_cache_disk_writes="all")  # the first, one-off request too
         e.bind()
         return e
 

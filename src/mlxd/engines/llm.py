@@ -67,6 +67,7 @@ class LLMEngine(DecodeEngine):
         prefix_cache_min_tokens: int = 0,
         prefix_cache_disk_bytes: int = 0,
         prefix_cache_disk_min_tokens: int = 256,
+        prefix_cache_disk_writes: str = "reused",
         prefix_cache_dir: str | Path | None = None,
         adapter_path: str | Path | None = None,
         max_kv_size: int | None = None,
@@ -136,6 +137,7 @@ class LLMEngine(DecodeEngine):
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
             self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
             self.disk: DiskPrefixCache | None = None
+            self._disk_writes_all = prefix_cache_disk_writes == "all"
             if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and prefix_cache_dir:
                 self.disk = self._open_disk_tier(Path(prefix_cache_dir),
                                                  prefix_cache_disk_bytes,
@@ -522,12 +524,17 @@ class LLMEngine(DecodeEngine):
             caches = self._gen.remove([seq.uid],
                                       return_prompt_caches=self.prefix_cache.enabled)
             for cache, tokens in (caches or {}).values():
-                self._keep(tokens, cache)
+                self._keep(seq, tokens, cache)
 
-    def _keep(self, tokens: list[int], cache: list[Any]) -> None:
-        """A finished sequence's KV: into the memory tier, and written through to disk."""
+    def _keep(self, seq: Sequence, tokens: list[int], cache: list[Any]) -> None:
+        """A finished sequence's KV: into the memory tier, and to disk when it started from
+        a cached prefix (``prefix_cache_disk_writes: reused``). One-off prompts are never
+        written: a write reads the arrays on the host, which on CUDA moves each of them
+        into managed memory (MLX's allocator), and writing every request cost the decode
+        loop on an H200 with nothing ever read back (docs/benchmarks.md, session 11)."""
         self.prefix_cache.insert(tokens, cache)
-        if self.disk is not None and self._warm_phases is None:
+        if self.disk is not None and self._warm_phases is None and (
+                self._disk_writes_all or seq.cached_tokens > 0):
             self.disk.spill(tokens, cache)
 
     def has_work(self) -> bool:
@@ -587,7 +594,7 @@ class LLMEngine(DecodeEngine):
                 seq.finished = True
                 self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
-                    self._keep(r.all_tokens, r.prompt_cache)
+                    self._keep(seq, r.all_tokens, r.prompt_cache)
         return out
 
     # -- DecodeEngine hooks ----------------------------------------------------------------

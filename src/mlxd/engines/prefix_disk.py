@@ -1,10 +1,12 @@
 """The prefix cache's disk tier: KV caches of long prefixes kept across restarts.
 
 The memory tier (engines/prefix_cache.py) forgets everything when the server stops and
-drops its least recently used entries when full. Here every finished sequence's KV cache
-of at least ``min_tokens`` tokens is also written to a file (write-through, so a crash
-loses at most the writes in flight), and a later request whose prompt starts the same way
-reads it back instead of prefilling: for a long prefix a read is cheaper than a prefill.
+drops its least recently used entries when full. Here the KV cache of a finished sequence
+of at least ``min_tokens`` tokens that the engine hands over (by default one that started
+from a cached prefix: engines/llm.py's ``_keep``) is also written to a file
+(write-through, so a crash loses at most the writes in flight), and a later request whose
+prompt starts the same way reads it back instead of prefilling: for a long prefix a read
+is cheaper than a prefill.
 
 Files are mlx-lm's prompt-cache format (``save_prompt_cache``: safetensors, the cache
 classes and scalars in its metadata, so KVCache, RotatingKVCache, QuantizedKVCache and

@@ -61,6 +61,7 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
             prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
             prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
+            prefix_cache_disk_writes=e.prefix_cache_disk_writes,
             prefix_cache_dir=(e.prefix_cache_dir or settings.home / "prefix-cache")
             / core_folder_tag(),  # one folder per engine core when there are several
             adapter_path=opts["adapter_path"],
