@@ -68,10 +68,17 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                              "response_format": schema})
         assert r.status_code == 200
-        # the front end templated, tokenized, validated the grammar and detokenized without
-        # MLX: the engine core owns everything MLX (frontend/tokenizer_side.py)
+        bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                             "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        # the front end templated, tokenized and detokenized without MLX, and left the
+        # grammars (valid or not) to the core without loading llguidance: the engine core
+        # owns everything MLX (frontend/tokenizer_side.py) and compiles grammars
         core_pid = httpx.get(f"http://127.0.0.1:{port}/health").json()["engine_core"]["pid"]
-        assert _maps_mlx(core_pid) and not _maps_mlx(p.pid)
+        assert _maps(core_pid, "libmlx") and not _maps(p.pid, "libmlx")
+        assert _maps(core_pid, "llguidance") and not _maps(p.pid, "llguidance")
     finally:
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
@@ -87,9 +94,10 @@ def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
                         else f"not healthy after {timeout} s")
 
 
-def _maps_mlx(pid: int) -> bool:
-    """Whether process ``pid`` has MLX's library mapped (Linux's /proc)."""
-    return "libmlx" in Path(f"/proc/{pid}/maps").read_text()
+def _maps(pid: int, library: str) -> bool:
+    """Whether process ``pid`` has a library whose path holds ``library`` mapped (Linux's
+    /proc): ``libmlx`` for MLX, ``llguidance`` for the grammar engine's extension."""
+    return library in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _alive(pid: int) -> bool:
@@ -130,7 +138,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
         h = httpx.get(url + "/health").json()
         assert h["model_loads"] == {"tiny-llama": 1}
         # uvicorn's worker processes serve without MLX too (frontend/workers.py)
-        assert _maps_mlx(core_pid) and not any(_maps_mlx(pid) for pid in frontends)
+        assert _maps(core_pid, "libmlx") and not any(_maps(pid, "libmlx") for pid in frontends)
         # whichever front end answers a scrape, it counts every front end's requests: one
         # kept-alive connection to each front end, three more chats through each, and a
         # scrape through each

@@ -162,7 +162,7 @@ def test_same_text_as_mlx_lm_token_by_token(pair):
 
 def test_text_processor_hands_out_fresh_lazy_detokenizers(pair):
     _, ref, ours = pair
-    proc = TextProcessor("m", ours, len(ours), masks=False)
+    proc = TextProcessor("m", ours, len(ours))
     a, b = proc.detokenizer, proc.detokenizer
     assert a is not b and isinstance(a, LazyBPEStreamingDetokenizer)
     ids = list(ref.encode("naïve café 🙂"))

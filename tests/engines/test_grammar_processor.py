@@ -76,22 +76,38 @@ def test_unsupported_grammars_are_invalid_requests(compiler):
         gc.matcher(gc.from_constraint(OutputConstraint("lark", "start: undefined_rule")))
 
 
-def test_a_front_ends_compiler_validates_without_a_tokenizer(compiler):
-    """masks=False (front ends): the same 400s for what a grammar alone shows, the same
-    tool-call literals, and no llguidance tokenizer built (its tries are the memory)."""
-    full, tok = compiler
-    fe = GrammarCompiler(tok, 512, sorted(tok.eos_token_ids), masks=False)
-    fe.check(fe.from_constraint(OutputConstraint("json_schema", '{"type": "object"}')))
+def test_the_core_compiles_what_a_front_end_planned(compiler):
+    """A front end's plan says what the grammar is made of (nothing compiled, sent over
+    the wire as is); the core's matcher compiles it, and an unsupported schema or grammar
+    is a 400 naming the request's field."""
+    import msgspec
+
+    from mlxd.core.types import GenerateRequest, GrammarSpec, SamplingParams
+    from mlxd.engines.text import TextProcessor
+
+    _, tok = compiler
+    proc = TextProcessor("g", tok, 512)
+
+    def plan(**kw) -> GrammarSpec:
+        req = GenerateRequest(model="g", sampling=SamplingParams(),
+                              messages=[{"role": "user", "content": "hi"}], **kw)
+        spec = proc.prepare(req, proc.tokenize(req)).grammar
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=GrammarSpec)
+
+    ok = plan(constraint=OutputConstraint("json_schema", '{"type": "object"}'))
+    assert ok.constraint.kind == "json_schema" and not ok.tool_call
+    assert not proc.matcher(ok).is_error()
     for bad in (OutputConstraint("json_schema", '{"not": {}}'),
+                OutputConstraint("json_schema", "{nope"),
                 OutputConstraint("lark", "start: undefined_rule"),
                 OutputConstraint("regex", "[a-")):
-        with pytest.raises(InvalidRequest):
-            fe.check(fe.from_constraint(bad))
-        with pytest.raises(InvalidRequest):
-            full.check(full.from_constraint(bad))
-    for text in ("<|im_end|>", "<|endoftext|>", "plain words"):
-        # a token where llguidance itself reads one (every added token), else the text
-        ids = tok.encode(text, add_special_tokens=False)
-        as_token = len(ids) == 1 and full.lltok.is_special_token(ids[0])
-        assert fe.literal(text) == (f"<[{ids[0]}]>" if as_token else json.dumps(text))
-    assert fe._lltok is None
+        with pytest.raises(InvalidRequest) as err:
+            proc.matcher(plan(constraint=bad))
+        assert err.value.param == "response_format"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    call = plan(tools=tools, tool_choice="required")
+    assert call.tool_call and call.names == ["f"] and not proc.matcher(call).is_error()
+    with pytest.raises(InvalidRequest) as err:  # a front end tells this one itself
+        plan(tools=tools, tool_choice="function", tool_name="g")
+    assert err.value.param == "tool_choice"

@@ -42,7 +42,7 @@ def test_same_tokens_template_and_text_without_the_python_vocabulary(qwen_tok):
         assert ours.encode(text) == ref.encode(text)
         assert ours.decode(ref.encode(text)) == ref.decode(ref.encode(text))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
-    proc = TextProcessor("q", ours, len(ours), masks=False)
+    proc = TextProcessor("q", ours, len(ours))
     assert proc.encode_messages(msgs) == ref.apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=True)
     ids = ref.encode(TEXTS[1])

@@ -29,10 +29,11 @@ def tok_dir(tmp_path_factory) -> Path:
         config={"model_type": "qwen2"})
 
 
-def test_a_front_end_process_tokenizes_templates_and_validates_without_mlx(tok_dir):
+def test_a_front_end_process_tokenizes_and_templates_without_mlx_or_llguidance(tok_dir):
     """In a fresh process (as a front end starts): tokenizer, template, streaming
-    detokenizer, a tool parser and a grammar check, and neither MLX nor mlx-lm's model
-    code is imported; the ids are the ones mlx-lm's own loader gives."""
+    detokenizer, a tool parser and a structured-output request's plan (its grammar left to
+    the engine core), and neither MLX, mlx-lm's model code nor llguidance is imported; the
+    ids are the ones mlx-lm's own loader gives."""
     from mlx_lm.tokenizer_utils import load as mlx_lm_load
 
     code = textwrap.dedent(f"""
@@ -41,16 +42,20 @@ def test_a_front_end_process_tokenizes_templates_and_validates_without_mlx(tok_d
         from mlxd.frontend import tokenizer_side
         assert tokenizer_side.register_without_init()
         assert not tokenizer_side.register_without_init()  # once per process
-        from mlxd.engines.structured import GrammarCompiler
+        from mlxd.core.types import GenerateRequest, GrammarSpec, OutputConstraint, SamplingParams
         from mlxd.engines.text import TextProcessor, load_tokenizer
         tok = load_tokenizer(Path({str(tok_dir)!r}))
-        proc = TextProcessor("t", tok, 300, None, masks=False)
+        proc = TextProcessor("t", tok, 300, None)
         ids = proc.encode_messages([{{"role": "user", "content": "héllo"}}])
         d = proc.detokenizer
         for i in tok.encode("naïve café"):
             d.add_token(i)
         d.finalize()
-        proc.grammar.check(GrammarCompiler.json_schema_grammar({{"type": "object"}}))
+        req = GenerateRequest(model="t", sampling=SamplingParams(),
+                              messages=[{{"role": "user", "content": "x"}}],
+                              constraint=OutputConstraint("json_schema", '{{"not": {{}}}}'))
+        plan = proc.prepare(req, ids)  # the grammar is the core's to compile (and refuse)
+        assert isinstance(plan.grammar, GrammarSpec) and "llguidance" not in sys.modules
         import mlx_lm.tool_parsers.json_tools
         heavy = sorted(m for m in sys.modules
                        if m.split(".")[0] == "mlx" or m in ("mlx_lm.generate", "mlx_lm.models"))

@@ -50,6 +50,25 @@ ToolChoice = Literal["auto", "none", "required", "function"]
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's grammar is made of, as a front end sends it to the engine core,
+    which compiles it (llguidance lives only there: engines/text.py's
+    ``TextProcessor.matcher``); an unsupported schema or grammar is still a 400 before
+    any output.
+
+    ``tool_call``: the output must be a call of one of ``names`` among ``tools``
+    (tool_choice "required" or a named function); else ``constraint`` shapes the answer,
+    and with ``tools`` (tool_choice "auto", a JSON answer) the model may call one instead.
+    """
+
+    constraint: OutputConstraint | None = None
+    tools: list[dict] | None = None
+    names: list[str] = field(default_factory=list)
+    tool_call: bool = False
+    parallel: bool = False
+
+
+@dataclass(frozen=True)
 class ImageInput:
     """One image a request carries, not yet fetched or decoded.
 

@@ -272,7 +272,7 @@ class EngineCore:
                 prompt = m.prompt_tokens
             grammar = None
             if m.grammar is not None:
-                grammar = await asyncio.to_thread(engine.text.grammar.matcher, m.grammar)
+                grammar = await asyncio.to_thread(engine.text.matcher, m.grammar)
             seq = engine.new_sequence(prompt, params, grammar=grammar,
                                       arm_after=tuple(m.arm_after) if m.arm_after else None)
         except BaseException as exc:

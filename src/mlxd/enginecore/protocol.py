@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from mlxd.core.types import GrammarSpec
+
 
 class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     max_tokens: int
@@ -70,8 +72,9 @@ class VisionInput(msgspec.Struct, array_like=True, gc=False):
 
 
 class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
-    """Admit one sequence. ``grammar`` is llguidance grammar text the front end compiled
-    and validated; ``arm_after`` the token ids after which it starts to apply."""
+    """Admit one sequence. ``grammar`` says what the request's grammar is made of (the
+    core compiles it: a 400 before any output when it is not supported); ``arm_after``
+    the token ids after which it starts to apply."""
 
     epoch: int
     frontend: int
@@ -80,7 +83,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     keep_alive: str | int | float | None
     prompt_tokens: list[int]
     sampling: Sampling
-    grammar: str | None = None
+    grammar: GrammarSpec | None = None
     arm_after: list[int] | None = None
     vision: VisionInput | None = None
     tools: bool = False  # only for errors' wording in the vision adapter

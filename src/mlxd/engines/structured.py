@@ -8,9 +8,11 @@ helper that builds its tokenizer from a Hugging Face fast tokenizer (byte-level 
 included, special tokens kept apart from text).
 
 How it runs inside the batch: each constrained sequence gets a
-:class:`~mlxd.engines.grammar_mask.GrammarProcessor` (the engine core's side, which
-imports MLX) among its mlx-lm logits processors; this module holds what a front end needs
-too (grammar sources, validation, tool-call grammars) and imports neither MLX nor NumPy.
+:class:`~mlxd.engines.grammar_mask.GrammarProcessor` (which imports MLX) among its mlx-lm
+logits processors. This module (grammar sources, validation, tool-call grammars) imports
+neither MLX nor NumPy, and only the engine core runs it: front ends send what a grammar is
+made of (``core.types.GrammarSpec``) and never load llguidance (~9 MB of a front end's
+memory).
 
 Reasoning models: the grammar can wait until the thinking part is over (``arm_after``: the
 think-end token ids), so the model still thinks freely and then answers in the schema.
@@ -37,22 +39,14 @@ TOOL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
 
 
 class GrammarCompiler:
-    """One model's grammar front end: its llguidance tokenizer and validated grammars.
+    """One model's grammars: its llguidance tokenizer (built on first use: it copies the
+    whole vocabulary into tries, 60-90 MB for a 150k-token vocabulary, docs/benchmarks.md)
+    and the validation results of recent grammars."""
 
-    ``masks=False`` is the front ends' kind: they validate grammars but never mask logits,
-    so they build no llguidance tokenizer (it copies the whole vocabulary into tries: 60-90
-    MB for a 150k-token vocabulary, docs/benchmarks.md) and validate without one. What only
-    a tokenizer can find (a token id or special-token name in a user's Lark grammar that
-    the vocabulary lacks) the engine core finds when it builds the request's matcher, and
-    the request still ends in a 400 before any output.
-    """
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 masks: bool = True) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self.vocab_size = vocab_size
         self.eos = list(eos_token_ids)
-        self.masks = masks
         self._lltok: Any = None
         self._lock = threading.Lock()
         self._valid: OrderedDict[str, str] = OrderedDict()  # grammar -> "" or error
@@ -115,10 +109,7 @@ class GrammarCompiler:
     # -- checking and matching -------------------------------------------------------------
     def check(self, grammar: str, param: str = "response_format") -> None:
         """Raise a 400 (InvalidRequest) for an unsupported grammar or schema."""
-        if self.masks:
-            self.matcher(grammar, param)
-        else:
-            self._validate(grammar, param, None)
+        self.matcher(grammar, param)
 
     def _validate(self, grammar: str, param: str, lltok: Any) -> None:
         import llguidance

@@ -1,9 +1,10 @@
 """A chat/text model's tokenizer side: templating, tokenizing, grammars, output parsing.
 
 No MLX here. Front ends hold one :class:`TextProcessor` per model to template and tokenize
-prompts, compile (and so validate) grammars and parse the output; the engine core holds
-one too (warm-up, token counts, rerank prompts). Loading one reads only the tokenizer
-files, never the weights.
+prompts, say what a request's grammar is made of (:class:`~mlxd.core.types.GrammarSpec`)
+and parse the output; the engine core holds one too (warm-up, token counts, rerank
+prompts) and compiles grammars (:meth:`TextProcessor.matcher`), so front ends never load
+llguidance. Loading one reads only the tokenizer files, never the weights.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.core.errors import InvalidRequest, ModelLoadError
-from mlxd.core.types import GenerateRequest
+from mlxd.core.types import GenerateRequest, GrammarSpec
 from mlxd.engines.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
 from mlxd.engines.tool_calls import (
     OutputSplitter,
@@ -31,7 +32,7 @@ class SeqPlan:
     """What :meth:`TextProcessor.prepare` worked out for one request."""
 
     splitter: OutputSplitter | None = None  # answer / reasoning / tool calls (front end)
-    grammar: str | None = None  # llguidance grammar text, validated (core: the matcher)
+    grammar: GrammarSpec | None = None  # compiled by the engine core (matcher)
     arm_after: tuple[int, ...] | None = None  # grammar waits for these tokens (think end)
 
 
@@ -100,15 +101,13 @@ class TextProcessor:
     """Thread-safe helpers over one model's tokenizer."""
 
     def __init__(self, name: str, tokenizer: Any, vocab_size: int,
-                 eos_token_ids: list[int] | None = None, *, masks: bool = True) -> None:
-        """``masks=False``: a front end's, which validates grammars but never constrains
-        decoding (see :class:`GrammarCompiler`)."""
+                 eos_token_ids: list[int] | None = None) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids if eos_token_ids is not None
                                     else getattr(tokenizer, "eos_token_ids", []) or [])
-        self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids, masks=masks)
+        self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
         self.tool_format: ToolFormat = tool_format(tokenizer)
 
     @property
@@ -174,7 +173,9 @@ class TextProcessor:
         return tokens
 
     def prepare(self, req: GenerateRequest, tokens: list[int]) -> SeqPlan | None:
-        """Grammar and output parsing for one request (400s come from here)."""
+        """Output parsing and what the grammar is made of, for one request (the 400s a
+        front end can tell without llguidance come from here; the grammar's own from
+        :meth:`matcher` in the engine core)."""
         tok = self.tokenizer
         chat = req.messages is not None
         tools = req.tools if req.tools and req.tool_choice != "none" else None
@@ -186,32 +187,46 @@ class TextProcessor:
         if think is not None or fmt is not None:
             splitter = OutputSplitter(think=think, reasoning=reasoning, fmt=fmt, tools=tools,
                                       parallel=req.parallel_tool_calls)
-        grammar, param = None, "response_format"
+        names = [t.get("function", t).get("name") for t in tools or []]
+        spec = None
         if fmt is not None and req.tool_choice in ("required", "function"):
-            names = [t.get("function", t).get("name") for t in tools or []]
             if req.tool_choice == "function":
                 if req.tool_name not in names:
                     raise InvalidRequest(f"tool_choice names '{req.tool_name}', which is not "
                                          "among the tools", param="tool_choice")
                 names = [req.tool_name]
-            grammar = tool_call_grammar(self.grammar, fmt, tools or [], names,
-                                        req.parallel_tool_calls and req.tool_choice == "required")
-            param = "tool_choice"
+            spec = GrammarSpec(tools=tools, names=names, tool_call=True,
+                               parallel=req.parallel_tool_calls and req.tool_choice == "required")
         elif req.constraint is not None:
-            c = req.constraint
-            grammar = self.grammar.from_constraint(c)
-            if fmt is not None and fmt.json_body and c.kind in ("json_object", "json_schema"):
-                # tool_choice "auto": the answer follows the schema, or the model calls tools
-                schema = json.loads(c.spec) if c.kind == "json_schema" else {"type": "object"}
-                if isinstance(schema, dict):
-                    self.grammar.check(grammar)  # the schema alone must be supported
-                    answer = "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema})
-                    names = [t.get("function", t).get("name") for t in tools or []]
-                    grammar = tool_call_grammar(self.grammar, fmt, tools or [], names,
-                                                req.parallel_tool_calls, answer=answer)
-        if grammar is not None:
-            self.grammar.check(grammar, param)  # an unsupported one is a 400
-        arm = tuple(tok.think_end_tokens) if grammar is not None and reasoning else None
-        if splitter is None and grammar is None:
+            # tool_choice "auto" with a JSON answer: the answer follows the schema, or the
+            # model calls tools
+            either = fmt is not None and fmt.json_body and \
+                req.constraint.kind in ("json_object", "json_schema")
+            spec = GrammarSpec(constraint=req.constraint, tools=tools if either else None,
+                               names=names if either else [], parallel=req.parallel_tool_calls)
+        arm = tuple(tok.think_end_tokens) if spec is not None and reasoning else None
+        if splitter is None and spec is None:
             return None
-        return SeqPlan(splitter=splitter, grammar=grammar, arm_after=arm)
+        return SeqPlan(splitter=splitter, grammar=spec, arm_after=arm)
+
+    def matcher(self, spec: GrammarSpec) -> Any:
+        """The engine core's side of :meth:`prepare`: the request's grammar compiled into a
+        fresh llguidance matcher; an unsupported schema or grammar is a 400."""
+        fmt = self.tool_format
+        if spec.tool_call:
+            grammar = tool_call_grammar(self.grammar, fmt, spec.tools or [], spec.names,
+                                        spec.parallel)
+            return self.grammar.matcher(grammar, "tool_choice")
+        c = spec.constraint
+        if c is None:
+            raise InvalidRequest("a grammar needs a constraint or a tool call",
+                                 param="response_format")
+        grammar = self.grammar.from_constraint(c)
+        if spec.tools is not None:
+            schema = json.loads(c.spec) if c.kind == "json_schema" else {"type": "object"}
+            if isinstance(schema, dict):
+                self.grammar.check(grammar)  # the schema alone must be supported
+                answer = "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema})
+                grammar = tool_call_grammar(self.grammar, fmt, spec.tools, spec.names,
+                                            spec.parallel, answer=answer)
+        return self.grammar.matcher(grammar)

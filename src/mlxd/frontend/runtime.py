@@ -2,8 +2,9 @@
 
 A front end never runs MLX. Per request it validates, templates and tokenizes (with the
 model's tokenizer, loaded here from the model's directory: tokenizer files only), checks
-the context, compiles the grammar (an unsupported schema is a 400 before any output),
-then sends the core token ids and sampling parameters (frontend/generation.py turns the
+the context, says what the grammar is made of (the core compiles it: an unsupported
+schema is a 400 before any output), then sends the core token ids and sampling
+parameters (frontend/generation.py turns the
 tokens that come back into text). Embeddings, reranking and token counts are calls to the
 core, which batches them on the device. Listing, describing, pulling and deleting models
 read and write the store directly.
@@ -242,7 +243,7 @@ class Runtime:
                                      defaults=info.get("tokenizer_defaults"))
                 vocab = info["vocab_size"] or len(tok)
                 eos = info["eos_token_ids"] or None
-                proc = TextProcessor(info["name"], tok, vocab, eos, masks=False)
+                proc = TextProcessor(info["name"], tok, vocab, eos)
                 heap.release_free_memory()  # the parse's temporaries (core/heap.py)
                 return proc
 
