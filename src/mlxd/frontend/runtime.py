@@ -4,10 +4,10 @@ A front end never runs MLX. Per request it validates, templates and tokenizes (w
 model's tokenizer, loaded here from the model's directory: tokenizer files only), checks
 the context, says what the grammar is made of (the core compiles it: an unsupported
 schema is a 400 before any output), then sends the core token ids and sampling
-parameters (frontend/generation.py turns the
-tokens that come back into text). Embeddings, reranking and token counts are calls to the
-core, which batches them on the device. Listing, describing, pulling and deleting models
-read and write the store directly.
+parameters (frontend/generation.py turns the tokens that come back into text).
+Embeddings, reranking and token counts are calls to the core, which batches them on the
+device. Listing, describing, pulling and deleting models read and write the store
+directly.
 """
 
 from __future__ import annotations
