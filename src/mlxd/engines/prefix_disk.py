@@ -26,8 +26,10 @@ recently used out first (a hit touches the file's mtime, so the order survives a
 
 Threads: the device thread decides (``match``, ``spill``, ``load``) under a lock and never
 waits for I/O; one writer thread serialises and writes (it reads arrays the device thread
-already scheduled with ``mx.async_eval``, so the decode loop gains no synchronisation),
-one reader thread reads. A sequence whose prefix is being read waits outside the batch.
+already scheduled with ``mx.async_eval``, so the device thread never waits for it; on CUDA
+that host read moves the arrays into managed memory, which is why the engine hands over
+only reused prefixes by default), one reader thread reads. A sequence whose prefix is
+being read waits outside the batch.
 """
 
 from __future__ import annotations
