@@ -108,8 +108,9 @@ class GrammarCompiler:
 
     # -- checking and matching -------------------------------------------------------------
     def check(self, grammar: str, param: str = "response_format") -> None:
-        """Raise a 400 (InvalidRequest) for an unsupported grammar or schema."""
-        self.matcher(grammar, param)
+        """Raise a 400 (InvalidRequest) for an unsupported grammar or schema: validation
+        with the tokenizer (remembered per grammar), no matcher built for it."""
+        self._validate(grammar, param, self.lltok)
 
     def _validate(self, grammar: str, param: str, lltok: Any) -> None:
         import llguidance
