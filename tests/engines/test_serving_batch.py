@@ -97,3 +97,128 @@ def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
             held.append(mx.get_cache_memory())
     assert seq.finished and max(held) > 0
     assert mx.get_cache_memory() == 0
+
+
+def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
+                late: list[int] | None = None, cancel_at: int | None = None):
+    """Every response per uid (token, finish, all_tokens, the finished row's KV as
+    arrays), with ``late`` inserted at the first finish and the longest prompt's row
+    removed at step ``cancel_at``."""
+    uids = gen.insert(prompts, max_tokens=max_tokens)
+    out: dict[int, list] = {u: [] for u in uids}
+    kv: dict[int, list] = {}
+    live = set(uids)
+    for step in range(200):
+        if not live:
+            break
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append((r.token, r.finish_reason))
+            if r.finish_reason is not None:
+                live.discard(r.uid)
+                kv[r.uid] = (r.all_tokens,  # as handed over, compared at the end
+                             [mx.array(c.state[0]) for c in r.prompt_cache])
+                if late is not None:
+                    (u,) = gen.insert([late], max_tokens=[5])
+                    out[u], late = [], None
+                    live.add(u)
+        if step == cancel_at and uids[2] in live:
+            gen.remove([uids[2]])
+            live.discard(uids[2])
+    return out, kv
+
+
+def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
+        model_and_tokenizer, monkeypatch):
+    """``defer_leaves`` (a GPU's default): rows that finish one by one stay in the decode
+    batch until half of it is finished or newcomers join, so mlx-lm filters the batch
+    (a host read that waits for the device) a few times instead of once per finish. What
+    every row emits, and the tokens and KV cache a finished row hands to the prefix cache,
+    are mlx-lm's, through a join and a cancel in between."""
+    from mlx_lm.generate import GenerationBatch
+
+    model, tok = model_and_tokenizer
+    prompts = [tok.encode(t) for t in ("the river runs to the sea", "a city",
+                                       "winter morning in the library", "ocean garden",
+                                       "a story of light", "music at night", "old stones",
+                                       "the market opens")]
+    max_tokens = [3, 4, 5, 6, 7, 8, 9, 10]
+    filters = []
+    real = GenerationBatch.filter
+    monkeypatch.setattr(GenerationBatch, "filter",
+                        lambda self, keep: (filters.append(len(keep)), real(self, keep))[1])
+    kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
+    results = {}
+    for name, gen in (("mlx-lm", BatchGenerator(model, **kw)),
+                      ("deferred", ServingBatchGenerator(model, defer_leaves=True, **kw))):
+        filters.clear()
+        alone = _decode_all(gen, prompts, max_tokens)
+        n_alone = len(filters)
+        joined = _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one"),
+                             cancel_at=2)
+        results[name] = (alone, joined, n_alone)
+    for i in (0, 1):
+        (ours, our_kv), (theirs, their_kv) = results["deferred"][i], results["mlx-lm"][i]
+        assert list(ours.values()) == list(theirs.values())
+        assert our_kv.keys() == their_kv.keys()
+        for uid, (tokens, keys) in our_kv.items():
+            assert tokens == their_kv[uid][0]
+            # equal up to float rounding: a batch of another size may round differently
+            assert all(a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+                       for a, b in zip(keys, their_kv[uid][1], strict=True))
+    # eight rows finishing one step apart: mlx-lm filters at every finish, the deferred
+    # batch when half is finished (4 of 8), then at 2 of 4, 1 of 2 and the last
+    assert results["mlx-lm"][2] == 8 and results["deferred"][2] == 4
+
+
+def test_finished_rows_are_not_counted_as_running(model_and_tokenizer):
+    """The batch's length (what mlx-lm's scheduler and the engine read) is its live rows."""
+    model, tok = model_and_tokenizer
+    gen = ServingBatchGenerator(model, defer_leaves=True, max_tokens=8,
+                                completion_batch_size=8, prefill_batch_size=8)
+    gen.insert([tok.encode(t) for t in ("one", "two two", "three three three")],
+               max_tokens=[2, 6, 6])
+    while True:
+        _, responses = gen.next()
+        if any(r.finish_reason for r in responses):
+            break
+    batch = gen._generation_batch
+    assert len(batch.uids) == 3 and len(batch) == 2  # one finished row still held
+
+
+def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_alike(
+        tiny_llama):
+    """Through LLMEngine: rows finishing one by one with ``defer_leaves`` on, then each
+    one's next turn served from the prefix cache, decode what they decode with it off."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    def run(defer: bool) -> list[list[int]]:
+        engine = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=1 << 26,
+                           prefix_cache_min_tokens=4, defer_leaves=defer)
+        engine.bind()
+        texts = ["the river runs to the sea", "a city of music", "winter morning",
+                 "ocean garden market", "a story of light and stone"]
+        out = []
+        for turn in range(2):
+            seqs = []
+            for i, text in enumerate(texts):
+                ids = engine.encode_prompt(text)
+                if turn:  # the first turn's prompt and reply, then more
+                    ids = ids + out[i] + engine.encode_prompt(" and then")
+                seq = engine.new_sequence(ids, SamplingParams(max_tokens=3 + i,
+                                                              temperature=0.0))
+                engine.add(seq)
+                seqs.append(seq)
+            got: dict[int, list[int]] = {}
+            while engine.has_work():
+                for seq, ev in engine.step():
+                    assert ev.error is None
+                    if ev.token is not None:
+                        got.setdefault(id(seq), []).append(ev.token)
+            out += [got[id(s)] for s in seqs]
+            if turn:
+                assert all(s.cached_tokens > 0 for s in seqs)  # the cache served them
+        return out
+
+    assert run(defer=True) == run(defer=False)

@@ -77,6 +77,7 @@ class LLMEngine(DecodeEngine):
         speculative_max_batch: int = 8,
         speculative_min_acceptance: float = 0.3,
         clean_prefill_groups: bool | None = None,
+        defer_leaves: bool | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -128,9 +129,11 @@ class LLMEngine(DecodeEngine):
             if max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
                                      "keeps a plain KV cache that a bound could rotate")
-            # None: on a GPU only (see _admit)
-            self._clean_groups = (mx.default_device() != mx.cpu
-                                  if clean_prefill_groups is None else clean_prefill_groups)
+            # None: on a GPU only (see _admit, and engines/serving_batch.py for leaves)
+            on_gpu = mx.default_device() != mx.cpu
+            self._clean_groups = on_gpu if clean_prefill_groups is None \
+                else clean_prefill_groups
+            self._defer_leaves = on_gpu if defer_leaves is None else defer_leaves
             self._gen: Any = None  # built by bind(), on the device thread
             self._seqs: dict[int, Sequence] = {}
             self._pending: list[Sequence] = []
@@ -284,8 +287,9 @@ class LLMEngine(DecodeEngine):
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if s["max_kv_size"] is not None:
-            return BoundedBatchGenerator(self.model, max_kv_size=s["max_kv_size"], **common)
-        return ServingBatchGenerator(self.model, **common)
+            return BoundedBatchGenerator(self.model, max_kv_size=s["max_kv_size"],
+                                         defer_leaves=self._defer_leaves, **common)
+        return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:

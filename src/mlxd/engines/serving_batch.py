@@ -1,5 +1,6 @@
 """mlx-lm's continuous batch as the engine core runs it: prefill keeps MLX's buffer cache,
-and the batch says how many newcomers make a clean prefill group.
+finished rows may leave the decode batch together rather than one step each, and the
+batch says how many newcomers make a clean prefill group.
 
 mlx-lm's ``PromptProcessingBatch.prompt`` calls ``mx.clear_cache()`` after every prefill
 chunk, which suits a script that prefills once and then decodes. In a server, newcomers
@@ -9,6 +10,18 @@ the device), so the decode steps that follow allocate their buffers anew. Here t
 cache is cleared only when it holds more than :data:`CACHE_KEEP_BYTES` (a long prompt's
 chunk can leave big attention buffers behind) and when the batch runs dry (the engine
 clears it then: engines/llm.py), so memory at rest is what mlx-lm leaves.
+
+Finished rows (``defer_leaves``, on a GPU): mlx-lm filters its decode batch in the step a
+row finishes, and ``BatchKVCache.filter`` reads every layer's left padding back to the
+host (``tolist``), which waits for the decode step just dispatched: the step's host work
+no longer overlaps the device's, and the next step meets a new batch shape. Behind HTTP
+rows finish one by one, so the core met two to three times as many such steps as the
+engine alone, whose rows finish in waves (docs/benchmarks.md, "round 2, session 4": a
+step in which rows leave cost about three decode steps). Here a finished row stays in the
+batch, decoding tokens nobody reads, until the batch is reshaped anyway (newcomers join,
+which already waits for the device) or the finished rows are as many as the live ones; a
+decode step of a host-bound GPU costs the same with a few more rows. On the CPU a row
+costs its arithmetic, so there rows leave at once, as in mlx-lm.
 
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
@@ -21,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 CACHE_KEEP_BYTES = 1 << 30
 
@@ -64,17 +77,80 @@ class ServingPromptBatch(PromptProcessingBatch):
             mx.eval([c.state for c in self.prompt_cache])
 
 
+class ServingGenerationBatch(GenerationBatch):
+    """mlx-lm's decode batch whose finished rows can stay until a reshape (see the module
+    docstring). ``len()`` counts the live rows only: it is what mlx-lm's scheduler and the
+    engine read as the running batch."""
+
+    defer_leaves = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._finished: set[int] = set()  # uids of finished rows still in the batch
+        super().__init__(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.uids) - len(self._finished)
+
+    def next(self) -> list[GenerationBatch.Response]:
+        """mlx-lm's step and finish rules; a finished row answers once and then decodes
+        unseen until the batch is compacted."""
+        if not self.uids:
+            return []
+        tokens, logprobs = self._step()
+        done = self._finished
+        responses = []
+        for i, uid in enumerate(self.uids):
+            if uid in done:
+                continue
+            finish = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish = "length"
+            if self._matchers[i].advance(tokens[i]):
+                finish = "stop"
+            if finish is None:
+                responses.append(self.Response(uid, tokens[i], logprobs[i], None, None, None))
+                continue
+            # a copy: a row left in the batch goes on appending to its token list
+            responses.append(self.Response(uid, tokens[i], logprobs[i], finish,
+                                           self.extract_cache(i), list(self.tokens[i])))
+            done.add(uid)
+        if done and (not self.defer_leaves or len(done) >= len(self)):
+            self.filter([i for i, uid in enumerate(self.uids) if uid not in done])
+        return responses
+
+    def filter(self, keep: list[int]) -> None:
+        """mlx-lm's filter, which also drops every finished row still held."""
+        done = self._finished
+        if done:
+            keep = [i for i in keep if self.uids[i] not in done]
+            done.clear()
+        super().filter(keep)
+
+    def extend(self, batch: Any) -> None:
+        """Newcomers join: drop the finished rows first (the join step already waits for
+        the device, in mlx-lm's split of the prompt batch)."""
+        if self._finished:
+            self.filter(list(range(len(self.uids))))
+        super().extend(batch)
+
+
 class ServingBatchGenerator(BatchGenerator):
-    """mlx-lm's BatchGenerator with :class:`ServingPromptBatch` as its prompt batch.
+    """mlx-lm's BatchGenerator with :class:`ServingPromptBatch` as its prompt batch and
+    :class:`ServingGenerationBatch` as its decode batch.
 
     Newcomers are merged into the one prompt batch made here (``extend``), and split off
-    from it by copies of its class, so this one instance decides how every prefill runs.
+    from it by copies of its class, so this one instance decides how every prefill runs;
+    they join the one decode batch made here, which every step runs.
     """
 
-    def __init__(self, model: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any, *, defer_leaves: bool = False, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self._prompt_batch = ServingPromptBatch.empty(
             self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+        batch = ServingGenerationBatch.empty(self.model, self.sampler)
+        batch.defer_leaves = defer_leaves
+        self._generation_batch = batch
 
     def clean_group_room(self) -> int:
         """How many newcomers the batch takes now as one clean prefill group.
