@@ -119,3 +119,86 @@ def test_on_the_cpu_mlx_lm_groups_newcomers_itself(tiny_llama):
     assert engine._pending == [] and all(s.uid >= 0 for s in seqs)
     got = _tokens(engine, seqs, seen)
     assert all(len(got[id(s)]) == 6 for s in seqs)
+
+
+def test_an_idle_batch_takes_a_burst_as_one_group(engine, monkeypatch):
+    """With nothing running, a newcomer waits while a burst still arrives (the last came
+    less than BURST_GAP_S ago, the first at most two decode steps or 25 ms ago), so that
+    clients starting together are prefilled together; a lone newcomer goes once the gap
+    has passed."""
+    from types import SimpleNamespace
+
+    from mlxd.engines import llm
+
+    now = [1000.0]
+    monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                     perf_counter=time.perf_counter))
+    gap = llm.BURST_GAP_S
+    engine._step_ema = 0.010  # a 10 ms decode step: held at most 20 ms
+
+    def arrive(text: str):
+        s = engine.new_sequence(engine.encode_prompt(text),
+                                SamplingParams(max_tokens=4, temperature=0.0))
+        engine.add(s)
+        return s
+
+    first = arrive("the river runs")
+    assert not engine.has_work() and engine.next_deadline() == pytest.approx(now[0] + gap)
+    burst = [first]
+    for i in range(4):  # one every 2 ms: each arrival extends the wait
+        now[0] += 0.002
+        burst.append(arrive(f"story {i} of the ocean"))
+        assert not engine.has_work()
+    now[0] += 0.002  # 10 ms after the first, 2 after the last
+    assert not engine.has_work()
+    now[0] += gap  # the burst is over
+    assert engine.has_work()
+    engine.step()
+    assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in burst)
+
+    _tokens(engine, burst, {})
+    engine._step_ema = 0.010  # (the steps just run moved it)
+    # once the gap has passed, a lone newcomer goes alone
+    lone = arrive("just me")
+    assert not engine.has_work()
+    now[0] += gap
+    assert engine.has_work()
+    engine.step()
+    assert engine._gen._prompt_batch.uids == [lone.uid]
+
+
+def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, monkeypatch):
+    """Arrivals closer than the gap for longer than the cap (two decode steps): the first
+    has waited the cap, and everything that came goes in as one group."""
+    from types import SimpleNamespace
+
+    from mlxd.engines import llm
+
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefill_batch_size=16,
+                       prefix_cache_bytes=0, clean_prefill_groups=True)
+    engine.bind()
+    now = [1000.0]
+    monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                     perf_counter=time.perf_counter))
+    engine._step_ema = 0.010  # the cap: two decode steps, 20 ms
+    seqs = []
+    for i in range(10):  # one every 2 ms for 18 ms
+        if i:
+            now[0] += 0.002
+        seqs.append(engine.new_sequence(engine.encode_prompt(f"story {i}"),
+                                        SamplingParams(max_tokens=2)))
+        engine.add(seqs[-1])
+        assert not engine.has_work()
+    now[0] = 1000.0205  # 20 ms after the first, 2.5 after the last
+    assert engine.has_work()
+    engine.step()
+    assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in seqs)
+
+
+def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
+    """The CPU default (no clean groups): no burst wait, as before."""
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
+    engine.bind()
+    seq = engine.new_sequence(engine.encode_prompt("now"), SamplingParams(max_tokens=2))
+    engine.add(seq)
+    assert engine.has_work() and engine.next_deadline() == 0.0

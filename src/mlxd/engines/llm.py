@@ -47,6 +47,10 @@ from mlxd.observability import metrics
 
 log = logging.getLogger(__name__)
 
+# With nothing running (on a GPU), newcomers are held while a burst still arrives: until
+# none came for this long (see LLMEngine._admit).
+BURST_GAP_S = 0.003
+
 
 class LLMEngine(DecodeEngine):
     """One loaded chat/text model and its continuous batch."""
@@ -354,6 +358,18 @@ class LLMEngine(DecodeEngine):
         live = {id(f) for _, f in self._loading}
         self._reads = {k: f for k, f in self._reads.items() if id(f) in live}
 
+    def _admit_at(self) -> float:
+        """When the waiting newcomers go to mlx-lm (monotonic seconds; see :meth:`_admit`)."""
+        pending = self._pending
+        if len(pending) >= self._settings["prefill_batch_size"]:
+            return 0.0
+        hold = min(0.025, 2 * self._step_ema)
+        if self.num_running:
+            return pending[0].t_added + hold
+        if self._clean_groups:
+            return min(pending[-1].t_added + min(BURST_GAP_S, hold), pending[0].t_added + hold)
+        return 0.0
+
     def _admit(self) -> list[tuple[Sequence, StepOutput]]:
         """Insert waiting newcomers into the batch, coalescing arrivals into one prefill.
 
@@ -362,7 +378,12 @@ class LLMEngine(DecodeEngine):
         alone stalls every running sequence once per arrival (seen on an H200: half the
         engine's throughput at 64 clients). So while a batch is running, newcomers wait
         until a prefill batch is full or the oldest has waited about two decode steps
-        (capped at 25 ms); with nothing running they go at once.
+        (capped at 25 ms). With nothing running, on a GPU, they wait while a burst is still
+        arriving (the last came less than :data:`BURST_GAP_S` ago, the first at most as
+        long as above): clients that start together reach the core a few milliseconds
+        apart (each request is parsed, templated and tokenized in turn), and admitting the
+        first alone made it a one-row prefill group of its own, which every later wave of
+        those clients inherited (their rows end together, so they come back together).
 
         On a GPU, mlx-lm gets newcomers only as clean prefill groups
         (``ServingBatchGenerator.clean_group_room``): never more than its prompt batch takes
@@ -371,7 +392,7 @@ class LLMEngine(DecodeEngine):
         arithmetic rather than its fixed per-step host work, holding newcomers back cost
         more than the mixed step does (SmolLM2, C=16: 0.91-0.94x the engine alone against
         0.96-1.05x, TTFT 4.1-5.5 s against 3.8-4.6 s), so there mlx-lm groups them itself
-        (``clean_prefill_groups``).
+        (``clean_prefill_groups``) and an idle batch takes newcomers at once.
 
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
@@ -382,13 +403,8 @@ class LLMEngine(DecodeEngine):
             return failed
         room = (self._gen.clean_group_room() if self._clean_groups
                 else len(self._pending))
-        if room == 0:
+        if room == 0 or time.monotonic() < self._admit_at():
             return failed
-        running = self.num_running
-        if running and len(self._pending) < self._settings["prefill_batch_size"]:
-            waited = time.monotonic() - self._pending[0].t_added
-            if waited < min(0.025, 2 * self._step_ema):
-                return failed
         batch, self._pending = self._pending[:room], self._pending[room:]
         ready: list[tuple[Sequence, Any, Any, list]] = []
         for seq in batch:
@@ -505,8 +521,7 @@ class LLMEngine(DecodeEngine):
     def next_deadline(self) -> float | None:
         """When held-back newcomers must be admitted even if no step happens before; while
         a disk-tier read is in flight, soon (the reader cannot wake the worker)."""
-        due = [self._pending[0].t_added + min(0.025, 2 * self._step_ema)] if self._pending \
-            else []
+        due = [self._admit_at()] if self._pending else []
         if self._loading:
             due.append(time.monotonic() + 0.002)
         return min(due) if due else None
@@ -543,8 +558,8 @@ class LLMEngine(DecodeEngine):
 
     def has_work(self) -> bool:
         self._poll_loads()
-        return bool(self._seqs) or (bool(self._pending) and (
-            self.num_running == 0 or time.monotonic() >= (self.next_deadline() or 0)))
+        return bool(self._seqs) or (bool(self._pending)
+                                    and time.monotonic() >= self._admit_at())
 
     @property
     def num_running(self) -> int:
