@@ -222,3 +222,40 @@ def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_al
         return out
 
     assert run(defer=True) == run(defer=False)
+
+
+def test_a_finished_row_held_in_the_batch_runs_no_processors_and_shares_a_sampler(
+        model_and_tokenizer):
+    """A held row's processors (a grammar past its end would fail) are never called again,
+    and its sampler becomes a live row's, which keeps mlx-lm's one batched sampler call."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = model_and_tokenizer
+    calls: dict[str, int] = {"short": 0, "long": 0}
+
+    def counting(name):
+        def processor(tokens, logits):
+            calls[name] += 1
+            return logits
+        return processor
+
+    shared = make_sampler(temp=0.0)
+    gen = ServingBatchGenerator(model, defer_leaves=True, max_tokens=8,
+                                completion_batch_size=8, prefill_batch_size=8)
+    short, long_, other = gen.insert(
+        [tok.encode("one"), tok.encode("two two"), tok.encode("three three three")],
+        max_tokens=[2, 6, 6], samplers=[make_sampler(temp=0.0), shared, shared],
+        logits_processors=[[counting("short")], [counting("long")], []])
+    finished = set()
+    while len(finished) < 3:
+        _, responses = gen.next()
+        for r in responses:
+            if r.finish_reason is not None:
+                finished.add(r.uid)
+                if r.uid == short:
+                    at_finish = calls["short"]
+                    batch = gen._generation_batch
+                    i = batch.uids.index(short)
+                    assert len(batch) == 2 and batch.logits_processors[i] == []
+                    assert batch.samplers[i] is shared
+    assert calls["short"] == at_finish and calls["long"] > at_finish

@@ -117,7 +117,21 @@ class ServingGenerationBatch(GenerationBatch):
             done.add(uid)
         if done and (not self.defer_leaves or len(done) >= len(self)):
             self.filter([i for i, uid in enumerate(self.uids) if uid not in done])
+        elif done:
+            self._quiet(done)
         return responses
+
+    def _quiet(self, done: set[int]) -> None:
+        """A held finished row runs no logits processors (a grammar past its end, a
+        penalty's bookkeeping) and samples with a live row's sampler, so that it neither
+        fails nor keeps the batch off mlx-lm's one batched sampler."""
+        live = next(i for i, uid in enumerate(self.uids) if uid not in done)
+        for i, uid in enumerate(self.uids):
+            if uid in done:
+                if self.logits_processors:
+                    self.logits_processors[i] = []
+                if self.samplers:
+                    self.samplers[i] = self.samplers[live]
 
     def filter(self, keep: list[int]) -> None:
         """mlx-lm's filter, which also drops every finished row still held."""
