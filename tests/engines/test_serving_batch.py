@@ -102,8 +102,8 @@ def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
 def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
                 late: list[int] | None = None, cancel_at: int | None = None):
     """Every response per uid (token, finish, all_tokens, the finished row's KV as
-    arrays), with ``late`` inserted at the first finish and the longest prompt's row
-    removed at step ``cancel_at``."""
+    arrays), with ``late`` inserted at the first finish and the last prompt's row removed
+    (a client gone) at step ``cancel_at``."""
     uids = gen.insert(prompts, max_tokens=max_tokens)
     out: dict[int, list] = {u: [] for u in uids}
     kv: dict[int, list] = {}
@@ -122,9 +122,9 @@ def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
                     (u,) = gen.insert([late], max_tokens=[5])
                     out[u], late = [], None
                     live.add(u)
-        if step == cancel_at and uids[2] in live:
-            gen.remove([uids[2]])
-            live.discard(uids[2])
+        if step == cancel_at and uids[-1] in live:
+            gen.remove([uids[-1]])
+            live.discard(uids[-1])
     return out, kv
 
 
@@ -134,7 +134,7 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
     batch until half of it is finished or newcomers join, so mlx-lm filters the batch
     (a host read that waits for the device) a few times instead of once per finish. What
     every row emits, and the tokens and KV cache a finished row hands to the prefix cache,
-    are mlx-lm's, through a join and a cancel in between."""
+    are mlx-lm's, through a join and through a cancel while finished rows are held."""
     from mlx_lm.generate import GenerationBatch
 
     model, tok = model_and_tokenizer
@@ -154,10 +154,12 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
         filters.clear()
         alone = _decode_all(gen, prompts, max_tokens)
         n_alone = len(filters)
-        joined = _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one"),
-                             cancel_at=2)
-        results[name] = (alone, joined, n_alone)
-    for i in (0, 1):
+        joined = _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one"))
+        cancelled = _decode_all(gen, prompts, max_tokens, cancel_at=4)
+        if name == "deferred":
+            assert len(gen._generation_batch) == 0
+        results[name] = (alone, joined, cancelled, n_alone)
+    for i in (0, 1, 2):
         (ours, our_kv), (theirs, their_kv) = results["deferred"][i], results["mlx-lm"][i]
         assert list(ours.values()) == list(theirs.values())
         assert our_kv.keys() == their_kv.keys()
@@ -168,7 +170,7 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
                        for a, b in zip(keys, their_kv[uid][1], strict=True))
     # eight rows finishing one step apart: mlx-lm filters at every finish, the deferred
     # batch when half is finished (4 of 8), then at 2 of 4, 1 of 2 and the last
-    assert results["mlx-lm"][2] == 8 and results["deferred"][2] == 4
+    assert results["mlx-lm"][3] == 8 and results["deferred"][3] == 4
 
 
 def test_finished_rows_are_not_counted_as_running(model_and_tokenizer):

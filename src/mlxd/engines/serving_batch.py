@@ -141,11 +141,15 @@ class ServingGenerationBatch(GenerationBatch):
             done.clear()
         super().filter(keep)
 
+    def compact(self) -> None:
+        """Drop the finished rows held."""
+        if self._finished:
+            self.filter(list(range(len(self.uids))))
+
     def extend(self, batch: Any) -> None:
         """Newcomers join: drop the finished rows first (the join step already waits for
         the device, in mlx-lm's split of the prompt batch)."""
-        if self._finished:
-            self.filter(list(range(len(self.uids))))
+        self.compact()
         super().extend(batch)
 
 
@@ -165,6 +169,14 @@ class ServingBatchGenerator(BatchGenerator):
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
         self._generation_batch = batch
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        """mlx-lm's remove (a client gone), which indexes the decode batch by ``len()``:
+        the finished rows held go first."""
+        batch = self._generation_batch
+        if isinstance(batch, ServingGenerationBatch):
+            batch.compact()
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)
 
     def clean_group_room(self) -> int:
         """How many newcomers the batch takes now as one clean prefill group.
