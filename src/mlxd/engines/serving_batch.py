@@ -19,7 +19,8 @@ rows finish one by one, so the core met two to three times as many such steps as
 engine alone, whose rows finish in waves (docs/benchmarks.md, "round 2, session 4": a
 step in which rows leave cost about three decode steps). Here a finished row stays in the
 batch, decoding tokens nobody reads, until the batch is reshaped anyway (newcomers join,
-which already waits for the device) or the finished rows are as many as the live ones; a
+which already waits for the device; a client goes away) or the finished rows are as many
+as the live ones; a
 decode step of a host-bound GPU costs the same with a few more rows. On the CPU a row
 costs its arithmetic, so there rows leave at once, as in mlx-lm.
 
