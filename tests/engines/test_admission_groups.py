@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import mlx.core as mx
 import pytest
 
 from mlxd.core.types import SamplingParams
@@ -108,6 +109,7 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama):
     assert all(len(got[id(s)]) == 6 for s in seqs)
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")
 def test_on_the_cpu_mlx_lm_groups_newcomers_itself(tiny_llama):
     """The CPU default: every newcomer goes to mlx-lm at once, as before clean groups."""
     engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0)
@@ -195,6 +197,7 @@ def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, mo
     assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in seqs)
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")
 def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
     """The CPU default (no clean groups): no burst wait, as before."""
     engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
