@@ -359,7 +359,10 @@ class EngineSettings(_Section):
         description=(
             "Per chat model: KV caches of finished requests kept for reuse by later requests "
             "that share their token prefix (multi-turn chats, agents' system prompts), up to "
-            "this many bytes, least recently used out first; 0 turns the prefix cache off."
+            "this many bytes, least recently used out first; once full, only requests that "
+            "show reuse get in (a conversation from its second turn, a prompt whose opening "
+            "was seen before), so one-off prompts never evict what is in use; 0 turns the "
+            "prefix cache off."
         ),
     )
     prefix_cache_min_tokens: int = Field(

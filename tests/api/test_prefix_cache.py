@@ -73,3 +73,43 @@ def test_the_cache_is_bounded(start_server, tool_qwen2):
     (m,) = srv.health()["models"]
     assert 0 < m["prefix_cache"]["bytes"] <= 200_000
     assert m["prefix_cache"]["entries"] < 6
+
+
+def test_one_off_prompts_never_evict_a_conversation(start_server, tool_qwen2):
+    """A full memory tier takes only sequences that show reuse: a flood of one-off prompts
+    is turned away (their KV never copied) and a conversation's prefix survives it; a
+    conversation starting while the tier is full gets in with its second turn."""
+    budget = 64_000  # about three of these exchanges (512 bytes of KV per token here)
+    srv = start_server(tool_qwen2, engine={"prefix_cache_bytes": budget, "warmup": False,
+                                           "prefix_cache_min_tokens": 24})
+    c = _client(srv)
+
+    def stats() -> dict:
+        (m,) = srv.health()["models"]
+        return m["prefix_cache"]
+
+    def turn(history: list[dict]) -> int:
+        text, usage = _chat(c, history, max_tokens=8)
+        history += [{"role": "assistant", "content": text},
+                    {"role": "user", "content": f"Go on, please ({len(history)})."}]
+        return usage.prompt_tokens_details.cached_tokens
+
+    sea = [{"role": "user", "content": "Tell me about the sea, its tides and its waves, "
+                                       "and the ships that sail on it."}]
+    assert turn(sea) == 0
+    for i in range(8):
+        _chat(c, [{"role": "user", "content": f"Question {i}: what is {i} times {i + 3}, "
+                                              "and why does it matter to anyone at all?"}],
+              max_tokens=8)
+    full = stats()
+    assert full["skipped"] >= 4 and 0 < full["bytes"] <= budget
+    assert turn(sea) >= 24  # its first turn outlived the flood
+
+    hills = [{"role": "user", "content": "Describe the hills in winter, the snow on them "
+                                         "and the people who walk there."}]
+    skipped = stats()["skipped"]
+    assert turn(hills) == 0 and stats()["skipped"] == skipped + 1  # turned away
+    assert turn(hills) == 0  # shares its first turn's opening: taken in
+    assert stats()["skipped"] == skipped + 1
+    assert turn(hills) >= 24  # and served from the tier
+    assert stats()["bytes"] <= budget

@@ -133,28 +133,33 @@ def _memory(srv) -> dict:
 
 def test_a_prefix_the_memory_tier_evicted_comes_back_from_disk_in_the_same_process(
         tmp_path, tool_qwen2, cold):
-    """The memory tier holds one conversation (~260 KB of KV), not two: the second evicts
-    the first, whose next turn is then read from the disk tier -- no restart."""
+    """The memory tier holds one conversation (~260 KB of KV), not two: the second, once it
+    shows reuse (a full tier turns a first turn away), evicts the first, whose next turn is
+    then read from the disk tier -- no restart."""
     srv = _server(tmp_path, tool_qwen2, prefix_cache_bytes=400_000, **ALL)
     try:
         systems = [{"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]}
                    for tag in "ab"]
         a_history, _, a_prompt = _converse(srv, _turns(1, "a"), [systems[0]])
         _settled(srv, entries=1)
-        _converse(srv, _turns(1, "b"), [systems[1]])
+        b_history, _, b_prompt = _converse(srv, _turns(1, "b"), [systems[1]])
         d = _settled(srv, entries=2)
-        assert _memory(srv)["entries"] == 1  # b pushed a out of memory...
-        assert d["entries"] == 2 and d["hits"] == 0  # ...but both are on disk
+        assert _memory(srv)["entries"] == 1 and _memory(srv)["skipped"] == 1  # a stays...
+        assert d["entries"] == 2 and d["hits"] == 0  # ...both are on disk (writes: all)
         # nothing anywhere for either first turn: two disk misses, in /metrics as well
         assert d["misses"] == 2
         assert _metric(srv, "mlxd:prefix_cache_disk_misses_total") == 2
+        # b's next turn is read back from disk, and b (reused now) pushes a out of memory
+        _, usage = _chat(srv, b_history + [{"role": "user", "content": "Next."}])
+        assert usage.prompt_tokens_details.cached_tokens >= b_prompt
+        assert _memory(srv)["entries"] == 1 and _disk(srv)["hits"] == 1
 
         nxt = a_history + [{"role": "user", "content": "Next."}]
         text, usage = _chat(srv, nxt)
         assert usage.prompt_tokens_details.cached_tokens >= a_prompt
         d = _disk(srv)
-        assert d["hits"] == 1 and d["bytes_read"] > 0 and d["misses"] == 2
-        assert _metric(srv, "mlxd:prefix_cache_disk_hits_total") == 1
+        assert d["hits"] == 2 and d["bytes_read"] > 0 and d["misses"] == 2
+        assert _metric(srv, "mlxd:prefix_cache_disk_hits_total") == 2
         assert text == _chat(cold, nxt)[0]
     finally:
         srv.stop()

@@ -49,11 +49,49 @@ def test_prefixes_are_redundant_and_bytes_are_bounded():
     pc.insert(list(range(5)), kv(5))
     pc.insert(list(range(10)), kv(10))  # extends the first: it goes
     assert len(pc) == 1
-    for start in (100, 200, 300):
+    for start in (100, 200):
         pc.insert(list(range(start, start + 10)), kv(10))
+    # full: a sequence that has shown reuse evicts the least recently used
+    assert pc.insert(list(range(300, 310)), kv(10), reused=True)
     assert pc.nbytes <= 3 * one and len(pc) == 3
     assert pc.lookup(list(range(10)))[1] == 0  # least recently used went first
     assert PrefixCache(0).enabled is False
+
+
+def _seq(tag: int, n: int = 40) -> list[int]:
+    return [tag * 1000 + i for i in range(n)]
+
+
+def test_a_full_tier_admits_only_sequences_that_show_reuse():
+    """One-off sequences never evict what is reused; a conversation's first turn is turned
+    away, its second gets in (it shares the first's opening blocks), its third hits."""
+    one = sum(c.nbytes for c in kv(40))
+    limit = 3 * one + one // 10  # three 40-token entries, or two and a 44-token one
+    pc = PrefixCache(limit, min_hit_tokens=20)  # admission: the first 2 blocks (32 tokens)
+    for tag in (1, 2, 3):
+        assert pc.insert(_seq(tag), kv(40))
+    assert pc.lookup(_seq(1)[:35] + [7])[1] == 35  # entry 1 used: 2 is now the oldest
+    for tag in range(10, 20):  # a flood of one-off prompts: turned away, nothing evicted
+        assert not pc.insert(_seq(tag), kv(40))
+    assert pc.skipped == 10 and len(pc) == 3 and pc.nbytes == 3 * one
+    # shorter than the admission prefix: nothing to recognise it by
+    assert not pc.insert(_seq(70, 30), kv(30))
+    assert pc.lookup(_seq(2)[:35] + [7])[1] == 35
+    # a conversation starting now: turn 1 turned away, turn 2 admitted, turn 3 hits
+    turn1 = _seq(50)
+    assert not pc.insert(turn1, kv(40))
+    turn2 = [*turn1, 1, 2, 3, 4]
+    assert pc.lookup(turn2)[1] == 0
+    assert pc.insert(turn2, kv(44))
+    assert pc.lookup([*turn2, 9])[1] == 44
+    assert len(pc) == 3 and pc.nbytes <= limit  # the least recently used (3) went
+    assert pc.lookup(_seq(3)[:35] + [7])[1] == 0
+    # ... and is remembered: its conversation's next turn gets back in
+    assert pc.insert([*_seq(3), 5, 6], kv(42))
+    # a request that started from a cached prefix (or a disk read) is always taken
+    assert pc.insert(_seq(60), kv(40), reused=True)
+    pc.clear()
+    assert pc.insert(_seq(80), kv(40)) and len(pc) == 1  # room again: all taken
 
 
 def test_short_hits_are_ignored_and_the_block_index_finds_long_ones():

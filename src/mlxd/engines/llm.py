@@ -342,7 +342,7 @@ class LLMEngine(DecodeEngine):
                 got = None
             if got is not None and id(fut) not in inserted:
                 tokens, cache = got
-                self.prefix_cache.insert(tokens.tolist(), cache)
+                self.prefix_cache.insert(tokens.tolist(), cache, reused=True)
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
                 if got is not None and self.prefix_cache.peek(seq.prompt_tokens) > 0:
@@ -551,7 +551,7 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 with nothing ever read back (docs/benchmarks.md, session 11)."""
-        self.prefix_cache.insert(tokens, cache)
+        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0)
         if self.disk is not None and self._warm_phases is None and (
                 self._disk_writes_all or seq.cached_tokens > 0):
             self.disk.spill(tokens, cache)

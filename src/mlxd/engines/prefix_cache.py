@@ -25,6 +25,16 @@ logits start the generation.
 
 Bounded by bytes (``engine.prefix_cache_bytes``), least recently used first out; an
 entry that is a prefix of a newer one is dropped (the newer one serves it too).
+
+Once the tier is full, a sequence gets in only if it shows reuse: it started from a cached
+prefix, or its first ``min_hit_tokens`` (at least one block) are those of an entry or of a
+sequence the tier recently turned away or evicted (a "ghost", one hash each, as admission
+filters such as TinyLFU's doorkeeper do). A chat's first turn is turned away, its second
+turn gets in, its third hits. Two reasons: a flood of one-off prompts (a batch job, a
+benchmark of fresh prompts) no longer evicts the conversations and system prompts that do
+get reused, and a full tier stops copying the KV of every finished request only to free
+another's: on a CPU that churn slowed every decode step by up to a fifth at 16 clients
+(docs/benchmarks.md, sessions 11-13).
 Only the device worker thread touches this object.
 """
 
@@ -44,6 +54,7 @@ from mlxd.core.blocks import chained_block_hashes
 
 BLOCK = 16
 _CANDIDATES = 4  # entries compared at the deepest shared block (the most recent ones)
+GHOSTS = 16384  # turned-away or evicted sequences remembered for admission (a hash each)
 
 
 @dataclass
@@ -113,10 +124,14 @@ class PrefixCache:
         self._ends: dict[int, list[int]] = {}
         self._short: set[int] = set()  # entries shorter than a block (the index misses them)
         self._next_key = 0
+        # admission hashes (see _admission_hash) of sequences turned away or evicted, oldest
+        # first: a newcomer sharing one has shown reuse
+        self._ghosts: OrderedDict[int, None] = OrderedDict()
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
         self.tokens_saved = 0
+        self.skipped = 0  # finished sequences a full tier turned away (no reuse shown)
 
     @property
     def enabled(self) -> bool:
@@ -128,7 +143,7 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._entries), "bytes": self.nbytes,
                 "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
-                "tokens_saved": self.tokens_saved}
+                "tokens_saved": self.tokens_saved, "skipped": self.skipped}
 
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         """(cache holding the first n prompt tokens, n); (None, 0) without a useful match."""
@@ -185,18 +200,42 @@ class PrefixCache:
             level, found = lv, keys
         return level, found
 
-    def insert(self, tokens: list[int], cache: list[Any]) -> None:
-        if not self.enabled or not cache or len(tokens) < 2:
+    def _admission_hash(self, hashes: list[int]) -> int | None:
+        """The chained hash of the first ``min_hit_tokens`` (rounded up to whole blocks, at
+        least one): two sequences that share it share a prefix long enough to be a hit."""
+        level = max(1, -(-self.min_hit_tokens // BLOCK))
+        return hashes[level - 1] if len(hashes) >= level else None
+
+    def _remember(self, h: int | None) -> None:
+        if h is None:
             return
+        self._ghosts[h] = None
+        self._ghosts.move_to_end(h)
+        if len(self._ghosts) > GHOSTS:
+            self._ghosts.popitem(last=False)
+
+    def insert(self, tokens: list[int], cache: list[Any], *, reused: bool = False) -> bool:
+        """Keep a finished sequence's KV; True if kept. ``reused``: it started from a cached
+        prefix, or a request is waiting for it (a disk-tier read), so a full tier takes it
+        without the admission test."""
+        if not self.enabled or not cache or len(tokens) < 2:
+            return False
         sizes = {c.size() for c in cache if hasattr(c, "size")}
         if sizes and sizes != {len(tokens)}:
-            return  # a sliding-window cache that no longer holds the whole sequence
+            return False  # a sliding-window cache that no longer holds the whole sequence
         nbytes = sum(c.nbytes for c in cache)
         if nbytes > self.max_bytes:
-            return
+            return False
         arr = np.asarray(tokens, dtype=np.int64)
-        trimmable = can_trim_prompt_cache(cache)
         hashes = block_hashes(arr)
+        if not reused and self.nbytes + nbytes > self.max_bytes:
+            h = self._admission_hash(hashes)
+            if h is None or (h not in self._index and h not in self._ghosts):
+                # full, and nothing says this prefix comes back: its KV is never copied
+                self._remember(h)
+                self.skipped += 1
+                return False
+        trimmable = can_trim_prompt_cache(cache)
         # Drop entries that this one makes redundant: the same tokens, or a prefix of them
         # (when this one can be cut back to serve it). Such an entry holds every one of its
         # full blocks in common with this one, its last among them: only entries ending at
@@ -223,7 +262,10 @@ class PrefixCache:
             self._index.setdefault(h, []).append(key)
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes and self._entries:
-            self._drop(next(iter(self._entries)))
+            oldest = next(iter(self._entries))
+            self._remember(self._admission_hash(self._entries[oldest].hashes))
+            self._drop(oldest)
+        return True
 
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
@@ -237,4 +279,5 @@ class PrefixCache:
         self._index.clear()
         self._ends.clear()
         self._short.clear()
+        self._ghosts.clear()
         self.nbytes = 0
