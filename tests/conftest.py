@@ -75,14 +75,23 @@ class LiveServer:
             uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
                            access_log=False, log_level="warning")
         )
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.exit_code: int | None = None
+
+    def _run(self) -> None:
+        # uvicorn ends a failed startup with sys.exit(3); in a thread that is an unhandled
+        # exception (a pytest warning), where tests of startup failures expect an outcome
+        try:
+            self._server.run()
+        except SystemExit as exc:
+            self.exit_code = exc.code if isinstance(exc.code, int) else 1
 
     def start(self) -> LiveServer:
         self._thread.start()
         deadline = time.time() + 120
         while not self._server.started:
             if not self._thread.is_alive():
-                raise RuntimeError("server failed to start")
+                raise RuntimeError(f"server failed to start (exit code {self.exit_code})")
             if time.time() > deadline:
                 raise TimeoutError("server did not start")
             time.sleep(0.02)

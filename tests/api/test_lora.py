@@ -63,6 +63,7 @@ def test_a_missing_adapter_is_a_clear_error_naming_the_model(tiny_llama, tmp_pat
                                    models={"adapter_path": str(tmp_path / "nope")}))
     with pytest.raises(RuntimeError, match="server failed to start"):
         srv.start()
+    assert srv.exit_code == 3  # uvicorn's startup failure, not a crash of the thread
     assert "adapter for 'tiny-llama' not found" in srv.runtime.cores.startup_error
     assert srv.runtime.supervisors[0]._proc.poll() is not None  # no engine core left behind
     srv.stop()
