@@ -20,9 +20,8 @@ engine alone, whose rows finish in waves (docs/benchmarks.md, "round 2, session 
 step in which rows leave cost about three decode steps). Here a finished row stays in the
 batch, decoding tokens nobody reads, until the batch is reshaped anyway (newcomers join,
 which already waits for the device; a client goes away) or the finished rows are as many
-as the live ones; a
-decode step of a host-bound GPU costs the same with a few more rows. On the CPU a row
-costs its arithmetic, so there rows leave at once, as in mlx-lm.
+as the live ones; a decode step of a host-bound GPU costs the same with a few more rows.
+On the CPU a row costs its arithmetic, so there rows leave at once, as in mlx-lm.
 
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
@@ -100,6 +99,7 @@ class ServingGenerationBatch(GenerationBatch):
         tokens, logprobs = self._step()
         done = self._finished
         responses = []
+        finished_now = []
         for i, uid in enumerate(self.uids):
             if uid in done:
                 continue
@@ -116,23 +116,25 @@ class ServingGenerationBatch(GenerationBatch):
             responses.append(self.Response(uid, tokens[i], logprobs[i], finish,
                                            self.extract_cache(i), list(self.tokens[i])))
             done.add(uid)
+            finished_now.append(i)
         if done and (not self.defer_leaves or len(done) >= len(self)):
             self.filter([i for i, uid in enumerate(self.uids) if uid not in done])
-        elif done:
-            self._quiet(done)
+        elif finished_now:
+            self._quiet(finished_now)
         return responses
 
-    def _quiet(self, done: set[int]) -> None:
-        """A held finished row runs no logits processors (a grammar past its end, a
-        penalty's bookkeeping) and samples with a live row's sampler, so that it neither
-        fails nor keeps the batch off mlx-lm's one batched sampler."""
+    def _quiet(self, rows: list[int]) -> None:
+        """Rows just finished and held: they run no logits processors (a grammar past its
+        end, a penalty's bookkeeping) and sample with a live row's sampler, so that they
+        neither fail nor keep the batch off mlx-lm's one batched sampler. Once per row:
+        a held row keeps what it was given here until the batch is compacted."""
+        done = self._finished
         live = next(i for i, uid in enumerate(self.uids) if uid not in done)
-        for i, uid in enumerate(self.uids):
-            if uid in done:
-                if self.logits_processors:
-                    self.logits_processors[i] = []
-                if self.samplers:
-                    self.samplers[i] = self.samplers[live]
+        for i in rows:
+            if self.logits_processors:
+                self.logits_processors[i] = []
+            if self.samplers:
+                self.samplers[i] = self.samplers[live]
 
     def filter(self, keep: list[int]) -> None:
         """mlx-lm's filter, which also drops every finished row still held."""
