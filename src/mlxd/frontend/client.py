@@ -76,7 +76,9 @@ class CoreClient:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
+        # Sending never waits (no high-water mark, NOBLOCK), so the push socket is a plain
+        # one on the same context: an asyncio socket's send makes a Future per message.
+        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.connect(core_address(self.run_dir))
