@@ -96,3 +96,23 @@ def test_health_is_503_while_the_engine_core_is_down(start_server, tiny_llama):
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "service_unavailable"
+
+
+def test_a_request_that_meets_the_drain_past_the_door_is_told_shutting_down(start_server,
+                                                                          tiny_llama):
+    """SIGTERM's drain flags the door (the access middleware) and the runtime together; a
+    request already past the door when it began is refused by the runtime, with the code a
+    load balancer keys on (``shutting_down``), not the one of a dead engine core."""
+    srv = start_server(tiny_llama)
+    srv.runtime.draining = True  # the door let it through a moment before
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        o = httpx.post(srv.url + "/api/generate",
+                       json={"model": "tiny-llama", "prompt": "x", "stream": False})
+    finally:
+        srv.runtime.draining = False
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+    assert r.headers["retry-after"] == "5"
+    assert o.status_code == 503 and "shutting down" in o.json()["error"]
+    ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200  # nothing changed for the requests after

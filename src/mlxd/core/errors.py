@@ -80,6 +80,13 @@ class Conflict(MlxdError):
     type = "invalid_request_error"
 
 
+class ShuttingDown(Unavailable):
+    """The server drains (SIGTERM): the same code whether the request met the drain at the
+    door (api/middleware.py) or a moment later, on its way to the engine."""
+
+    code = "shutting_down"
+
+
 class OutOfMemory(Unavailable):
     """The device ran out of memory for this request; the server itself keeps serving."""
 

@@ -30,6 +30,7 @@ from mlxd.core.errors import (
     InvalidRequest,
     ModelNotFound,
     QueueFull,
+    ShuttingDown,
     Unavailable,
 )
 from mlxd.core.types import (
@@ -197,7 +198,8 @@ class Runtime:
     def check_serving(self) -> None:
         """Some core serves (a core that died fails only its own requests)."""
         if self.draining:
-            raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
+            raise ShuttingDown("the server is shutting down; retry on another instance",
+                               headers={"Retry-After": "5"})
         if not self.healthy:
             raise Unavailable("the engine core is not running (restarting); retry shortly",
                               headers={"Retry-After": "2"})

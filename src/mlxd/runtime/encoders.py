@@ -33,6 +33,7 @@ from mlxd.core.errors import (
     OutOfMemory,
     PayloadTooLarge,
     QueueFull,
+    ShuttingDown,
     Unavailable,
 )
 from mlxd.core.types import (
@@ -67,7 +68,8 @@ class EncoderService:
     async def admitted(self) -> AsyncIterator[None]:
         rt = self.rt
         if getattr(rt, "draining", False):
-            raise Unavailable("the server is shutting down", headers={"Retry-After": "5"})
+            raise ShuttingDown("the server is shutting down; retry on another instance",
+                               headers={"Retry-After": "5"})
         if not rt.healthy:
             raise Unavailable("the device worker is not running (restarting); retry shortly",
                               headers={"Retry-After": "2"})
