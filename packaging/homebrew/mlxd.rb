@@ -7,7 +7,7 @@ class Mlxd < Formula
   desc "Production model server on MLX: OpenAI and Ollama APIs, continuous batching"
   homepage "https://pypi.org/project/mlxd/"
   url "https://files.pythonhosted.org/packages/source/m/mlxd/mlxd-0.1.0.tar.gz"
-  sha256 "e7f1155f3ea335b40cb94564d10966aafe4382f58c7c23ab04ba55cb9d1c19da"
+  sha256 "ba8f1162de31dd00c45f8729a0a960c9de9b50c7199644d61093c11b617841cc"
   license "MIT"
 
   depends_on "cmake" => :build # sentencepiece
@@ -81,6 +81,11 @@ class Mlxd < Formula
   resource "httpcore2" do
     url "https://files.pythonhosted.org/packages/92/9d/df40b41f7db0370f82019820709244e7b660c52aa3da3c9e5c4e8141f6e6/httpcore2-2.16.2.tar.gz"
     sha256 "6c519d0f7b44f7269fa9bbb4d2763db395a4a2370f046d8e8e0a4b38227815d2"
+  end
+
+  resource "httptools" do
+    url "https://files.pythonhosted.org/packages/3a/ec/deed52912ab7ca6c0b12859330c571c60c61d7267b341b28951fcbf13694/httptools-0.9.0.tar.gz"
+    sha256 "d484ebb7e3a3f3597b0f645fbd1b85633674ca808c1f5ba11c2caf7c66f5c8b6"
   end
 
   resource "httpx2" do
@@ -286,6 +291,11 @@ class Mlxd < Formula
   resource "uvicorn" do
     url "https://files.pythonhosted.org/packages/da/34/30e9280707135d2cfc589dfff3cb796bd07a3aeb1a3e415ba09dd89d7bb4/uvicorn-0.54.0.tar.gz"
     sha256 "a2e33cbfaa0306f8e6b0c13e0cb89d7d7a2da3e62b90c66e18c33d9807b28620"
+  end
+
+  resource "uvloop" do
+    url "https://files.pythonhosted.org/packages/fa/42/02c739ce85fb2ee8d99212c61417da8140c6b87e9d97c430bea520d76044/uvloop-0.23.0.tar.gz"
+    sha256 "28d160f51ab4da3b187063652e643dea6831072add4adc1e6d62afbe73b6be27"
   end
 
   def install
