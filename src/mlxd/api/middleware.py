@@ -23,6 +23,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxd.core.errors import ShuttingDown
 from mlxd.observability import context, metrics
 from mlxd.observability.history import RequestLog
 from mlxd.observability.logs import log_value
@@ -115,10 +116,10 @@ class AccessMiddleware:
             if lc.draining and scope["path"] not in _DRAIN_EXEMPT:
                 from mlxd.api.security import reject
 
-                await reject(scope, receive, send_wrapper, 503,
-                             "the server is shutting down; retry on another instance",
-                             code="shutting_down", type_="server_error",
-                             headers={"Retry-After": "5", "Connection": "close"})
+                await reject(scope, receive, send_wrapper, 503, ShuttingDown.MESSAGE,
+                             code=ShuttingDown.code, type_=ShuttingDown.type,
+                             headers={"Retry-After": ShuttingDown.RETRY_AFTER,
+                                      "Connection": "close"})
             else:
                 await self.app(scope, receive, send_wrapper)
         finally:

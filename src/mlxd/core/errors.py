@@ -82,9 +82,17 @@ class Conflict(MlxdError):
 
 class ShuttingDown(Unavailable):
     """The server drains (SIGTERM): the same code whether the request met the drain at the
-    door (api/middleware.py) or a moment later, on its way to the engine."""
+    door (api/middleware.py) or a moment later, on its way to the engine. One message and
+    Retry-After for every place that refuses work while draining."""
 
     code = "shutting_down"
+    MESSAGE = "the server is shutting down; retry on another instance"
+    RETRY_AFTER = "5"
+
+    def __init__(self, message: str = MESSAGE, *, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message, param=param,
+                         headers=headers or {"Retry-After": self.RETRY_AFTER})
 
 
 class OutOfMemory(Unavailable):

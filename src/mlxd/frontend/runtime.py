@@ -198,8 +198,7 @@ class Runtime:
     def check_serving(self) -> None:
         """Some core serves (a core that died fails only its own requests)."""
         if self.draining:
-            raise ShuttingDown("the server is shutting down; retry on another instance",
-                               headers={"Retry-After": "5"})
+            raise ShuttingDown()
         if not self.healthy:
             raise Unavailable("the engine core is not running (restarting); retry shortly",
                               headers={"Retry-After": "2"})

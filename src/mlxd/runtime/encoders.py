@@ -68,8 +68,7 @@ class EncoderService:
     async def admitted(self) -> AsyncIterator[None]:
         rt = self.rt
         if getattr(rt, "draining", False):
-            raise ShuttingDown("the server is shutting down; retry on another instance",
-                               headers={"Retry-After": "5"})
+            raise ShuttingDown()
         if not rt.healthy:
             raise Unavailable("the device worker is not running (restarting); retry shortly",
                               headers={"Retry-After": "2"})
