@@ -93,6 +93,10 @@ async def status(core: Any) -> dict[str, Any]:
 
     m = core.models
     loaded_blas = blas.current()
+    # one reading of each model's caches serves both totals: the device thread reshapes its
+    # batches between two readings, and /health's sum must be the sum of its parts
+    views = [loaded_view(e) for e in m.loaded()]
+    caches = sum(sum(v["cache_memory_bytes"].values()) for v in views)
     return {
         "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
         "blas": loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
@@ -100,9 +104,9 @@ async def status(core: Any) -> dict[str, Any]:
         "uptime_s": round(time.time() - core.started_at, 3),
         "requests_in_flight": core._inflight, "requests_total": core.admitted_total,
         "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
-                   "caches_bytes": m.dynamic_bytes()},
+                   "caches_bytes": caches},
         "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
-        "models": [loaded_view(e) for e in m.loaded()],
+        "models": views,
         "rank_group": group.status(),
     }
 
