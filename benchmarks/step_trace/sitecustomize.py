@@ -13,7 +13,8 @@ STEP_TRACE_PREFILL_CLEARS=1 makes mlxd's prefill clear MLX's buffer cache after 
 chunk again, as mlx-lm's does (engines/serving_batch.py keeps it);
 STEP_TRACE_NO_CLEAR=1 turns ``mx.clear_cache()`` into nothing in that process (for the
 engine alone: what mlx-lm's per-chunk clearing costs it);
-STEP_TRACE_PIN=N pins the thread that steps the batch (and only that thread) to CPU N.
+STEP_TRACE_PIN=N pins the thread that steps the batch (and only that thread) to CPU N;
+STEP_TRACE_REQS=1 also logs each request of mlxd's engine core (PREFIX.req.<pid>.jsonl).
 """
 
 import builtins
@@ -94,7 +95,60 @@ if _out:
                     return _state["worker"].call(lambda: create(kind, *args, **kwargs)).result()
 
                 r.create_engine = create_engine
+        if os.environ.get("STEP_TRACE_REQS") == "1":
+            _trace_requests()
         return module
+
+    def _req_log(row: list) -> None:
+        f = _state.get("rf")
+        if f is None:
+            f = _state["rf"] = open(f"{_out}.req.{os.getpid()}.jsonl", "w", buffering=1)  # noqa: SIM115
+        f.write(json.dumps(row) + "\n")
+
+    def _trace_requests() -> None:
+        """STEP_TRACE_REQS=1: per request, when the engine core handed it to the device
+        thread (``arr``), when the device thread queued it (``t_added``), when it went to
+        mlx-lm (one ``admit`` line per group) and when its first token came out."""
+        w = sys.modules.get("mlxd.runtime.worker")
+        if "req_w" not in _state and w is not None and hasattr(w, "DeviceWorker"):
+            _state["req_w"] = True
+            submit = w.DeviceWorker.submit
+
+            def _submit(self, engine, seq):
+                seq._tr_arr = time.monotonic()
+                return submit(self, engine, seq)
+
+            w.DeviceWorker.submit = _submit
+        llm = sys.modules.get("mlxd.engines.llm")
+        if "req_llm" not in _state and llm is not None and hasattr(llm, "LLMEngine"):
+            _state["req_llm"] = True
+            admit = llm.LLMEngine._admit
+
+            def _admit(self):
+                before = list(self._pending)
+                running = self.num_running
+                res = admit(self)
+                left = {id(s) for s in self._pending}
+                took = [s for s in before if id(s) not in left]
+                if took:
+                    _req_log(["admit", round(time.monotonic(), 5), running, len(self._pending),
+                              [[id(s), round(getattr(s, "_tr_arr", 0.0), 5),
+                                round(s.t_added, 5)] for s in took]])
+                return res
+
+            llm.LLMEngine._admit = _admit
+        dec = sys.modules.get("mlxd.engines.decode")
+        if "req_dec" not in _state and dec is not None and hasattr(dec, "DecodeEngine"):
+            _state["req_dec"] = True
+            emit = dec.DecodeEngine._emit
+
+            def _emit(self, seq, token, finish, logprobs):
+                out = emit(self, seq, token, finish, logprobs)
+                if seq.generated == 1 and token is not None:
+                    _req_log(["first", round(time.monotonic(), 5), id(seq)])
+                return out
+
+            dec.DecodeEngine._emit = _emit
 
     builtins.__import__ = _hook
     if os.environ.get("STEP_TRACE_KEEP_SWITCH") == "1":
