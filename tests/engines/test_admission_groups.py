@@ -205,3 +205,59 @@ def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
     seq = engine.new_sequence(engine.encode_prompt("now"), SamplingParams(max_tokens=2))
     engine.add(seq)
     assert engine.has_work() and engine.next_deadline() == 0.0
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")
+def test_on_the_cpu_a_big_running_batch_holds_newcomers_up_to_two_steps(tiny_llama,
+                                                                       monkeypatch):
+    """On the CPU a join copies every running row's KV: while at least a prefill group's
+    worth of rows runs, a newcomer waits up to two decode steps (capped) for company; with
+    fewer rows running, the short hold; a full group goes at once either way."""
+    from types import SimpleNamespace
+
+    from mlxd.engines import llm
+
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefill_batch_size=4,
+                       prefix_cache_bytes=0)
+    engine.bind()
+    assert not engine._clean_groups
+    now = [1000.0]
+    monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                     perf_counter=time.perf_counter))
+
+    def arrive(text: str, n: int = 40):
+        s = engine.new_sequence(engine.encode_prompt(text),
+                                SamplingParams(max_tokens=n, temperature=0.0))
+        engine.add(s)
+        return s
+
+    small = [arrive(f"story {i} of the ocean") for i in range(2)]
+    for _ in range(3):
+        engine.step()
+    assert engine.num_running == 2
+    engine._step_ema = 0.2  # a 200 ms decode step
+    late = arrive("a late one")
+    assert engine.next_deadline() == pytest.approx(now[0] + 0.025)  # few rows: short hold
+    now[0] += 0.03
+    engine.step()
+    assert late.uid >= 0
+
+    more = [arrive(f"river {i} in the hills") for i in range(2)]
+    now[0] += 0.03  # past the short hold (3 rows run)
+    for _ in range(3):
+        engine.step()
+    assert engine.num_running == 5
+    engine._step_ema = 0.2
+    newcomer = arrive("one more")
+    assert engine.next_deadline() == pytest.approx(now[0] + 0.4)  # two decode steps
+    now[0] += 0.3
+    engine.step()
+    assert newcomer.uid == -1 and newcomer in engine._pending
+    engine._step_ema = 0.4  # two steps would be 0.8 s: the cap
+    assert engine.next_deadline() == pytest.approx(newcomer.t_added + llm.CPU_GROUP_HOLD_S)
+    group = [arrive(f"company {i}") for i in range(3)]  # a full group of 4: at once
+    assert engine.next_deadline() == 0.0
+    engine.step()
+    assert all(s.uid >= 0 for s in [newcomer, *group])
+    got = _tokens(engine, [*small, late, *more, newcomer, *group])
+    assert all(len(t) > 0 for t in got.values())
