@@ -242,7 +242,7 @@ class CoreClient:
             return
         try:
             asyncio.get_running_loop().add_reader(fd, self._pid_exited, pid)
-        except (RuntimeError, NotImplementedError, OSError):  # no loop, or one without
+        except (RuntimeError, NotImplementedError, OSError):  # no loop, or no add_reader
             os.close(fd)
             return
         self._pidfd = fd
