@@ -50,9 +50,6 @@ log = logging.getLogger(__name__)
 # With nothing running (on a GPU), newcomers are held while a burst still arrives: until
 # none came for this long (see LLMEngine._admit).
 BURST_GAP_S = 0.003
-# On the CPU, while the running batch is big, newcomers wait up to two steps' time, at
-# most this long, for others to share their join (see LLMEngine._admit).
-CPU_GROUP_HOLD_S = 0.5
 
 
 class LLMEngine(DecodeEngine):
@@ -367,10 +364,7 @@ class LLMEngine(DecodeEngine):
         if len(pending) >= self._settings["prefill_batch_size"]:
             return 0.0
         hold = min(0.025, 2 * self._step_ema)
-        running = self.num_running
-        if not self._clean_groups and running >= self._settings["prefill_batch_size"]:
-            hold = min(CPU_GROUP_HOLD_S, 2 * self._step_ema)
-        if running:
+        if self.num_running:
             return pending[0].t_added + hold
         if self._clean_groups:
             return min(pending[-1].t_added + min(BURST_GAP_S, hold), pending[0].t_added + hold)
@@ -398,17 +392,7 @@ class LLMEngine(DecodeEngine):
         arithmetic rather than its fixed per-step host work, holding newcomers back cost
         more than the mixed step does (SmolLM2, C=16: 0.91-0.94x the engine alone against
         0.96-1.05x, TTFT 4.1-5.5 s against 3.8-4.6 s), so there mlx-lm groups them itself
-        (``clean_prefill_groups``) and an idle batch takes newcomers at once. What the CPU
-        pays per group is the join: mlx-lm's ``extend`` copies every running row's KV cache
-        to append the group (on the 2-core box a join step cost ~250 ms against ~165 ms for
-        a decode step at 16 rows), so while the running batch holds at least a prefill
-        group's worth of rows, newcomers there wait up to two steps' time (as the engine
-        averages its steps, prefill steps included; at most :data:`CPU_GROUP_HOLD_S`, which
-        on the 2-core box is what rules: ~3 decode steps) instead of ~25 ms. SmolLM2 at
-        C=16, against the 25 ms hold in the same 6 pairs: the same throughput (1.00x) and a
-        0.9 s shorter TTFT p50 (median; 4-5 s there): fewer, fuller groups prefill and join
-        sooner than many small ones (docs/benchmarks.md, "Linux CPU, round 2, session 15").
-        A small batch keeps the short hold: joining a few rows costs little.
+        (``clean_prefill_groups``) and an idle batch takes newcomers at once.
 
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
