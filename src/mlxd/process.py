@@ -107,6 +107,19 @@ def proc_cmdline(pid: int) -> str | None:
     return out.stdout.strip() or None
 
 
+def open_pidfd(pid: int) -> int | None:
+    """A descriptor that turns readable the moment ``pid`` exits (Linux's ``pidfd_open``,
+    a zombie included), for an event loop to watch instead of polling ``/proc``. None where
+    there is none (macOS, kernels before 5.3) or the process is already gone."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return opener(pid)
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Exists and is not a zombie (an exited child nobody reaped yet is not running)."""
     if pid <= 0:

@@ -25,23 +25,9 @@ import zmq.asyncio
 from mlxd.core.errors import Unavailable
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.core import core_address
-from mlxd.process import pid_alive
+from mlxd.process import open_pidfd, pid_alive
 
 log = logging.getLogger(__name__)
-
-
-def _open_pidfd(pid: int) -> int | None:
-    """A descriptor that turns readable the moment ``pid`` exits (Linux's ``pidfd_open``,
-    a zombie included), for the event loop to watch: a core's death is noticed at once and
-    nothing polls ``/proc``. None where there is none (macOS, kernels before 5.3) or the
-    process is already gone: the watchdog then polls."""
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
-    try:
-        return opener(pid)
-    except OSError:
-        return None
 
 
 def _died() -> p.WireError:
@@ -237,12 +223,12 @@ class CoreClient:
 
     def _watch_pid(self, pid: int) -> None:
         self._unwatch_pid()
-        fd = _open_pidfd(pid)
+        fd = open_pidfd(pid)
         if fd is None:
             return
         try:
             asyncio.get_running_loop().add_reader(fd, self._pid_exited, pid)
-        except (RuntimeError, NotImplementedError, OSError):  # no loop, or no add_reader
+        except OSError:  # the loop cannot watch it: the watchdog polls
             os.close(fd)
             return
         self._pidfd = fd
@@ -251,8 +237,7 @@ class CoreClient:
         fd, self._pidfd = self._pidfd, None
         if fd is None:
             return
-        with contextlib.suppress(RuntimeError, NotImplementedError, OSError):
-            asyncio.get_running_loop().remove_reader(fd)
+        asyncio.get_running_loop().remove_reader(fd)  # always on the loop that added it
         os.close(fd)
 
     def _pid_exited(self, pid: int) -> None:
