@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
+from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
+
 CACHE_KEEP_BYTES = 1 << 30
 
 
@@ -137,11 +139,21 @@ class ServingGenerationBatch(GenerationBatch):
                 self.samplers[i] = self.samplers[live]
 
     def filter(self, keep: list[int]) -> None:
-        """mlx-lm's filter, which also drops every finished row still held."""
+        """mlx-lm's filter, which also drops every finished row still held. Over a
+        :class:`RowPoolKVCache` the rows kept are reordered so that only the last ones
+        move, into the holes the others leave."""
         done = self._finished
         if done:
             keep = [i for i in keep if self.uids[i] not in done]
             done.clear()
+        caches = self.prompt_cache
+        if keep and caches and all(isinstance(c, RowPoolKVCache) for c in caches):
+            keep = fill_order(keep)
+            filter_pools(caches, keep)  # every layer's rows that move, read out at once
+            self.prompt_cache = []  # so that mlx-lm's filter leaves them be
+            super().filter(keep)
+            self.prompt_cache = caches
+            return
         super().filter(keep)
 
     def compact(self) -> None:
@@ -151,9 +163,32 @@ class ServingGenerationBatch(GenerationBatch):
 
     def extend(self, batch: Any) -> None:
         """Newcomers join: drop the finished rows first (the join step already waits for
-        the device, in mlx-lm's split of the prompt batch)."""
+        the device, in mlx-lm's split of the prompt batch). Plain KV caches join as
+        :class:`RowPoolKVCache` s, written into spare rows (engines/kv_rows.py)."""
         self.compact()
+        mine, theirs = self.prompt_cache, batch.prompt_cache
+        if (mine and theirs and all(c.keys is not None for c in mine)
+                and all(map(poolable, mine + theirs))):
+            self.prompt_cache = [join_into(c, o) for c, o in zip(mine, theirs, strict=True)]
+            batch.prompt_cache = []  # taken: mlx-lm's extend then keeps ours
         super().extend(batch)
+
+
+def fill_order(keep: list[int]) -> list[int]:
+    """``keep`` reordered so that rows kept below ``len(keep)`` stay where they are and
+    the rows kept above it fill the holes, in order: the fewest rows move."""
+    k = len(keep)
+    kept = set(keep)
+    movers = iter(sorted(i for i in keep if i >= k))
+    return [i if i in kept else next(movers) for i in range(k)]
+
+
+def join_into(cache: Any, other: Any) -> RowPoolKVCache:
+    """``other``'s rows after ``cache``'s: in place when ``cache`` is a pool with room."""
+    if isinstance(cache, RowPoolKVCache):
+        cache.extend(other)
+        return cache
+    return join_caches(cache, other)
 
 
 class ServingBatchGenerator(BatchGenerator):
