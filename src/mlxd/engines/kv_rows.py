@@ -4,9 +4,9 @@ mlx-lm's ``BatchKVCache`` holds exactly the batch's rows. A group of newcomers j
 the decode batch (``extend``) pads every running row's keys and values and concatenates
 them with the newcomers', two copies of the whole batch's cache; rows leaving
 (``filter``) gather every row that stays into new arrays. On a CPU a row's KV is memory
-bandwidth: with SmolLM2-135M at 16 rows a join cost ~78 ms over ~165 ms decode steps
-(docs/benchmarks.md, "Linux CPU, round 2, session 16"), and a server's decode batch is
-joined and left all the time.
+bandwidth: with SmolLM2-135M's cache at 16 rows a group of 8 joining cost 130-172 ms in
+the cache alone and 25-32 ms here (``benchmarks/kv_join_copy.py``; docs/benchmarks.md,
+"Round 2, session 16"), and a server's decode batch is joined and left all the time.
 
 :class:`RowPoolKVCache` keeps its arrays with more rows than the batch has (``capacity``):
 the live rows are the first ``rows``, the rest are spare. A group joins by writing its
@@ -200,9 +200,9 @@ def filter_pools(caches: list[RowPoolKVCache], keep: list[int]) -> None:
     capacity stays: then its arrays shrink to the rows kept. The rows that move are read
     out of every layer and evaluated together before they are written: MLX writes into an
     array in place only when nothing else still reads it, and a move read from the array
-    it writes made every move a copy of the whole array (~90 ms against ~4 ms for one row
-    of 30 layers of 24 rows on the 2-core CPU). That evaluation waits for the step in
-    flight, once per filter that moves rows, where mlx-lm's filter reads the padding back.
+    it writes made every move a copy of the whole array. That evaluation waits for the
+    step in flight, once per filter that moves rows, where mlx-lm's filter reads the
+    padding back.
     """
     keep = list(keep)
     shrink = [bool(keep) and len(keep) * 4 < c.capacity for c in caches]
