@@ -86,8 +86,8 @@ class RowPoolKVCache(BatchKVCache):
         when fewer than half the capacity is live."""
         rows = self.capacity if self.rows * 2 > self.capacity else max(self.rows, 1)
         length = -(-need // self.step) * self.step
-        self.keys = _placed(self.keys[:rows, :, :self._idx, :], length, 0)
-        self.values = _placed(self.values[:rows, :, :self._idx, :], length, 0)
+        self.keys = _placed(self.keys[:rows, :, :self._idx, :], length)
+        self.values = _placed(self.values[:rows, :, :self._idx, :], length)
 
     # -- the batch's reshapes ------------------------------------------------------------
 
@@ -100,10 +100,10 @@ class RowPoolKVCache(BatchKVCache):
             return False
         shift = self._idx - other._idx
         if self._idx:  # the spare rows' earlier contents are overwritten, padding with 0s
-            self.keys[b:b + m, :, :self._idx, :] = _left_aligned(
-                other, other.keys, self.keys, m, shift)
-            self.values[b:b + m, :, :self._idx, :] = _left_aligned(
-                other, other.values, self.values, m, shift)
+            self.keys[b:b + m, :, :self._idx, :] = _left_aligned(other, "keys", self.keys, m,
+                                                                 shift)
+            self.values[b:b + m, :, :self._idx, :] = _left_aligned(other, "values",
+                                                                   self.values, m, shift)
         self._set_left(self.left + [p + shift for p in other_left])
         return True
 
@@ -239,10 +239,9 @@ def join_caches(a: BatchKVCache, b: BatchKVCache) -> RowPoolKVCache:
     la, lb = _host_left(a), _host_left(b)
     idx = max(a._idx, b._idx)
     length = (idx // a.step + 1) * a.step  # room for the next decode steps
-    parts = [(c, n) for c, n in ((a, len(la)), (b, len(lb))) if c.keys is not None]
-    if not parts:
+    ref = a if a.keys is not None else b
+    if ref.keys is None:
         raise ValueError("joining two empty caches: nothing to place")
-    ref = parts[0][0]
     heads, dk, dv = ref.keys.shape[1], ref.keys.shape[3], ref.values.shape[3]
     rows = len(la) + len(lb)
     keys = mx.zeros((rows, heads, length, dk), dtype=ref.keys.dtype)
@@ -257,20 +256,22 @@ def join_caches(a: BatchKVCache, b: BatchKVCache) -> RowPoolKVCache:
     return RowPoolKVCache(left, idx, keys, values)
 
 
-def _left_aligned(cache: BatchKVCache, x: mx.array | None, like: mx.array, rows: int,
+def _left_aligned(cache: BatchKVCache, part: str, like: mx.array, rows: int,
                   shift: int) -> mx.array:
     """A joining group's keys or values over the batch's positions ``[0, end)``: zeros,
     then the group's ``[0, its end)``. Zeros and not whatever a spare row held before: a
     masked position weighs 0, and 0 times a stale inf would be NaN."""
+    x = getattr(cache, part)
     if x is None or not cache._idx:
         return mx.zeros((rows, like.shape[1], shift, like.shape[3]), dtype=like.dtype)
     x = x[..., :cache._idx, :]
     return mx.pad(x, [(0, 0), (0, 0), (shift, 0), (0, 0)]) if shift else x
 
 
-def _placed(x: mx.array, length: int, at: int) -> mx.array:
+def _placed(x: mx.array, length: int) -> mx.array:
+    """``x`` at the start of zeroed arrays ``length`` positions long."""
     out = mx.zeros((*x.shape[:2], length, x.shape[3]), dtype=x.dtype)
-    out[:, :, at:at + x.shape[2], :] = x
+    out[:, :, :x.shape[2], :] = x
     return out
 
 
