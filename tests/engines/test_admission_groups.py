@@ -14,12 +14,37 @@ from mlxd.core.types import SamplingParams
 from mlxd.engines.llm import LLMEngine
 
 
+def _bound(engine: LLMEngine, prompt_end: bool = True) -> LLMEngine:
+    """The engine's batch built on this thread's stream, as the device thread does; with
+    ``prompt_end`` off, on mlx-lm's path (a model whose first token cannot come from its
+    prefill pass: engines/prompt_end.py)."""
+    assert engine._prompt_end  # the tiny Llama supports it
+    engine._prompt_end = prompt_end
+    engine.bind()
+    return engine
+
+
 @pytest.fixture()
 def engine(tiny_llama) -> LLMEngine:
-    e = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
-                  clean_prefill_groups=True)
-    e.bind()  # the batch on this thread's stream, as the device thread does
-    return e
+    return _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
+                            clean_prefill_groups=True))
+
+
+@pytest.fixture()
+def groups(monkeypatch) -> list[list[int]]:
+    """The uids of every prefill pass, in order."""
+    from mlxd.engines.serving_batch import ServingPromptBatch
+
+    seen: list[list[int]] = []
+    real = ServingPromptBatch._prefill
+
+    def recording(self, tokens, last):
+        if self.uids:  # mlx-lm runs its prompt batch at every step, empty or not
+            seen.append(list(self.uids))
+        return real(self, tokens, last)
+
+    monkeypatch.setattr(ServingPromptBatch, "_prefill", recording)
+    return seen
 
 
 def _seq(engine: LLMEngine, text: str, n: int = 6):
@@ -46,10 +71,31 @@ def _tokens(engine: LLMEngine, seqs: list, out: dict | None = None) -> dict[int,
     return {id(s): out.get(id(s), []) for s in seqs}
 
 
-def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(engine):
-    """The step after a group's prefill moves that group into the decode batch; a newcomer
-    arriving then stays out of mlx-lm's prompt batch for that step and is prefilled in the
-    next one, alone in a clean group."""
+def test_a_group_joins_in_its_prefill_step_and_the_next_newcomer_forms_its_own(engine):
+    """With the first token from the prefill pass, a group prefilled in a step has joined
+    the decode batch at its end; a newcomer arriving then is prefilled in the next step,
+    alone, and decodes what it decodes alone."""
+    seen: dict[int, list[int]] = {}
+    first = [_seq(engine, "the river runs"), _seq(engine, "a city of music")]
+    _step(engine, seen)  # prefilled through their last tokens, and joined
+    assert engine._gen._currently_processing == [] and len(engine._gen._prompt_batch) == 0
+    assert engine.num_running == 2 and seen == {}
+    late = _seq(engine, "winter morning in the library")
+    _step(engine, seen)  # the group's first tokens; the newcomer prefilled and joined
+    assert [len(seen[id(s)]) for s in first] == [1, 1] and id(late) not in seen
+    assert late.uid >= 0 and engine.num_running == 3
+    got = _tokens(engine, [*first, late], seen)
+    assert [len(got[id(s)]) for s in (*first, late)] == [6, 6, 6]
+    alone = _seq(engine, "winter morning in the library")
+    assert _tokens(engine, [alone])[id(alone)] == got[id(late)]
+
+
+def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(tiny_llama):
+    """mlx-lm's path: the step after a group's prefill moves that group into the decode
+    batch; a newcomer arriving then stays out of mlx-lm's prompt batch for that step and
+    is prefilled in the next one, alone in a clean group."""
+    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
+                              clean_prefill_groups=True), prompt_end=False)
     seen: dict[int, list[int]] = {}
     first = [_seq(engine, "the river runs"), _seq(engine, "a city of music")]
     _step(engine, seen)  # admitted and prefilled up to their last tokens
@@ -72,11 +118,11 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(eng
     assert _tokens(engine, [alone])[id(alone)] == got[id(late)]
 
 
-def test_a_prompt_mid_prefill_holds_nobody(tiny_llama):
+@pytest.mark.parametrize("prompt_end", [True, False])
+def test_a_prompt_mid_prefill_holds_nobody(tiny_llama, prompt_end):
     """A prompt longer than a prefill chunk is still being prefilled: newcomers join it."""
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefill_step_size=16,
-                       prefix_cache_bytes=0, clean_prefill_groups=True)
-    engine.bind()
+    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefill_step_size=16,
+                              prefix_cache_bytes=0, clean_prefill_groups=True), prompt_end)
     long = _seq(engine, " ".join(["ocean garden market"] * 20))
     seen: dict[int, list[int]] = {}
     _step(engine, seen)  # the first 16-token chunk
@@ -88,23 +134,26 @@ def test_a_prompt_mid_prefill_holds_nobody(tiny_llama):
     assert len(got[id(late)]) == 6 and len(got[id(long)]) == 6
 
 
-def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama):
+@pytest.mark.parametrize("prompt_end", [True, False])
+def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama, groups, prompt_end):
     """Twelve at once with a prefill batch of 8: eight go in as one group, four wait here
     (not in mlx-lm's own queue, whence they would be merged into the first group's
-    joining step), and go in as the next clean group once the first has joined."""
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0,
-                       clean_prefill_groups=True)
-    engine.bind()
+    joining step), and go in as the next clean group once the first has joined: in the
+    next step when the group joined in its prefill step, the one after on mlx-lm's path."""
+    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0,
+                              clean_prefill_groups=True), prompt_end)
     seen: dict[int, list[int]] = {}
     seqs = [_seq(engine, f"story {i} of the ocean") for i in range(12)]
     _step(engine, seen)
-    assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in seqs[:8])
+    assert [sorted(g) for g in groups] == [sorted(s.uid for s in seqs[:8])]
     assert len(engine._gen._unprocessed_sequences) == 0
     assert engine._pending == seqs[8:]
-    _step(engine, seen)  # the first group joins; the rest still wait
-    assert engine.num_running == 8 and engine._pending == seqs[8:]
+    if not prompt_end:
+        _step(engine, seen)  # the first group joins; the rest still wait
+        assert engine.num_running == 8 and engine._pending == seqs[8:]
     _step(engine, seen)
-    assert engine._pending == [] and engine._gen._prompt_batch.uids == [s.uid for s in seqs[8:]]
+    assert engine.num_running == 8 + 4 * prompt_end and engine._pending == []
+    assert groups[1:] == [[s.uid for s in seqs[8:]]]
     got = _tokens(engine, seqs, seen)
     assert all(len(got[id(s)]) == 6 for s in seqs)
 
@@ -123,7 +172,7 @@ def test_on_the_cpu_mlx_lm_groups_newcomers_itself(tiny_llama):
     assert all(len(got[id(s)]) == 6 for s in seqs)
 
 
-def test_an_idle_batch_takes_a_burst_as_one_group(engine, monkeypatch):
+def test_an_idle_batch_takes_a_burst_as_one_group(engine, groups, monkeypatch):
     """With nothing running, a newcomer waits while a burst still arrives (the last came
     less than BURST_GAP_S ago, the first at most two decode steps or 25 ms ago), so that
     clients starting together are prefilled together; a lone newcomer goes once the gap
@@ -156,7 +205,7 @@ def test_an_idle_batch_takes_a_burst_as_one_group(engine, monkeypatch):
     now[0] += gap  # the burst is over
     assert engine.has_work()
     engine.step()
-    assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in burst)
+    assert [sorted(g) for g in groups] == [sorted(s.uid for s in burst)]
 
     _tokens(engine, burst, {})
     engine._step_ema = 0.010  # (the steps just run moved it)
@@ -166,19 +215,19 @@ def test_an_idle_batch_takes_a_burst_as_one_group(engine, monkeypatch):
     now[0] += gap
     assert engine.has_work()
     engine.step()
-    assert engine._gen._prompt_batch.uids == [lone.uid]
+    assert groups[-1] == [lone.uid] and len(groups) == 2
 
 
-def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, monkeypatch):
+def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, groups,
+                                                                 monkeypatch):
     """Arrivals closer than the gap for longer than the cap (two decode steps): the first
     has waited the cap, and everything that came goes in as one group."""
     from types import SimpleNamespace
 
     from mlxd.engines import llm
 
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefill_batch_size=16,
-                       prefix_cache_bytes=0, clean_prefill_groups=True)
-    engine.bind()
+    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefill_batch_size=16,
+                              prefix_cache_bytes=0, clean_prefill_groups=True))
     now = [1000.0]
     monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
                                                      perf_counter=time.perf_counter))
@@ -194,7 +243,7 @@ def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, mo
     now[0] = 1000.0205  # 20 ms after the first, 2.5 after the last
     assert engine.has_work()
     engine.step()
-    assert sorted(engine._gen._prompt_batch.uids) == sorted(s.uid for s in seqs)
+    assert [sorted(g) for g in groups] == [sorted(s.uid for s in seqs)]
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")

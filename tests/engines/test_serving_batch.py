@@ -35,16 +35,18 @@ def _run(gen, prompts: list[list[int]], late: list[int] | None = None) -> dict[i
     return out
 
 
-def test_same_tokens_as_mlx_lm_across_padding_and_chunks(model_and_tokenizer):
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_same_tokens_as_mlx_lm_across_padding_and_chunks(model_and_tokenizer, prompt_end):
     """Prompts of different lengths (right padding) and one longer than a prefill chunk
-    (several chunks), plus a newcomer prefilled while the batch decodes."""
+    (several chunks), plus a newcomer prefilled while the batch decodes; with the first
+    token from mlx-lm's pass of the last prompt token, and from the prefill pass."""
     model, tok = model_and_tokenizer
     prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
                tok.encode(" ".join(["ocean garden market"] * 12))]
     late = tok.encode("winter morning in the library")
     kw = dict(max_tokens=8, prefill_step_size=16, completion_batch_size=8,
               prefill_batch_size=4)
-    ours = _run(ServingBatchGenerator(model, **kw), prompts, late)
+    ours = _run(ServingBatchGenerator(model, prompt_end=prompt_end, **kw), prompts, late)
     theirs = _run(BatchGenerator(model, **kw), prompts, late)
     assert list(ours.values()) == list(theirs.values())
     assert all(len(v) == 8 for v in ours.values())
@@ -128,8 +130,9 @@ def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
     return out, kv
 
 
+@pytest.mark.parametrize("prompt_end", [False, True])
 def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
-        model_and_tokenizer, monkeypatch):
+        model_and_tokenizer, monkeypatch, prompt_end):
     """``defer_leaves`` (a GPU's default): rows that finish one by one stay in the decode
     batch until half of it is finished or newcomers join, so mlx-lm filters the batch
     (a host read that waits for the device) a few times instead of once per finish. What
@@ -150,12 +153,16 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
     kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
     results = {}
     for name, gen in (("mlx-lm", BatchGenerator(model, **kw)),
-                      ("deferred", ServingBatchGenerator(model, defer_leaves=True, **kw))):
+                      ("deferred", ServingBatchGenerator(model, defer_leaves=True,
+                                                         prompt_end=prompt_end, **kw))):
         filters.clear()
         alone = _decode_all(gen, prompts, max_tokens)
         n_alone = len(filters)
         joined = _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one"))
-        cancelled = _decode_all(gen, prompts, max_tokens, cancel_at=4)
+        # the same point of the rows' decoding: a step sooner where first tokens come
+        # from the prefill pass
+        cancelled = _decode_all(gen, prompts, max_tokens,
+                                cancel_at=4 - (name == "deferred" and prompt_end))
         if name == "deferred":
             assert len(gen._generation_batch) == 0
         results[name] = (alone, joined, cancelled, n_alone)

@@ -38,6 +38,7 @@ from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepO
 from mlxd.engines.grammar_mask import GrammarProcessor
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
+from mlxd.engines.prompt_end import supports_prompt_end
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
 from mlxd.engines.serving_batch import ServingBatchGenerator
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
@@ -172,6 +173,9 @@ class LLMEngine(DecodeEngine):
                                min_acceptance=speculative_min_acceptance))
             self._spec_reported = (0, 0, 0, 0)
             mx.eval(self.model.parameters())
+            # a first token from the prefill pass (engines/prompt_end.py); rank groups keep
+            # mlx-lm's pass (their followers replay the same steps, so all ranks must agree)
+            self._prompt_end = not sharded and supports_prompt_end(self.model)
             self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             if self.speculator is not None and self.speculator.drafter is not None:
                 draft = self.speculator.drafter.model
@@ -287,6 +291,7 @@ class LLMEngine(DecodeEngine):
             completion_batch_size=s["max_num_seqs"],
             prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
             prefill_step_size=s["prefill_step_size"],
+            prompt_end=self._prompt_end,
         )
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)

@@ -23,6 +23,11 @@ which already waits for the device; a client goes away) or the finished rows are
 as the live ones; a decode step of a host-bound GPU costs the same with a few more rows.
 On the CPU a row costs its arithmetic, so there rows leave at once, as in mlx-lm.
 
+With ``prompt_end`` (a model engines/prompt_end.py checked), the scheduler's step is mlx-lm's
+but for a prompt's last token: it goes into the last prefill chunk, the first token is
+sampled from that pass (:class:`PrefilledGroup`), and the group joins the decode batch in
+the same step, where mlx-lm feeds that token in a pass of its own a step later.
+
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
 (:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
@@ -31,12 +36,14 @@ which is why it lives here, beside the subclass, and not in the engine.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
+from mlxd.engines.prompt_end import last_logits
 
 CACHE_KEEP_BYTES = 1 << 30
 
@@ -52,10 +59,21 @@ class ServingPromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch whose prefill trims the buffer cache instead of clearing it."""
 
     def prompt(self, tokens: list[list[int]]) -> None:
+        self._prefill(tokens, last=False)
+
+    def prompt_end(self, tokens: list[list[int]]) -> mx.array:
+        """Prefill ``tokens`` (each row's last prompt tokens, up to and including its last
+        token) in one forward pass, returning the logits at each row's last position
+        (engines/prompt_end.py): ``[rows, vocab]``."""
+        logits = self._prefill(tokens, last=True)
+        assert logits is not None
+        return logits
+
+    def _prefill(self, tokens: list[list[int]], last: bool) -> mx.array | None:
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
         if not tokens:
-            return
+            return None
         for held, new in zip(self.tokens, tokens, strict=True):
             held += new  # what the KV cache will hold, as mlx-lm keeps it
         lengths = [len(t) for t in tokens]
@@ -68,15 +86,23 @@ class ServingPromptBatch(PromptProcessingBatch):
                 c.prepare(lengths=lengths, right_padding=padding)
         else:
             inputs = mx.array(tokens)
-        step = self.prefill_step_size
-        for start in range(0, longest, step):
-            self.model(inputs[:, start:start + step], cache=self.prompt_cache)
-            mx.eval([c.state for c in self.prompt_cache])
+        logits = None
+        if last:  # one pass: the scheduler's chunk plus the last token
+            logits = last_logits(self.model, inputs, self.prompt_cache,
+                                 [n - 1 for n in lengths])
+            mx.eval(logits, [c.state for c in self.prompt_cache])
             trim_buffer_cache()
+        else:
+            step = self.prefill_step_size
+            for start in range(0, longest, step):
+                self.model(inputs[:, start:start + step], cache=self.prompt_cache)
+                mx.eval([c.state for c in self.prompt_cache])
+                trim_buffer_cache()
         if padded:
             for c in self.prompt_cache:
                 c.finalize()
             mx.eval([c.state for c in self.prompt_cache])
+        return logits
 
 
 class ServingGenerationBatch(GenerationBatch):
@@ -174,6 +200,49 @@ class ServingGenerationBatch(GenerationBatch):
         super().extend(batch)
 
 
+class PrefilledGroup(GenerationBatch):
+    """Newcomers prefilled through their last prompt token (engines/prompt_end.py): mlx-lm's
+    generation batch whose opening step samples the first tokens from the prefill's logits
+    instead of feeding the last prompt token in a forward pass of its own.
+
+    After it, the group is what mlx-lm's opening step leaves: ``tokens`` hold the whole
+    prompts, the first tokens are in flight (``_next_tokens``), and the logits processors
+    saw the whole prompt as context. It only ever joins the decode batch (``extend``),
+    which steps its rows from then on.
+    """
+
+    def __init__(self, *args: Any, logits: mx.array, **kwargs: Any) -> None:
+        self._logits: mx.array | None = logits
+        super().__init__(*args, **kwargs)
+
+    def _step(self) -> Any:
+        logits, self._logits = self._logits, None
+        if logits is None:
+            raise RuntimeError("a prefilled group joins the decode batch; it is not stepped")
+        if any(self.logits_processors):
+            rows = []
+            for e, processors in enumerate(self.logits_processors):
+                row = logits[e:e + 1]
+                for processor in processors or ():
+                    row = processor(self._token_context[e].state, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [self.fallback_sampler if s is None else s
+                    for s in (self.samplers or [None] * len(self.uids))]
+        if all(s is samplers[0] for s in samplers):  # mlx-lm's one batched call
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)],
+                                     axis=0)
+        # as mlx-lm's opening step leaves them: the last prompt tokens current, the first
+        # tokens next, in flight
+        self._current_tokens, self._current_logprobs = self._next_tokens, self._next_logprobs
+        self._next_tokens, self._next_logprobs = sampled, list(logprobs)
+        mx.async_eval(self._next_tokens, self._next_logprobs)
+        return None
+
+
 def fill_order(keep: list[int]) -> list[int]:
     """``keep`` reordered so that rows kept below ``len(keep)`` stay where they are and
     the rows kept above it fill the holes, in order: the fewest rows move."""
@@ -200,13 +269,82 @@ class ServingBatchGenerator(BatchGenerator):
     they join the one decode batch made here, which every step runs.
     """
 
-    def __init__(self, model: Any, *, defer_leaves: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: Any, *, defer_leaves: bool = False, prompt_end: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
-        self._prompt_batch = ServingPromptBatch.empty(
-            self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+        self.prompt_end = prompt_end
+        self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
         self._generation_batch = batch
+
+    def _empty_prompt_batch(self) -> ServingPromptBatch:
+        return ServingPromptBatch.empty(self.model, self.sampler,
+                                        prefill_step_size=self.prefill_step_size)
+
+    def _next(self) -> tuple[list, list]:
+        """mlx-lm's step; with ``prompt_end`` (a model :func:`supports_prompt_end`), a
+        prompt's last token goes into its last prefill chunk and the row joins the decode
+        batch in the same step, its first token sampled from that pass (engines/
+        prompt_end.py): no pass of its own for the last token, and the first token a step
+        earlier. Otherwise as mlx-lm's: the decode step, newcomers into the prompt batch,
+        one prefill chunk each."""
+        if not self.prompt_end:
+            return super()._next()
+        prompt_responses: list = []
+        generation_responses: list = []
+        batch = self._generation_batch
+        counters = self._counters
+        if len(batch) > 0:
+            tic = time.perf_counter()
+            generation_responses = batch.next()
+            counters.decode_time += time.perf_counter() - tic
+            counters.generation_tokens += len(generation_responses)
+            counters.generation_steps += 1
+            if counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+        if len(batch) >= self.completion_batch_size:
+            return prompt_responses, generation_responses
+        n = min(self.prefill_batch_size - len(self._prompt_batch),
+                self.completion_batch_size - len(batch), len(self._unprocessed_sequences))
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+        prompts = self._prompt_batch
+        chunks, ends = [], []
+        for uid, seq in zip(prompts.uids, self._currently_processing, strict=True):
+            segments = seq[0]
+            chunk = segments[0][:self.prefill_step_size]
+            segments[0] = segments[0][len(chunk):]
+            end_of_segment = not segments[0]
+            if end_of_segment:
+                segments.pop(0)
+            if len(segments) == 1 and len(segments[0]) == 1:  # the last token mlx-lm
+                chunk = chunk + segments.pop()  # split off at insert: it goes along
+            seq[1] += len(chunk)
+            chunks.append(chunk)
+            ends.append(not segments)
+            prompt_responses.append(PromptProcessingBatch.Response(
+                uid, (seq[1], seq[2]), end_of_segment, not segments))
+        counters.prompt_tokens += sum(len(c) for c in chunks)
+        tic = time.perf_counter()
+        if not any(ends):
+            prompts.prompt(chunks)
+        else:
+            logits = prompts.prompt_end(chunks)
+            done = [i for i, end in enumerate(ends) if end]
+            if len(done) == len(ends):
+                group, self._prompt_batch = prompts, self._empty_prompt_batch()
+            else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
+                group, logits = prompts.split(done), logits[mx.array(done)]
+            self._currently_processing = [
+                s for s, end in zip(self._currently_processing, ends, strict=True) if not end]
+            batch.extend(PrefilledGroup(
+                self.model, group.uids, mx.array([t[-1] for t in group.tokens]),
+                group.prompt_cache, group.tokens, group.samplers, group.fallback_sampler,
+                group.logits_processors, group.stop_sequences, group.max_tokens,
+                logits=logits))
+        counters.prompt_time += time.perf_counter() - tic
+        return prompt_responses, generation_responses
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         """mlx-lm's remove (a client gone), which indexes the decode batch by ``len()``:
@@ -230,7 +368,8 @@ class ServingBatchGenerator(BatchGenerator):
         still wait in mlx-lm's own queue or a prefilled group is about to join; otherwise
         what the prompt batch has room for. A prompt still mid-prefill (longer than a
         prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next
-        chunk.
+        chunk. With ``prompt_end`` a group joins in its prefill step, so no group is ever
+        about to join when this is asked; only mlx-lm's own queue holds newcomers back.
         """
         rows = self._currently_processing
         if self._unprocessed_sequences or (
