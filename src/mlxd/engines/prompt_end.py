@@ -8,13 +8,14 @@ decode step of the whole batch does, and it puts a whole step between a prefill 
 row's first token (docs/benchmarks.md, "Round 2, session 17").
 
 Here the last token goes into the prefill's last chunk, and only the rows' last positions
-go through the model's final norm and LM head (the head over every position of a chunk
-costs more than the pass it saves). The model is not rewritten: during that one call its
-final norm is wrapped so that it keeps each row's last position first. Every position of
-a decoder is independent after its final norm (the head, logit scaling, soft-capping),
-so the logits are the model's own. Which models this holds for is checked, not assumed:
-:func:`supports_prompt_end` runs a short prompt both ways at load, and a model whose
-final norm is named otherwise, or whose logits differ, keeps mlx-lm's extra pass.
+go through the model's final norm and LM head (over every position of a chunk the head
+would cost its vocabulary-sized matmul once per prompt token). The model is not
+rewritten: during that one call its final norm is wrapped so that it keeps each row's
+last position first. Every position of a decoder is independent after its final norm
+(the head, logit scaling, soft-capping), so the logits are the model's own. Which models
+this holds for is checked, not assumed: :func:`supports_prompt_end` runs a short prompt
+both ways at load, and a model whose final norm is named otherwise, or whose logits
+differ, keeps mlx-lm's extra pass.
 """
 
 from __future__ import annotations
