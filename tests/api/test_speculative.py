@@ -108,12 +108,15 @@ def poor(tmp_path_factory, tiny_llama):
 
 @pytest.fixture(scope="module")
 def self_drafted(tmp_path_factory, tiny_llama):
-    """The target as its own draft (a directory path): every draft token is accepted."""
+    """The target as its own draft (a directory path): every draft token is accepted.
+    Every batch of up to 16 rows speculates: whether a step of 16 concurrent requests
+    speculates must not hang on how their arrivals happen to split into groups."""
     copy = tmp_path_factory.mktemp("m") / "same-draft"
     shutil.copytree(tiny_llama, copy)
     srv = LiveServer(make_settings(
         tmp_path_factory.mktemp("spec-self"), tiny_llama,
-        engine=_engine(speculative="draft", draft_model=str(copy)))).start()
+        engine=_engine(speculative="draft", draft_model=str(copy),
+                       speculative_max_batch=16))).start()
     yield srv
     srv.stop()
 
