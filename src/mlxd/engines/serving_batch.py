@@ -25,7 +25,7 @@ On the CPU a row costs its arithmetic, so there rows leave at once, as in mlx-lm
 
 With ``prompt_end`` (a model engines/prompt_end.py checked), the scheduler's step is mlx-lm's
 but for a prompt's last token: it goes into the last prefill chunk, the first token is
-sampled from that pass (:class:`PrefilledGroup`), and the group joins the decode batch in
+sampled from that pass (:func:`prefilled_group`), and the group joins the decode batch in
 the same step, where mlx-lm feeds that token in a pass of its own a step later.
 
 Everything else is mlx-lm's: the batch's right padding, chunking by
@@ -200,47 +200,25 @@ class ServingGenerationBatch(GenerationBatch):
         super().extend(batch)
 
 
-class PrefilledGroup(GenerationBatch):
-    """Newcomers prefilled through their last prompt token (engines/prompt_end.py): mlx-lm's
-    generation batch whose opening step samples the first tokens from the prefill's logits
-    instead of feeding the last prompt token in a forward pass of its own.
+def prefilled_group(model: Any, group: PromptProcessingBatch, logits: mx.array
+                    ) -> GenerationBatch:
+    """``group`` (prefilled through each row's last prompt token) as mlx-lm's generation
+    batch, its first tokens sampled from ``logits`` (the prefill's last positions).
 
-    After it, the group is what mlx-lm's opening step leaves: ``tokens`` hold the whole
-    prompts, the first tokens are in flight (``_next_tokens``), and the logits processors
-    saw the whole prompt as context. It only ever joins the decode batch (``extend``),
-    which steps its rows from then on.
+    mlx-lm's opening step feeds each row's last prompt token in a forward pass and samples
+    from its logits (processors with the whole prompt as context, the batch's one sampler
+    call or per-row samplers). That step runs here as it is, with ``logits`` standing in
+    for its forward pass: the tokens it is given stop before the last prompt token, which
+    the step appends, as in mlx-lm. The batch only ever joins the decode batch
+    (``extend``), which runs the model from then on.
     """
-
-    def __init__(self, *args: Any, logits: mx.array, **kwargs: Any) -> None:
-        self._logits: mx.array | None = logits
-        super().__init__(*args, **kwargs)
-
-    def _step(self) -> Any:
-        logits, self._logits = self._logits, None
-        if logits is None:
-            raise RuntimeError("a prefilled group joins the decode batch; it is not stepped")
-        if any(self.logits_processors):
-            rows = []
-            for e, processors in enumerate(self.logits_processors):
-                row = logits[e:e + 1]
-                for processor in processors or ():
-                    row = processor(self._token_context[e].state, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        samplers = [self.fallback_sampler if s is None else s
-                    for s in (self.samplers or [None] * len(self.uids))]
-        if all(s is samplers[0] for s in samplers):  # mlx-lm's one batched call
-            sampled = samplers[0](logprobs)
-        else:
-            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)],
-                                     axis=0)
-        # as mlx-lm's opening step leaves them: the last prompt tokens current, the first
-        # tokens next, in flight
-        self._current_tokens, self._current_logprobs = self._next_tokens, self._next_logprobs
-        self._next_tokens, self._next_logprobs = sampled, list(logprobs)
-        mx.async_eval(self._next_tokens, self._next_logprobs)
-        return None
+    batch = GenerationBatch(
+        lambda inputs, cache=None: logits[:, None, :], group.uids,
+        mx.array([t[-1] for t in group.tokens]), group.prompt_cache,
+        [t[:-1] for t in group.tokens], group.samplers, group.fallback_sampler,
+        group.logits_processors, group.stop_sequences, group.max_tokens)
+    batch.model = model
+    return batch
 
 
 def fill_order(keep: list[int]) -> list[int]:
@@ -338,11 +316,7 @@ class ServingBatchGenerator(BatchGenerator):
                 group, logits = prompts.split(done), logits[mx.array(done)]
             self._currently_processing = [
                 s for s, end in zip(self._currently_processing, ends, strict=True) if not end]
-            batch.extend(PrefilledGroup(
-                self.model, group.uids, mx.array([t[-1] for t in group.tokens]),
-                group.prompt_cache, group.tokens, group.samplers, group.fallback_sampler,
-                group.logits_processors, group.stop_sequences, group.max_tokens,
-                logits=logits))
+            batch.extend(prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
 
