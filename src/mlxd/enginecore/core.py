@@ -3,12 +3,11 @@
 Three threads:
 
 * the **device thread** (runtime/worker.py): loads, prefills, decode steps and encoder
-  passes, nothing else. What a step produced goes, as one list, to
-  :class:`FrontendChannel` which turns it into one :class:`~.protocol.Outputs` message per
-  front end and queues it for the output thread;
-* the **output thread**: the only one that writes to the front ends' sockets (msgspec
-  encoding and ZeroMQ sends stay off the device thread), and the heartbeat every
-  :data:`HEARTBEAT_S`, which front ends use to tell a busy core from a dead one;
+  passes. What a step produced goes, as one list, to :class:`FrontendChannel`, which turns
+  it into one :class:`~.protocol.Outputs` message per front end and sends it then and
+  there (enginecore/outlet.py says why not through another thread);
+* the **heartbeat thread**: a heartbeat to every front end each :data:`HEARTBEAT_S`, which
+  front ends use to tell a busy core from a dead one;
 * the **main thread**'s asyncio loop: reads requests, runs the model manager (loads,
   LRU/TTL, memory budget), admission, leases, and the calls (status, embed, rerank...).
 
@@ -20,11 +19,9 @@ can catch. One recovery path for every way a core can die.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -42,6 +39,7 @@ from mlxd.config import Settings
 from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
 from mlxd.enginecore import protocol as p
+from mlxd.enginecore.outlet import Outlet
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +88,7 @@ class FrontendChannel:
                 finished.append(rid)
             outs.append(so)
         core = self.core
-        core.out.put((self.frontend, p.Outputs(core.epoch, outs)))
+        core.outlet.send(self.frontend, p.Outputs(core.epoch, outs))
         if finished:
             try:
                 core.loop.call_soon_threadsafe(core.finished, finished)
@@ -117,7 +115,7 @@ class EngineCore:
         self.startup_error: str | None = None
         self._inflight = 0
         self.admitted_total = 0  # generations admitted since start (per-core load, /health)
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.outlet = Outlet(self._heartbeat)
         self._live: dict[str, _Live] = {}
         self._aborted: deque[str] = deque(maxlen=4096)  # aborts that beat their Add
         self._channels: dict[int, FrontendChannel] = {}
@@ -142,9 +140,9 @@ class EngineCore:
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(core_address(self.run_dir))
-        out_thread = threading.Thread(target=self._output_loop, name="mlxd-core-out",
-                                      daemon=True)
-        out_thread.start()
+        stop_beats = threading.Event()
+        threading.Thread(target=self.outlet.run_heartbeat, args=(HEARTBEAT_S, stop_beats),
+                         name="mlxd-core-heartbeat", daemon=True).start()
         self.models.store.clean_temp()
         self.worker.start()
         tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
@@ -162,6 +160,7 @@ class EngineCore:
                     continue
                 self._dispatch(msg)
         finally:
+            stop_beats.set()
             for t in tasks:
                 t.cancel()
 
@@ -175,7 +174,7 @@ class EngineCore:
             self.startup_error = f"{type(exc).__name__}: {exc}"
         _freeze_heap()
         self.ready = True
-        self.out.put(("heartbeat",))
+        self.outlet.beat()
 
     async def _sweep(self, every: float = 0.5) -> None:
         """Unload models whose keep_alive ran out."""
@@ -206,7 +205,7 @@ class EngineCore:
             await asyncio.sleep(0.05)
         log.critical("device thread died (%s); the engine core exits for a restart",
                      self.worker.error)
-        await asyncio.sleep(0.2)  # let the output thread send the failed sequences
+        await asyncio.sleep(0.2)  # let ZeroMQ's I/O thread deliver the failed sequences
         os._exit(3)
 
     async def _watch_parent(self, parent: int) -> None:
@@ -220,7 +219,7 @@ class EngineCore:
     def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, p.Hello):
             self._channels.setdefault(msg.frontend, FrontendChannel(self, msg.frontend))
-            self.out.put(("connect", msg.frontend, msg.address))
+            self.outlet.connect(msg.frontend, msg.address)
             return
         if isinstance(msg, p.Bye):
             self._drop_frontend(msg.frontend)
@@ -243,8 +242,8 @@ class EngineCore:
             self._calls[key] = asyncio.create_task(self._call(msg))
 
     def _reply_error(self, fe: int, rid: str, exc: BaseException) -> None:
-        self.out.put((fe, p.Outputs(self.epoch, [p.SeqOut(
-            rid, [], "error", error=p.error_to_wire(exc), accepted=True)])))
+        self.outlet.send(fe, p.Outputs(self.epoch, [p.SeqOut(
+            rid, [], "error", error=p.error_to_wire(exc), accepted=True)]))
 
     async def _add(self, m: p.Add) -> None:
         fe = m.frontend
@@ -293,8 +292,8 @@ class EngineCore:
         seq.handle = (channel, (m.rid, seq))
         self._live[m.rid] = _Live(lease, engine, seq, fe)
         self.admitted_total += 1
-        self.out.put((fe, p.Outputs(self.epoch, [p.SeqOut(
-            m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))])))
+        self.outlet.send(fe, p.Outputs(self.epoch, [p.SeqOut(
+            m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))]))
         self.worker.submit(engine, seq)
 
     def _vision_prompt(self, engine: Any, m: p.Add) -> Any:
@@ -346,7 +345,7 @@ class EngineCore:
         for key, task in list(self._calls.items()):
             if key[0] == fe:
                 task.cancel()
-        self.out.put(("disconnect", fe))
+        self.outlet.disconnect(fe)
 
     # -- calls -------------------------------------------------------------------------------
     async def _call(self, m: p.Call) -> None:
@@ -364,57 +363,11 @@ class EngineCore:
             reply = p.Reply(self.epoch, m.cid, None, p.error_to_wire(exc))
         finally:
             self._calls.pop((m.frontend, m.cid), None)
-        self.out.put((m.frontend, reply))
+        self.outlet.send(m.frontend, reply)
 
-    # -- the output thread -------------------------------------------------------------------
-    def _output_loop(self) -> None:
-        ctx = zmq.Context()
-        socks: dict[int, zmq.Socket] = {}
-        enc = p.encoder()
-        pid = os.getpid()
-        last_beat = 0.0
-
-        def beat(targets: list[zmq.Socket]) -> None:
-            msg = enc.encode(p.Heartbeat(self.epoch, pid, self.ready, self.startup_error,
-                                         self._inflight))
-            for s in targets:
-                with contextlib.suppress(zmq.Again):
-                    s.send(msg, zmq.NOBLOCK)
-
-        while True:
-            try:
-                item = self.out.get(timeout=HEARTBEAT_S)
-            except queue.Empty:
-                item = None
-            now = time.monotonic()
-            if item is not None:
-                head = item[0]
-                if head == "connect":
-                    _, fe, address = item
-                    old = socks.pop(fe, None)
-                    if old is not None:
-                        old.close(0)
-                    s = ctx.socket(zmq.PUSH)
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.setsockopt(zmq.SNDHWM, 0)
-                    s.connect(address)
-                    socks[fe] = s
-                    beat([s])
-                elif head == "disconnect":
-                    s = socks.pop(item[1], None)
-                    if s is not None:
-                        s.close(0)
-                elif head == "heartbeat":
-                    beat(list(socks.values()))
-                    last_beat = now
-                else:
-                    s = socks.get(head)
-                    if s is not None:
-                        with contextlib.suppress(zmq.Again):
-                            s.send(enc.encode(item[1]), zmq.NOBLOCK)
-            if now - last_beat >= HEARTBEAT_S:
-                beat(list(socks.values()))
-                last_beat = now
+    def _heartbeat(self) -> p.Heartbeat:
+        return p.Heartbeat(self.epoch, os.getpid(), self.ready, self.startup_error,
+                           self._inflight)
 
 
 def _freeze_heap() -> None:

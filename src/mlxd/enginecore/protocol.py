@@ -161,7 +161,7 @@ class Reply(msgspec.Struct, tag="reply", array_like=True, gc=False):
 
 
 class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
-    """Sent on connect and every few hundred ms by the core's output thread (never by the
+    """Sent on connect and every few hundred ms by the core's heartbeat thread (never by the
     device thread, so a long step does not look like a death). ``ready``: the pinned models
     are loaded."""
 
