@@ -5,9 +5,11 @@ step. They used to be queued for an output thread that did the encoding and the 
 hand-off per step in which the output thread wakes, waits for the GIL the device thread
 holds (up to the switch interval) and gives it back, host time that lands between two
 decode steps whenever the host, not the device, sets the pace (one row of a small model on
-a GPU). The encoding (msgspec, a few microseconds for a step's batch) and a non-blocking
-ZeroMQ send (a copy into the socket's pipe; ZeroMQ's I/O thread does the rest) cost less
-than that hand-off did.
+a GPU). What the device thread takes on instead is the encoding (msgspec, microseconds
+for a step's batch) and a non-blocking ZeroMQ send (a copy into the socket's pipe; ZeroMQ's
+I/O thread does the rest). Measured against the output thread in the same pairs
+(docs/benchmarks.md, "Round 2, session 18"): level on an H200 at 1 and 16 clients, ahead on
+the CPU at 16 (1.01 against 0.97 of the engine alone).
 
 ZeroMQ sockets are not thread-safe: a socket may change threads only across a full memory
 barrier. Every use of a socket here, from the device thread, the event loop (replies,
