@@ -1,6 +1,6 @@
 """Step trace for diagnosis (benchmarks/h200_gap.sh trace): put this folder first on
 PYTHONPATH and set STEP_TRACE=PREFIX; every process that runs an mlx-lm BatchGenerator (the
-engine alone, mlxd's engine core) appends one JSON line per ``_next`` call to
+engine alone, mlxd's engine core) appends one JSON line per step (``_next`` call) to
 PREFIX.<pid>.jsonl: [start, duration ms, decode rows before, prompt-batch rows, queued rows,
 prompt tokens processed, decode rows after, the CPU the call ended on]. ``summary.py`` beside
 it sums them up.
@@ -33,11 +33,16 @@ if _out:
     except (OSError, AttributeError):
         _getcpu = lambda: -1  # noqa: E731
 
-    def _trace(gen_module) -> None:
-        batch = gen_module.BatchGenerator
-        orig = batch._next
+    def _trace(cls) -> None:
+        """Wraps ``cls._next``: mlx-lm's BatchGenerator, and mlxd's ServingBatchGenerator,
+        whose own ``_next`` (a prompt's last token in its last prefill chunk) a patch of the
+        base never sees. A step is written once: the outermost ``_next`` of a call writes
+        it (the subclass's calls the base's when its prompt-end path is off)."""
+        orig = cls.__dict__["_next"]
 
         def _next(self):
+            if _state.get("depth"):
+                return orig(self)
             if _state["f"] is None:
                 _state["f"] = open(f"{_out}.{os.getpid()}.jsonl", "w", buffering=1)  # noqa: SIM115
                 pin = os.environ.get("STEP_TRACE_PIN")
@@ -46,14 +51,18 @@ if _out:
             gb, pb = len(self._generation_batch), len(self._prompt_batch)
             up, pt0 = len(self._unprocessed_sequences), self._counters.prompt_tokens
             t0 = time.perf_counter()
-            res = orig(self)
+            _state["depth"] = 1
+            try:
+                res = orig(self)
+            finally:
+                _state["depth"] = 0
             ms = (time.perf_counter() - t0) * 1000
             _state["f"].write(json.dumps([round(t0, 5), round(ms, 3), gb, pb, up,
                                           self._counters.prompt_tokens - pt0,
                                           len(self._generation_batch), _getcpu()]) + "\n")
             return res
 
-        batch._next = _next
+        cls._next = _next
 
     def _hook(name, *args, **kwargs):
         module = _orig(name, *args, **kwargs)
@@ -61,7 +70,12 @@ if _out:
             g = sys.modules.get("mlx_lm.generate")
             if g is not None and hasattr(g, "BatchGenerator"):
                 _state["traced"] = True
-                _trace(g)
+                _trace(g.BatchGenerator)
+        if "serving_traced" not in _state:
+            sb = sys.modules.get("mlxd.engines.serving_batch")
+            if sb is not None and hasattr(sb, "ServingBatchGenerator"):
+                _state["serving_traced"] = True
+                _trace(sb.ServingBatchGenerator)
         if os.environ.get("STEP_TRACE_PREFILL_CLEARS") == "1" and "clears" not in _state:
             sb = sys.modules.get("mlxd.engines.serving_batch")
             if sb is not None and hasattr(sb, "CACHE_KEEP_BYTES"):
