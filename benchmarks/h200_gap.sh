@@ -28,7 +28,8 @@
 #   bash benchmarks/h200_gap.sh aging [LABEL]    # a long-lived mlxd, ROUNDS rounds: prefix
 #                                                #     cache off, disk tier off, as shipped
 #   bash benchmarks/h200_gap.sh pairs [LABEL]    # #11's table as interleaved pairs
-#                                                #     (PAIRS=K, ALSO_AW=2, PAIRS_SKIP=...)
+#                                                #     (PAIRS=K, ALSO_AW=2, PAIRS_SKIP=...,
+#                                                #     TRACE=1: every side step-traced)
 #   bash benchmarks/h200_gap.sh spec [LABEL]     # after upload a, c, d: #14's prompt lookup
 #                                                #     at batch 1 against the engine alone
 #   bash benchmarks/h200_gap.sh native [LABEL]   # after upload a, c, d: SmolLM2 as the store
@@ -274,8 +275,13 @@ pairs)
   # one mlxd server both loaded, per level PAIRS pairs of passes seconds apart in ABBA
   # order; ALSO_AW=2 adds a server with --api-workers 2 as a third side, PAIRS_SKIP=
   # mlx_lm,engine leaves the engine out (the --api-workers comparison alone); ALSO_ENV=
-  # "NAME:VAR=VALUE,... NAME2:..." adds a server side per word with those settings
+  # "NAME:VAR=VALUE,... NAME2:..." adds a server side per word with those settings;
+  # TRACE=1 step-traces every side (benchmarks/step_trace), summed up after the run
   python3 -c "import mlx.core" 2>/dev/null || install
+  if [ -n "${TRACE:-}" ]; then
+    rm -f /tmp/gap/t.*.jsonl
+    export STEP_TRACE=/tmp/gap/t PYTHONPATH=$here/step_trace:$PYTHONPATH
+  fi
   also_env=(); for spec in ${ALSO_ENV:-}; do also_env+=(--also-env "$spec"); done
   (cd "$root" && git log -1 --format='commit %h %s' 2>/dev/null) > /tmp/gap/pairs.txt
   date -u >> /tmp/gap/pairs.txt
@@ -283,6 +289,10 @@ pairs)
     --interleave ${PAIRS:-4} ${ALSO_AW:+--also-api-workers $ALSO_AW} "${also_env[@]}" \
     ${PAIRS_SKIP:+--skip $PAIRS_SKIP} --out "$OUT/pairs-$label.json" 2>&1 \
     | grep -E '^\||C=' | tee -a /tmp/gap/pairs.txt
+  if [ -n "${TRACE:-}" ]; then
+    python3 "$here/step_trace/summary.py" /tmp/gap/t | tee -a /tmp/gap/pairs.txt
+    tar czf "$OUT/pairs-$label-trace.tgz" -C /tmp/gap $(cd /tmp/gap && ls t.*.jsonl)
+  fi
   cp /tmp/gap/pairs.txt "$OUT/pairs-$label.txt"
   ;;
 spec)

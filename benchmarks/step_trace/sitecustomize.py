@@ -1,7 +1,7 @@
 """Step trace for diagnosis (benchmarks/h200_gap.sh trace): put this folder first on
 PYTHONPATH and set STEP_TRACE=PREFIX; every process that runs an mlx-lm BatchGenerator (the
 engine alone, mlxd's engine core) appends one JSON line per step (``_next`` call) to
-PREFIX.<pid>.jsonl: [start, duration ms, decode rows before, prompt-batch rows, queued rows,
+PREFIX.<who>-<pid>.jsonl (who: core, engine or proc): [start, duration ms, decode rows before, prompt-batch rows, queued rows,
 prompt tokens processed, decode rows after, the CPU the call ended on]. ``summary.py`` beside
 it sums them up.
 
@@ -44,7 +44,11 @@ if _out:
             if _state.get("depth"):
                 return orig(self)
             if _state["f"] is None:
-                _state["f"] = open(f"{_out}.{os.getpid()}.jsonl", "w", buffering=1)  # noqa: SIM115
+                argv0 = sys.argv[0] if sys.argv else ""
+                who = ("core" if "enginecore" in argv0 else "engine" if argv0 == "-c"
+                       else "proc")  # mlxd's engine core, serve_compare's engine alone
+                _state["f"] = open(f"{_out}.{who}-{os.getpid()}.jsonl", "w",  # noqa: SIM115
+                                   buffering=1)
                 pin = os.environ.get("STEP_TRACE_PIN")
                 if pin:
                     os.sched_setaffinity(0, {int(pin)})  # 0: the calling thread
