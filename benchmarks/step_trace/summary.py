@@ -66,6 +66,8 @@ def show_runs(rows: list[list]) -> None:
 
 def main() -> None:
     for path in sorted(glob.glob(sys.argv[1] + ".*.jsonl")):
+        if ".req." in path:  # STEP_TRACE_REQS's request log, not steps
+            continue
         with open(path) as f:
             rows = [json.loads(line) for line in f]
         if len(rows) < 50:
