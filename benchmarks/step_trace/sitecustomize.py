@@ -1,9 +1,9 @@
 """Step trace for diagnosis (benchmarks/h200_gap.sh trace): put this folder first on
 PYTHONPATH and set STEP_TRACE=PREFIX; every process that runs an mlx-lm BatchGenerator (the
 engine alone, mlxd's engine core) appends one JSON line per step (``_next`` call) to
-PREFIX.<who>-<pid>.jsonl (who: core, engine or proc): [start, duration ms, decode rows before, prompt-batch rows, queued rows,
-prompt tokens processed, decode rows after, the CPU the call ended on]. ``summary.py`` beside
-it sums them up.
+PREFIX.<who>-<pid>.jsonl (who: core, engine or proc): [start, duration ms, decode rows
+before, prompt-batch rows, queued rows, prompt tokens processed, decode rows after, the CPU
+the call ended on]. ``summary.py`` beside it sums them up.
 
 Two knobs for A/B runs, never used by mlxd itself:
 STEP_TRACE_LOAD_ON_DEVICE=1 builds chat models on the device thread (the loader thread only
