@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops"), str(Path(__file__).parent)]
+from mlxd_proc import UNHANDLED, unhandled_samples  # noqa: E402
 from serve_compare import free_port, wait_healthy  # noqa: E402
 
 
@@ -64,19 +64,6 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str, Path]:
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, "/health", timeout=300)
     return proc, url, log
-
-
-# the API's catch-all handler's log record (api/errors.py), not a generated path that
-# happens to say "unhandled error" (the fuzzer's strings did, in an access-log line)
-UNHANDLED = re.compile(r" ERROR mlxd\.api\.errors: unhandled error\b")
-
-
-def unhandled_samples(text: str, keep: int = 10, lines: int = 25) -> list[str]:
-    """The first ``keep`` "unhandled error" log records with the lines after them (the
-    traceback): a count alone says something went wrong, not what."""
-    rows = text.splitlines()
-    at = [i for i, row in enumerate(rows) if UNHANDLED.search(row)][:keep]
-    return ["\n".join(rows[i:i + lines]) for i in at]
 
 
 def main() -> None:

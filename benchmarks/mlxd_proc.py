@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+# the API's catch-all handler's log record (api/errors.py), not a generated path that
+# happens to say "unhandled error" (the fuzzer's strings did, in an access-log line)
+UNHANDLED = re.compile(r" ERROR mlxd\.api\.errors: unhandled error\b")
+
+
+def unhandled_samples(text: str, keep: int = 10, lines: int = 25) -> list[str]:
+    """The first ``keep`` "unhandled error" log records with the lines after them (the
+    traceback): a count alone says something went wrong, not what."""
+    rows = text.splitlines()
+    at = [i for i, row in enumerate(rows) if UNHANDLED.search(row)][:keep]
+    return ["\n".join(rows[i:i + lines]) for i in at]
 
 
 def free_port() -> int:

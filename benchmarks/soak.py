@@ -34,6 +34,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ops"), str(Path(__file__).parent)]
+from mlxd_proc import UNHANDLED  # noqa: E402
 from serve_compare import free_port, wait_healthy  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def main() -> None:
                   "requests_in_flight": after.get("requests_in_flight"),
                   "models": [{k: m.get(k) for k in ("name", "running", "waiting")}
                              for m in after.get("models", [])]},
-        "unhandled_errors_in_server_log": server_log.count("unhandled error"),
+        "unhandled_errors_in_server_log": len(UNHANDLED.findall(server_log)),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
