@@ -149,7 +149,7 @@ def main() -> None:
     res = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "machine": f"{os.uname().machine} {os.cpu_count()} cpus", "idle": idle, "warm": warm, "after": after, "counts": counts, "seconds": took,
            "overhead_idle_bytes": idle["rss_bytes"] - idle["weights_bytes"],
-           # what #11 bounds: each front end's RSS (it holds no weights)
+           # the figure that grows with --api-workers: each front end's RSS (no weights)
            "front_end_rss_max_bytes": {k: max(v["rss_by_role"]["front_end"])
                                        for k, v in (("idle", idle), ("warm", warm),
                                                     ("after", after))},

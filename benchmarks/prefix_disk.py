@@ -14,7 +14,7 @@ request waits until the disk tier's queued writes are done, so no measurement sh
 CPU with a write.
 
     python benchmarks/prefix_disk.py --model-dir ~/.mlxd/models/smollm2-135m-instruct \\
-        --out docs/results/cpu-prefix-disk-smollm2.json
+        --out docs/results/cpu-prefix-disk-YYYY-MM-DD.json
 
 Without ``--model-dir`` the model is ``--model`` (an alias or store name) resolved from the
 store of ``--home``. ``--home`` defaults to a fresh temporary MLXD_HOME, so the disk tier

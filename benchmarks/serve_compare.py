@@ -13,10 +13,10 @@
 Ratios are computed against the engine and against mlx_lm.server from the same run.
 
 ``--rounds N`` (engine and mlxd only) alternates the two N times on fresh prompts per round,
-mlxd's server staying up: engine round 1, mlxd round 1, engine round 2, ... and reports each
+mlxd's server staying up: engine, mlxd, engine, mlxd, ... and reports each
 level's median ratio over the rounds. On a host whose CPU speed changes from minute to
 minute (an H200 VM: the same engine's decode step took 7 or 11.5 ms depending on when it
-ran, docs/benchmarks.md) one engine run and one mlxd run minutes apart compare the host's
+ran) one engine run and one mlxd run minutes apart compare the host's
 moods as much as the two programs.
 
 ``--interleave K`` goes further: the engine alone stays loaded in a process of its own
@@ -482,7 +482,7 @@ def main() -> None:
                      "--decode-concurrency", str(max(args.levels))],
                     dict(env, LD_PRELOAD=info.path), args.model_dir, args, "/v1/models")
     if "rounds" in results:
-        print(f"\nround 1 of {args.rounds}:", end="")
+        print(f"\nthe first of {args.rounds} rounds:", end="")
     print("\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
           "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm | decode tok/s per request "
           "engine / mlxd / mlx_lm |")

@@ -5,7 +5,7 @@ PREFIX.<who>-<pid>.jsonl (who: core, engine or proc): [start, duration ms, decod
 before, prompt-batch rows, queued rows, prompt tokens processed, decode rows after, the CPU
 the call ended on]. ``summary.py`` beside it sums them up.
 
-Two knobs for A/B runs, never used by mlxd itself:
+Knobs for A/B runs, never used by mlxd itself:
 STEP_TRACE_LOAD_ON_DEVICE=1 builds chat models on the device thread (the loader thread only
 waits for it), so their weights are made on the stream that runs them;
 STEP_TRACE_KEEP_SWITCH=1 leaves Python's GIL switch interval at its default;

@@ -3,7 +3,7 @@
 Loading a tokenizer parses its ``tokenizer.json`` more than once (mlx-lm reads it as
 Python objects to choose a detokenizer, the Rust tokenizer reads it again) and builds and
 drops large temporary maps. glibc keeps the freed pages in its arenas, so a front end's RSS
-stayed ~30 MB above what it uses (SmolLM2's 49k-token vocabulary, docs/benchmarks.md).
+stayed ~30 MB above what it uses (SmolLM2's 49k-token vocabulary, measured RSS).
 ``malloc_trim`` returns them; it is a no-op where the C library has none (macOS's
 allocator and musl return memory on their own).
 
@@ -12,7 +12,7 @@ only the main arena's top; a thread heap's top shrinks when a free finds more th
 ``M_TRIM_THRESHOLD`` there). glibc raises that threshold, and the mmap threshold with it,
 each time a large block is freed, up to 32/64 MB: after the tokenizer load's large
 temporaries, the loader thread's arena kept ~16 MB free but resident in every front end
-(152k-token vocabulary, docs/benchmarks.md). :func:`cap_thresholds` pins both thresholds
+(152k-token vocabulary, measured RSS). :func:`cap_thresholds` pins both thresholds
 low instead, for the front end's process only.
 """
 

@@ -419,7 +419,7 @@ def main(run_dir: str, epoch: int) -> None:
     # default 5 ms switch interval a step that needs the GIL back can wait up to 5 ms per
     # hand-off (a decode step of a 0.5B model on an H200 is ~10 ms); at 0.5 ms the device
     # loop got 12% (C=16) and 25% (C=64) more tokens/s through the server in an A/B on the
-    # H200 (docs/benchmarks.md).
+    # H200.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     if settings.engine.rank_group_size > 1:
         from mlxd.enginecore import group

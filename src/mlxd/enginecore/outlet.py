@@ -7,9 +7,9 @@ holds (up to the switch interval) and gives it back, host time that lands betwee
 decode steps whenever the host, not the device, sets the pace (one row of a small model on
 a GPU). What the device thread takes on instead is the encoding (msgspec, microseconds
 for a step's batch) and a non-blocking ZeroMQ send (a copy into the socket's pipe; ZeroMQ's
-I/O thread does the rest). Measured against the output thread in the same pairs
-(docs/benchmarks.md, "Round 2, session 18"): level on an H200 at 1 and 16 clients, ahead on
-the CPU at 16 (1.01 against 0.97 of the engine alone).
+I/O thread does the rest). Measured against the output thread in the same interleaved
+pairs: level on an H200 at 1 and 16 clients, ahead on a 2-core CPU at 16 (1.01 against
+0.97 of the engine alone).
 
 ZeroMQ sockets are not thread-safe: a socket may change threads only across a full memory
 barrier. Every use of a socket here, from the device thread, the event loop (replies,

@@ -15,7 +15,7 @@ Why not ``tokenizers.decoders.DecodeStream``: it decodes with the tokenizer's de
 pipeline, so mlx-lm's own streaming rules (trim one leading space, hold a lone space
 token, "!" for ids past the vocabulary, flushing in ``finalize``) would have to be copied
 around it, and it still streams the NUL byte token differently (mlx-lm: "Ā",
-DecodeStream: "\\x00"); see docs/benchmarks.md.
+DecodeStream: "\\x00").
 """
 
 from __future__ import annotations

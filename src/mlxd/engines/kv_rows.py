@@ -5,8 +5,8 @@ the decode batch (``extend``) pads every running row's keys and values and conca
 them with the newcomers', two copies of the whole batch's cache; rows leaving
 (``filter``) gather every row that stays into new arrays. On a CPU a row's KV is memory
 bandwidth: with SmolLM2-135M's cache at 16 rows a group of 8 joining cost 130-172 ms in
-the cache alone and 25-32 ms here (``benchmarks/kv_join_copy.py``; docs/benchmarks.md,
-"Round 2, session 16"), and a server's decode batch is joined and left all the time.
+the cache alone and 25-32 ms here (medians of 7 on a 2-core CPU), and a server's decode
+batch is joined and left all the time.
 
 :class:`RowPoolKVCache` keeps its arrays with more rows than the batch has (``capacity``):
 the live rows are the first ``rows``, the rest are spare. A group joins by writing its

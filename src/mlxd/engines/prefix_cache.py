@@ -34,7 +34,7 @@ turn gets in, its third hits. Two reasons: a flood of one-off prompts (a batch j
 benchmark of fresh prompts) no longer evicts the conversations and system prompts that do
 get reused, and a full tier stops copying the KV of every finished request only to free
 another's (on a CPU, servers whose full tier churned ran 6-12% below servers without a
-prefix cache at 16 clients: docs/benchmarks.md, sessions 9-10).
+prefix cache at 16 clients, in interleaved pairs).
 Only the device worker thread touches this object.
 """
 

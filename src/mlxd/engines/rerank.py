@@ -12,7 +12,7 @@
   query and document in plain words ("Query: ...\nDocument: ...\nIs the document relevant
   to the query? Answer with yes or no."; the <Instruct>/<Query>/<Document> tags confuse
   models not trained on them: SmolLM2-135M put the relevant document first in 0-1 of 6
-  easy cases with them, 6 of 6 without; docs/benchmarks.md),
+  easy cases with them, 6 of 6 without),
   and its "yes"/"no" spellings (yes, Yes, " yes"...) pooled. A chat model's scorer borrows
   the loaded chat engine's weights (see :meth:`LLMRerankEngine.sharing`): nothing is
   loaded twice.

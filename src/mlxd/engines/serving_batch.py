@@ -16,8 +16,8 @@ row finishes, and ``BatchKVCache.filter`` reads every layer's left padding back 
 host (``tolist``), which waits for the decode step just dispatched: the step's host work
 no longer overlaps the device's, and the next step meets a new batch shape. Behind HTTP
 rows finish one by one, so the core met two to three times as many such steps as the
-engine alone, whose rows finish in waves (docs/benchmarks.md, "round 2, session 4": a
-step in which rows leave cost about three decode steps). Here a finished row stays in the
+engine alone, whose rows finish in waves (on an H200 a step in which rows leave cost
+about three decode steps). Here a finished row stays in the
 batch, decoding tokens nobody reads, until the batch is reshaped anyway (newcomers join,
 which already waits for the device; a client goes away) or the finished rows are as many
 as the live ones; a decode step of a host-bound GPU costs the same with a few more rows.
@@ -338,7 +338,7 @@ class ServingBatchGenerator(BatchGenerator):
         splits the group off, starts its decoding and prefills the newcomers. On an H200
         such a mixed step cost about twice a clean prefill step, and a server's staggered
         arrivals made a third of its prefill steps mixed where an offline batch's waves
-        make none (docs/benchmarks.md, "round 2, session 4"). So: none while sequences
+        make none (step traces of both at 16 and 64 clients). So: none while sequences
         still wait in mlx-lm's own queue or a prefilled group is about to join; otherwise
         what the prompt batch has room for. A prompt still mid-prefill (longer than a
         prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next

@@ -263,8 +263,8 @@ class DraftModel:
         cache (None: any number). On a GPU the engine sets it to the catch-up lengths the
         warm-up runs (``num_draft + 1``): a row that resumes drafting after a pause has
         more to catch up, and on an H200 such a pass (~10-20 tokens into a cache of ~200)
-        met kernels nothing had run yet, 17-40 s for a quantized draft's first ones
-        (docs/benchmarks.md, "session 9"). In pieces it costs a few small passes instead."""
+        met kernels nothing had run yet, 17-40 s for a quantized draft's first ones;
+        in pieces it costs a few small passes (19-25 ms on first contact) instead."""
         self.model = model
         self.vocab = target_vocab
         self.step_size = prefill_step_size
@@ -304,8 +304,7 @@ class DraftModel:
         The loop matters apart from the feeds: from its second token on it feeds the model
         the argmax it just took, a uint32 array where feeds are int32, and so another
         kernel for the quantized embedding's lookup. On an H200 that first draft of two
-        tokens took 6 s after a warm-up without the loop, every other shape ~10-60 ms
-        (docs/benchmarks.md, "session 9")."""
+        tokens took 6 s after a warm-up without the loop, every other shape ~10-60 ms."""
         from mlx_lm.models.cache import make_prompt_cache
 
         cache = make_prompt_cache(self.model)

@@ -40,7 +40,7 @@ TOOL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
 
 class GrammarCompiler:
     """One model's grammars: its llguidance tokenizer (built on first use: it copies the
-    whole vocabulary into tries, 60-90 MB for a 150k-token vocabulary, docs/benchmarks.md)
+    whole vocabulary into tries, 60-90 MB for a 150k-token vocabulary)
     and the validation results of recent grammars."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:

@@ -84,7 +84,7 @@ def _drop_build_inputs(hf: Any) -> None:
     keep both as ``_vocab`` and ``_merges``; only ``save_pretrained`` of a few families
     reads them again, which mlxd never calls on a loaded tokenizer. For a 150k-token
     vocabulary with its merges that is 15-40 MB in every front end and engine core
-    (docs/benchmarks.md). Everything else reads the Rust tokenizer, which stays.
+    (measured RSS). Everything else reads the Rust tokenizer, which stays.
     """
     try:
         from tokenizers import Tokenizer

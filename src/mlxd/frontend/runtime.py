@@ -117,7 +117,7 @@ class Runtime:
         gc.freeze()  # start-up objects out of the cyclic collector's walks (see enginecore)
         heap.release_free_memory()  # what imports and tokenizer loads freed (core/heap.py)
         # the event loop shares the GIL with ZeroMQ's reader: hand it over in 0.5 ms, not 5
-        # (measured with the engine core's same setting, docs/benchmarks.md)
+        # (measured with the engine core's same setting in an A/B on an H200)
         sys.setswitchinterval(0.0005)
 
     async def _warm_processors(self) -> None:

@@ -4,7 +4,7 @@ A front end templates, tokenizes, parses tool calls and detokenizes with mlx-lm'
 (``mlx_lm.tokenizer_utils``, ``mlx_lm.tool_parsers``, ``mlx_lm.chat_templates``), none of
 which imports MLX. mlx-lm's package ``__init__`` does: it imports its generation and
 conversion entry points, and with them MLX and its model code (~7 MB of every front end's
-memory, docs/benchmarks.md), although the engine core owns everything MLX
+memory, measured with memory_soak.py), although the engine core owns everything MLX
 (docs/architecture.md). So a front-end process registers the package without running that
 ``__init__``: its submodules import as usual (Python finds them through the package's
 ``__path__``); only the names the ``__init__`` binds (``mlx_lm.load``, ``mlx_lm.generate``,
