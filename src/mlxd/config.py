@@ -711,17 +711,33 @@ class ApiKey(_Section):
     tokens_per_minute: int | None = Field(
         None, ge=1, description="Prompt + completion tokens per minute."
     )
+    admin: bool = Field(
+        False, description="An admin key sees every key's requests in the web UI's request "
+        "log (others see only their own); stored objects stay private to each key either "
+        "way. In MLXD_API_KEYS and the key file: the word 'admin' after the key, separated "
+        "by whitespace ('name:key admin' or 'key admin')."
+    )
 
 
 def parse_key_item(item: Any) -> Any:
-    """``"name:key"`` or ``"key"`` (from MLXD_API_KEYS or a key file) -> ApiKey fields."""
+    """``"name:key"`` or ``"key"`` (from MLXD_API_KEYS or a key file) -> ApiKey fields.
+
+    Either may end in whitespace and the word ``admin`` (``"alice:sk-1 admin"``): an admin
+    key. A key sent as a Bearer token holds no whitespace, so the flag is never confused with
+    a key, also one that holds ':'; any other text after whitespace stays part of the key,
+    as it always was."""
     if not isinstance(item, str):
         return item
     item = item.strip()
+    words = item.split()
+    admin = len(words) == 2 and words[1] == "admin"
+    if admin:
+        item = words[0]
+    extra = {"admin": True} if admin else {}
     name, sep, key = item.partition(":")
     if sep and key and name and all(c.isalnum() or c in "-_." for c in name):
-        return {"name": name, "key": key}
-    return {"key": item}
+        return {"name": name, "key": key, **extra}
+    return {"key": item, **extra}
 
 
 RATE_LIMIT_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -742,8 +758,8 @@ class SecuritySettings(_Section):
     api_key_file: Path | None = Field(
         None,
         description=(
-            "A file of keys, one per line ('key' or 'name:key'), '#' comments; re-read when "
-            "it changes."
+            "A file of keys, one per line ('key' or 'name:key', then ' admin' for an admin "
+            "key), '#' comments; re-read when it changes."
         ),
     )
     default_requests_per_minute: int | None = Field(

@@ -619,12 +619,21 @@ def test_charts_update_after_traffic(page, served):
 
 
 def test_requests_view_lists_filters_and_links_the_log_line(page, served):
+    with served.client() as c:  # a refusal of this key's own, for the 4xx filter below
+        assert c.post("/v1/chat/completions", json={}).status_code in (400, 422)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer not-a-key",
+                                            "X-Request-ID": "ui-someone-else"}
+                     ).status_code == 401
     page.goto(served.url + "/#requests")
     table = page.locator("[data-testid=requests]")
     table.locator("tr[data-rid]").first.wait_for()
     rows = table.locator("tr[data-rid]")
     text = table.inner_text()
     assert "/v1/chat/completions" in text and "tiny-llama" in text and "ui-tester" in text
+    # ui-tester is not an admin key: it is told it sees its own requests, and only those
+    assert "Only this key's requests" in page.inner_text("[data-testid=requests-scope]")
+    assert "ui-someone-else" not in table.evaluate(
+        "t => [...t.querySelectorAll('tr[data-rid]')].map(r => r.dataset.rid)")
     # the page itself, its files and its own polling are left out
     assert "/ui/" not in text and "unmatched" not in text
     page.select_option("select[name=status]", "4xx")

@@ -153,7 +153,8 @@ class AccessMiddleware:
                 f"rid={log_value(rid)}{' ' + extra if extra else ''}")
         log.info("%s", line, extra={"fields": fields})
         if self.recent is not None and not is_ui_route(route):
-            self.recent.add(fields, line)
+            who = state.get("principal")
+            self.recent.add(fields, line, who.owner if who is not None else None)
 
 
 RequestIdMiddleware = AccessMiddleware  # the name this class had before it did more

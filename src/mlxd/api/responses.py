@@ -11,7 +11,8 @@ sends the typed events the ``openai`` client's ``responses.create(stream=True)``
 
 Stored responses (``store``, on by default) live in a bounded in-memory LRU
 (``server.responses_store_size``): enough for ``previous_response_id`` chains and
-GET/DELETE, lost on restart.
+GET/DELETE, lost on restart. Each belongs to the API key that created it (api/owner.py):
+for any other key, GET, DELETE and ``previous_response_id`` answer 404 as for a missing id.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pydantic import Field
 
 from mlxd.api.common import Collected, collect, submit_n
 from mlxd.api.docs import SSE, streamed
+from mlxd.api.owner import Principal, principal
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
@@ -86,31 +88,36 @@ class ResponsesRequest(WireModel):
 
 
 class ResponseStore:
-    """id -> (response object, the conversation so far without instructions); LRU."""
+    """id -> (owner, response object, the conversation so far without instructions); LRU.
+
+    Another owner's response is missing to the caller: the same 404, and its place in the
+    LRU order is left alone."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, dict, list[dict]]] = OrderedDict()
 
-    def put(self, response: dict, history: list[dict]) -> None:
+    def put(self, who: Principal, response: dict, history: list[dict]) -> None:
         if self.size <= 0:
             return
-        self._items[response["id"]] = (response, history)
+        self._items[response["id"]] = (who.owner, response, history)
         self._items.move_to_end(response["id"])
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> tuple[dict, list[dict]]:
+    def get(self, who: Principal, rid: str) -> tuple[dict, list[dict]]:
         item = self._items.get(rid)
-        if item is None:
+        if item is None or not who.owns(item[0]):
             raise ResponseNotFound(f"Response with id '{rid}' not found.",
                                    param="previous_response_id")
         self._items.move_to_end(rid)
-        return item
+        return item[1], item[2]
 
-    def delete(self, rid: str) -> None:
-        if self._items.pop(rid, None) is None:
+    def delete(self, who: Principal, rid: str) -> None:
+        item = self._items.get(rid)
+        if item is None or not who.owns(item[0]):
             raise ResponseNotFound(f"Response with id '{rid}' not found.")
+        del self._items[rid]
 
 
 def _store(request: Request) -> ResponseStore:
@@ -259,7 +266,7 @@ class _Turn:
         self.created = int(time.time())
         history: list[dict] = []
         if body.previous_response_id:
-            _, history = _store(request).get(body.previous_response_id)
+            _, history = _store(request).get(principal(request), body.previous_response_id)
         images: list[ImageInput] = []
         self.history = [*history, *input_messages(body.input, images)]
         messages = list(self.history)
@@ -313,16 +320,17 @@ async def create_response(body: ResponsesRequest, request: Request):
     (gen,) = await submit_n(request, turn.req, 1)
     store = _store(request)
     if body.stream:
-        return sse_response(_stream(turn, gen, store), gen.close)
+        return sse_response(_stream(turn, gen, store, principal(request)), gen.close)
     res = await until_disconnect(request, collect(gen))
     status = "incomplete" if res.finish_reason == "length" else "completed"
     obj = turn.response(gen.model, status, _output(res), res.usage, res.finish_reason)
     if body.store:
-        store.put(obj, _history_after(turn.history, res))
+        store.put(principal(request), obj, _history_after(turn.history, res))
     return JSONResponse(obj)
 
 
-async def _stream(turn: _Turn, gen: Generation, store: ResponseStore) -> AsyncIterator[str]:
+async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Principal
+                  ) -> AsyncIterator[str]:
     seq = 0
 
     def event(kind: str, **data: Any) -> str:
@@ -424,7 +432,7 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore) -> AsyncIt
                 status = "incomplete" if ev.finish_reason == "length" else "completed"
                 final = turn.response(gen.model, status, output, res.usage, ev.finish_reason)
                 if turn.body.store:
-                    store.put(final, _history_after(turn.history, res))
+                    store.put(who, final, _history_after(turn.history, res))
                 kind = "response.incomplete" if status == "incomplete" else "response.completed"
                 yield event(kind, response=final)
     except MlxdError as exc:
@@ -434,12 +442,12 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore) -> AsyncIt
 @router.get("/v1/responses/{response_id}")
 @router.get("/responses/{response_id}", **ALIAS)
 async def get_response(response_id: str, request: Request):
-    obj, _ = _store(request).get(response_id)
+    obj, _ = _store(request).get(principal(request), response_id)
     return obj
 
 
 @router.delete("/v1/responses/{response_id}")
 @router.delete("/responses/{response_id}", **ALIAS)
 async def delete_response(response_id: str, request: Request):
-    _store(request).delete(response_id)
+    _store(request).delete(principal(request), response_id)
     return {"id": response_id, "object": "response", "deleted": True}

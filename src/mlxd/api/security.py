@@ -7,7 +7,8 @@ Keys
     The union of ``security.api_keys`` (config file or ``MLXD_SECURITY__API_KEYS``), the
     ``MLXD_API_KEYS`` environment variable (comma-separated ``key`` or ``name:key``) and
     ``security.api_key_file`` (one ``key`` or ``name:key`` per line, ``#`` comments; re-read
-    when it changes). No key anywhere: the API is open. A client sends
+    when it changes); either form may end in `` admin`` (an admin key, see api/owner.py).
+    No key anywhere: the API is open. A client sends
     ``Authorization: Bearer KEY`` or ``x-api-key: KEY``; the candidate is compared with every
     key's SHA-256 digest with :func:`hmac.compare_digest` (fixed length, no early exit), so
     timing tells neither which prefix matched nor how long the keys are. ``/health`` is
@@ -15,7 +16,8 @@ Keys
     ``/health`` answers a caller without a valid key only its status (``{"status": "ok"}``
     and the status code), the details (models, memory, load) need a key: ``anonymous`` in
     the request state tells the handler. The key's *name* (never the key) goes to the access
-    log.
+    log. Every admitted caller gets a ``principal`` in the request state (api/owner.py): the
+    owner of what it stores.
 
 Rate limits (token buckets, refilled continuously)
     ``requests_per_minute``: a request takes one token from its key's bucket before it runs.
@@ -61,6 +63,7 @@ from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.api.errors import anthropic_error, is_anthropic_path, ollama_error, openai_error
+from mlxd.api.owner import LOCAL_OPERATOR, Principal, owner_id
 from mlxd.api.ratelimit import RateLimits, StoreUnavailable, make_limits
 from mlxd.config import ConfigError, Settings, parse_key_item
 from mlxd.ui import is_public_ui_path
@@ -82,11 +85,14 @@ class KeyEntry:
     secret: bytes = field(repr=False)
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    admin: bool = False
     digest: bytes = field(init=False, repr=False)
+    principal: Principal = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # compared as fixed-length digests: not even the key's length leaks through timing
         self.digest = hashlib.sha256(self.secret).digest()
+        self.principal = Principal(owner_id(self.digest), self.admin, self.name)
 
 
 def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
@@ -97,7 +103,7 @@ def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
             continue
         item = parse_key_item(line)
         out.append(KeyEntry(item.get("name") or f"{prefix}-{len(out) + 1}",
-                            item["key"].encode()))
+                            item["key"].encode(), admin=item.get("admin", False)))
     return out
 
 
@@ -110,7 +116,8 @@ class KeyRing:
         self._static: list[KeyEntry] = []
         for i, k in enumerate(sec.api_keys, 1):
             self._static.append(KeyEntry(k.name or f"config-{i}", k.key.encode(),
-                                         k.requests_per_minute, k.tokens_per_minute))
+                                         k.requests_per_minute, k.tokens_per_minute,
+                                         k.admin))
         self._static += _parse_lines(env.get(ENV_KEYS, "").replace(",", "\n"), "env")
         self._file = Path(sec.api_key_file).expanduser() if sec.api_key_file else None
         self._file_keys: list[KeyEntry] = []
@@ -140,8 +147,8 @@ class KeyRing:
                           "before)", self._file, exc)
                 return
             self._file_sig = sig
-            if self._file_keys and [k.secret for k in keys] != \
-                    [k.secret for k in self._file_keys]:
+            if self._file_keys and [(k.secret, k.admin) for k in keys] != \
+                    [(k.secret, k.admin) for k in self._file_keys]:
                 log.info("API key file %s changed: %d key(s)", self._file, len(keys))
             self._file_keys = keys
 
@@ -291,7 +298,10 @@ class SecurityMiddleware:
                 state["anonymous"] = True  # served, but only what anyone may see
             else:
                 state["key_name"] = entry.name
-        elif not public:
+                state["principal"] = entry.principal
+        elif public:
+            state["principal"] = LOCAL_OPERATOR
+        else:
             if self.keys.enabled:
                 cred = self._credential(scope)
                 entry = self.keys.match(cred) if cred else None
@@ -302,8 +312,10 @@ class SecurityMiddleware:
                                  headers={"WWW-Authenticate": "Bearer"})
                     return
                 state["key_name"] = entry.name
+                state["principal"] = entry.principal
                 quota = self._quota(entry)
             else:
+                state["principal"] = LOCAL_OPERATOR
                 quota = self._anonymous
             if quota is not None:
                 try:

@@ -1,6 +1,8 @@
 """The web UI's routes: the page at ``/`` and ``/ui/``, its files under ``/ui/static/``,
 and three small JSON endpoints the page reads (``/ui/api/*``; they need an API key when
-keys are configured, as every data route does). Off with ``server.ui: false`` (404).
+keys are configured, as every data route does). Off with ``server.ui: false`` (404). The
+request list shows a key only its own requests, an admin key (and, with no keys
+configured, the local operator) everyone's.
 
 Everything else the page shows comes from the public API itself (``/health``,
 ``/api/pull``, ``/v1/chat/completions``...), so the UI exercises what clients use.
@@ -16,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 from mlxd import __version__
 from mlxd.api.common import runtime
+from mlxd.api.owner import principal
 from mlxd.observability.history import StatsSampler
 from mlxd.ui import STATIC_DIR, is_ui_route
 
@@ -72,6 +75,7 @@ async def overview(request: Request) -> dict[str, Any]:
         "health": await rt.status(),
         "store": store,
         "key_name": getattr(request.state, "key_name", None),
+        "admin": principal(request).admin,
     }
 
 
@@ -84,8 +88,11 @@ async def stats(request: Request, since: float = Query(0.0, ge=0)) -> dict[str, 
 @router.get("/ui/api/requests")
 async def requests(request: Request, limit: int = Query(200, ge=1, le=100_000)
                    ) -> dict[str, Any]:
-    """The last finished requests, newest first, each with its access-log line."""
-    return {"requests": request.app.state.recent_requests.recent(limit)}
+    """The last finished requests the caller may see, newest first, each with its
+    access-log line; ``scope`` says whether that is every caller's (``all``) or its own."""
+    who = principal(request)
+    return {"scope": "all" if who.admin else "own",
+            "requests": request.app.state.recent_requests.recent(limit, who.may_audit)}
 
 
 def install_ui(app: FastAPI) -> StatsSampler:

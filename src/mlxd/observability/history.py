@@ -4,7 +4,8 @@ Two ring buffers, both bounded and cheap enough to keep always on:
 
 * :class:`RequestLog`: the last N finished requests as the access log saw them (its fields
   and its very line), so that the UI's request list links a request id to its log line
-  without reading a log file.
+  without reading a log file. Each remembers its caller's owner id (api/owner.py), so that
+  a key is shown only its own requests.
 * :class:`StatsSampler`: every ``interval`` seconds, a reading of this process's own
   Prometheus counters (observability/metrics.py), turned into per-interval rates: tokens/s,
   mean time to first token, running/waiting requests and finished requests by status class.
@@ -28,19 +29,25 @@ from mlxd.observability import metrics
 
 
 class RequestLog:
-    """The last ``size`` access-log records, newest last."""
+    """The last ``size`` access-log records, newest last, each with its caller's owner id."""
 
     def __init__(self, size: int = 500) -> None:
-        self._items: deque[dict[str, Any]] = deque(maxlen=size)
+        self._items: deque[tuple[str | None, dict[str, Any]]] = deque(maxlen=size)
 
-    def add(self, fields: dict[str, Any], line: str) -> None:
-        self._items.append({**fields, "time": time.time(), "line": line})
+    def add(self, fields: dict[str, Any], line: str, owner: str | None = None) -> None:
+        self._items.append((owner, {**fields, "time": time.time(), "line": line}))
 
-    def recent(self, limit: int | None = None) -> list[dict[str, Any]]:
-        """Newest first."""
-        items = list(self._items)
-        items.reverse()
-        return items[:limit] if limit is not None else items
+    def recent(self, limit: int | None = None,
+               visible: Callable[[str | None], bool] | None = None) -> list[dict[str, Any]]:
+        """Newest first; ``visible(owner)`` picks the records a caller may see (the limit
+        counts those only)."""
+        out = []
+        for owner, record in reversed(self._items):
+            if limit is not None and len(out) >= limit:
+                break
+            if visible is None or visible(owner):
+                out.append(record)
+        return out
 
 
 def _total(metric: Any, sample: str, keep: Callable[[dict[str, str]], bool] | None = None

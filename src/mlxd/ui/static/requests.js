@@ -1,5 +1,6 @@
 // Requests: the server's last finished requests (its access log, kept in memory),
-// filterable; a request id opens its log line.
+// filterable; a request id opens its log line. A key that is not an admin key gets only
+// its own requests (the server filters; "scope" says which), and the view says so.
 import { html, useState, useEffect } from "./vendor/preact-htm.module.js";
 import { call, NeedKey } from "./api.js";
 
@@ -24,10 +25,13 @@ export function Requests({ onAuthError }) {
   const [auto, setAuto] = useState(true);
   const [open, setOpen] = useState(ridFromHash());
   const [err, setErr] = useState("");
+  const [scope, setScope] = useState("all");
 
   const load = async () => {
-    try { setItems((await call(`/ui/api/requests?limit=${limit}`)).requests); setErr(""); }
-    catch (e) { e instanceof NeedKey ? onAuthError() : setErr(String(e.message)); }
+    try {
+      const got = await call(`/ui/api/requests?limit=${limit}`);
+      setItems(got.requests); setScope(got.scope || "all"); setErr("");
+    } catch (e) { e instanceof NeedKey ? onAuthError() : setErr(String(e.message)); }
   };
   useEffect(() => {
     load();
@@ -60,6 +64,7 @@ export function Requests({ onAuthError }) {
       <button onClick=${load}>Refresh</button>
     </div>
     ${err && html`<p class="err">${err}</p>`}
+    ${scope === "own" && html`<p class="muted" data-testid="requests-scope">Only this key's requests are shown (an admin key sees every key's).</p>`}
     <table data-testid="requests"><tr><th>Time</th><th>Request id</th><th>Route</th><th>Model</th>
       <th class="num">Status</th><th class="num">Tokens</th><th class="num">Latency</th><th>Key</th></tr>
     ${shown.map((r) => html`
