@@ -185,12 +185,32 @@ def test_configuration_page_is_generated_from_the_settings():
 
 
 def test_configuration_page_names_every_setting():
+    """Every key, nested ones and list or mapping items included, has a heading and a
+    description (a Field(description=...) in config.py)."""
+    import typing
+
+    from pydantic import BaseModel
+
     from mlxd.config import Settings
 
     page = (ROOT / "docs" / "configuration.md").read_text()
-    for section, field in Settings.model_fields.items():
-        for key in field.annotation.model_fields:
-            assert f"### `{section}.{key}`" in page, f"{section}.{key} missing"
+
+    def walk(model: type[BaseModel], path: str) -> None:
+        for key, field in model.model_fields.items():
+            here = f"{path}.{key}" if path else key
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, here)
+                continue
+            if path:
+                assert f"### `{here}`" in page, f"{here} missing from docs/configuration.md"
+                assert field.description, f"{here} has no description"
+            origin, args = typing.get_origin(ann), typing.get_args(ann)
+            item = args[-1] if origin in (list, dict) and args else None
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                walk(item, here + ("[]" if origin is list else ".<name>"))
+
+    walk(Settings, "")
 
 
 # -- YAML ----------------------------------------------------------------------------------------
