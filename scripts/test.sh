@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the tests need into ./.venv and run lint + the test suite.
-# This is the README's second Quickstart command and what CI runs (.ci/run, which first
+# This is the README's second set-up command and what CI runs (.ci/run, which first
 # prepares the machine: Debian packages some tests use). It installs nothing outside
 # ./.venv and needs no root.
 set -euo pipefail

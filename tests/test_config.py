@@ -100,3 +100,19 @@ def test_speculative_settings_from_env_and_flags(monkeypatch):
     monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE", "medusa")
     with pytest.raises(ConfigError, match="engine.speculative"):
         load_settings()
+
+
+@pytest.mark.parametrize("word", ["off", "no", "false", "Off", '"off"'])
+def test_yaml_off_means_off_for_keys_that_take_off(tmp_path, word):
+    """YAML 1.1 reads a bare ``off`` as false; speculative and blas take it as 'off'."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"engine:\n  speculative: {word}\nbackend:\n  blas: {word}\n")
+    s = load_settings(cfg)
+    assert s.engine.speculative == "off" and s.backend.blas == "off"
+
+
+def test_yaml_on_is_still_refused_for_speculative(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine:\n  speculative: on\n")
+    with pytest.raises(ConfigError, match="'engine.speculative'.*'prompt-lookup'"):
+        load_settings(cfg)

@@ -54,6 +54,12 @@ def _kv_bits_value(v: Any) -> Any:
     return v
 
 
+def _yaml_off(v: Any) -> Any:
+    """YAML 1.1 reads a bare ``off`` (or ``no``, ``false``) as the boolean false; for a key
+    whose values include 'off', that is what the user meant."""
+    return "off" if v is False else v
+
+
 def resolve_kv_quant_scheme(bits: float | None, scheme: str | None) -> str | None:
     """The scheme mlx-vlm will actually use: the one named, else ``turboquant`` for
     fractional bits and ``uniform`` for whole ones (mlx-vlm's own rule,
@@ -263,8 +269,8 @@ class DistributedSettings(_Section):
 
     Only the backends that form a group from processes mlxd starts itself are offered: ring
     and NCCL are set up by environment variables. MLX's MPI backend forms a group only from
-    a world that ``mpirun`` launched (README, "Tensor and pipeline parallel", says why that
-    is not offered), and JACCL (RDMA over Thunderbolt 5) exists only in macOS 26.2+ builds
+    a world that ``mpirun`` launched (docs/deployment.md, "Backends", says why that is not
+    offered), and JACCL (RDMA over Thunderbolt 5) exists only in macOS 26.2+ builds
     of MLX, which no test here can reach."""
 
     backend: Literal["auto", "ring", "nccl"] = Field(
@@ -272,7 +278,7 @@ class DistributedSettings(_Section):
         description=(
             "mx.distributed backend of the rank group: 'ring' (TCP, any machine), 'nccl' "
             "(NVIDIA GPUs), 'auto': nccl when MLX sees CUDA, else ring. MPI and JACCL are "
-            "not offered (see the README)."
+            "not offered (see docs/deployment.md)."
         ),
     )
     hosts: Path | None = Field(
@@ -481,6 +487,8 @@ class EngineSettings(_Section):
     def _kv_bits(cls, v: float | None) -> float | None:
         return _kv_bits_value(v)
 
+    _speculative_off = field_validator("speculative", mode="before")(_yaml_off)
+
     @field_validator("devices")
     @classmethod
     def _devices(cls, v: str | None) -> str | None:
@@ -593,6 +601,8 @@ class BackendSettings(_Section):
             "MLX_CUDA_USE_CUDNN_SDPA in the engine-core processes."
         ),
     )
+
+    _blas_off = field_validator("blas", mode="before")(_yaml_off)
 
 
 class VisionSettings(_Section):

@@ -246,7 +246,7 @@ def test_long_audio_is_cut_into_30s_windows_decoded_in_one_batch(asrv, oai):
 
 
 def test_long_files_are_cut_at_a_pause_and_windows_decode_independently(oai):
-    """What happens at a window boundary (README): a 0.1 s silence at 27.0 s is the
+    """What happens at a window boundary (docs/audio.md): a 0.1 s silence at 27.0 s is the
     quietest stretch of the first window's last 5 s, so the cut is in its middle (27.05
     s); each window is decoded on its own, without the text before it, so each side's
     segments are exactly those of that stretch sent as a file of its own."""

@@ -214,7 +214,7 @@ def test_resent_image_hits_the_feature_cache(vsrv):
 
 
 def test_a_request_mixing_a_seen_and_a_new_image_encodes_only_the_new_one(vsrv):
-    """Qwen2-VL's cache is per image (README): the seen image comes from the cache, the
+    """Qwen2-VL's cache is per image (docs/vision.md): the seen image comes from the cache, the
     new one runs the encoder, in one request."""
     seen, new = data_url(png(70, (56, 56))), data_url(png(71, (64, 56)))
     with vsrv.client() as c:

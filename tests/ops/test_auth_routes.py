@@ -3,7 +3,7 @@
 Nothing here lists routes by hand: the walk over ``app.routes`` (every method, HEAD
 included, path parameters filled with dummies) is the list, so a route added tomorrow is
 tested tomorrow without anyone editing this file. What *is* written down is the design's
-public set (api/security.py, README "Security"):
+public set (api/security.py, docs/operations.md "API keys"):
 
 * ``GET``/``HEAD /health``: always public (a caller without a key sees only the status);
 * ``/metrics``: public while ``metrics.require_key`` is false (the default, so a Prometheus

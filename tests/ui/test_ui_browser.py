@@ -7,7 +7,7 @@ hosts are unreachable here, so Playwright drives the system's Chromium
 (``executable_path``); .ci/run installs it, and on CI its absence fails these tests.
 
 ``MLXD_UI_SCREENSHOTS=DIR`` also saves a screenshot of each view there (docs/ui/ holds the
-README's); that run pulls the store's models from /tmp/mlxd-models/ (their "source" in the
+web UI page's); that run pulls the store's models from /tmp/mlxd-models/ (their "source" in the
 store table), not from pytest's long temporary paths.
 """
 
