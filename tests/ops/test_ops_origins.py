@@ -270,3 +270,36 @@ def test_bad_entries_are_a_config_error_naming_the_key(home, key, value, says):
 
     with pytest.raises(ConfigError, match=rf"server\.{key}.*{says}"):
         load_settings(None, {"server": {key: value}})
+
+
+def test_a_websocket_from_a_foreign_page_is_closed_before_it_is_accepted(home):
+    """No route speaks WebSocket today; browsers apply no CORS to one, so the check covers
+    it for the day one does (close before accept: the server answers 403)."""
+    import asyncio
+
+    from mlxd.api.origin import OriginMiddleware
+    from mlxd.config import load_settings
+
+    reached: list[dict] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope)
+
+    mw = OriginMiddleware(app, load_settings())
+
+    async def call(headers):
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "websocket", "path": "/ws", "headers": headers}
+        await mw(scope, None, send)
+        return sent
+
+    own = [(b"host", b"127.0.0.1:8000"), (b"origin", b"http://127.0.0.1:8000")]
+    assert asyncio.run(call(own)) == [] and len(reached) == 1
+    for headers in ([(b"host", b"127.0.0.1:8000"), (b"origin", EVIL.encode())],
+                    [(b"host", b"evil.example")]):
+        assert asyncio.run(call(headers)) == [{"type": "websocket.close", "code": 1008}]
+    assert len(reached) == 1
