@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -22,9 +22,12 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+from mlxd.hostnames import host_pattern, origin_entry
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
@@ -137,6 +140,55 @@ class ServerSettings(_Section):
         description="How many finished requests the web UI's request list keeps (per front "
                     "end, in memory).",
     )
+    # NoDecode: the environment's value reaches _name_list as written ("a,b" or JSON)
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
+        None,
+        description=(
+            "Host names (the Host header, any port) this server answers to, against DNS "
+            "rebinding: a web page whose own name is made to resolve to this server "
+            "reaches it under that name and is refused (403). localhost, 127.0.0.1, ::1 "
+            "and server.host are always accepted; '*.example.com' accepts the names below "
+            "it, '*' any name. null: nothing more when bound to loopback; '*' when bound "
+            "elsewhere (0.0.0.0 in a container), because other machines then reach the "
+            "server under names it cannot know (pod IP, Service, ingress, proxy) and can "
+            "reach it directly anyway, so API keys protect it there; listing its names "
+            "also shuts out rebinding pages in browsers on its network. /health answers "
+            "any Host (probes send the pod's IP), with only its status for one not "
+            "accepted. Comma-separated in MLXD_SERVER__ALLOWED_HOSTS and --allowed-hosts."
+        ),
+        examples=[["mlxd.example.com", "*.internal.example"]],
+    )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Web origins (scheme://host[:port]) whose pages may call this server from a "
+            "browser, with CORS; '*' any. A request whose Origin header is neither listed "
+            "nor the server's own (the Origin names the Host it came to: the web UI) gets "
+            "403 before anything reads it; requests without Origin (curl, SDKs) are not "
+            "affected. security.cors_origins adds to it. Comma-separated in "
+            "MLXD_SERVER__ALLOWED_ORIGINS and --allowed-origins."
+        ),
+        examples=[["http://localhost:3000"]],
+    )
+
+    @field_validator("allowed_hosts", "allowed_origins", mode="before")
+    @classmethod
+    def _name_list(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if v.strip().startswith("["):
+                return yaml.safe_load(v)  # a JSON list (YAML reads JSON)
+            return [x.strip() for x in v.split(",") if x.strip()]
+        return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str] | None) -> list[str] | None:
+        return None if v is None else [host_pattern(x) for x in v]
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        return [origin_entry(x) for x in v]
 
 
 class ModelOptions(_Section):
@@ -834,9 +886,15 @@ class SecuritySettings(_Section):
     )
     cors_origins: list[str] = Field(
         default_factory=list,
-        description="Browser origins allowed by CORS ('*' for any); empty: CORS off.",
+        description="Browser origins allowed, with CORS ('*' for any); added to "
+                    "server.allowed_origins, which says more.",
         examples=[["http://localhost:3000"]],
     )
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _cors(cls, v: list[str]) -> list[str]:
+        return [origin_entry(x) for x in v]
 
     @field_validator("rate_limit_store")
     @classmethod

@@ -242,3 +242,36 @@ def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):
     while any(_alive(pid) for pid in core_pids) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in core_pids)
+
+
+def test_allowed_origins_and_hosts_flags(tmp_path, tiny_llama):
+    """Comma-separated flags over the environment's list; a bad entry exits 2 naming it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = _env(tmp_path)
+    env["MLXD_SERVER__ALLOWED_ORIGINS"] = "http://env.example"  # the flag wins
+    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port),
+              "--allowed-origins", "http://app.example, https://ui.example:8443",
+              "--allowed-hosts", "mlxd.example.com,*.lan", env=env)
+    try:
+        _wait_healthy(url, p)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for origin in ("http://app.example", "https://ui.example:8443"):
+                r = c.get("/v1/models", headers={"Origin": origin})
+                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == \
+                    origin
+            for origin in ("http://env.example", "http://evil.example"):
+                assert c.get("/v1/models", headers={"Origin": origin}).status_code == 403
+            for host in ("mlxd.example.com:8000", "box.lan", f"localhost:{port}"):
+                assert c.get("/api/tags", headers={"Host": host}).status_code == 200, host
+            r = c.get("/api/tags", headers={"Host": "evil.example"})
+            assert r.status_code == 403 and "server.allowed_hosts" in r.json()["error"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    p = _mlxd("serve", "--allowed-hosts", "http://mlxd.example.com", "--port",
+              str(free_port()), env=_env(tmp_path))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2, out
+    assert "server.allowed_hosts" in out and "not a host name" in out
+    assert "Traceback" not in out

@@ -254,12 +254,13 @@ def test_hpa_metric_is_an_mlxd_metric_through_the_adapter_rule():
 
 def _server_from_manifests(home: Path, model: Path) -> LiveServer:
     """A live server on the ConfigMap's own mlxd.yaml; only what a test machine cannot have
-    is replaced: the port, the model store and models, and the Redis host."""
+    is replaced: the port, the model store and models, and the Redis host. It listens on
+    loopback (LiveServer), its settings keep the ConfigMap's 0.0.0.0 and what follows from
+    it (any Host name accepted)."""
     from mlxd.config import Settings
 
     data = _config_yaml()
     data["server"]["port"] = free_port()
-    data["server"]["host"] = "127.0.0.1"
     data["models"].update(dir=str(home / "models"), default=str(model), preload=[])
     data["security"]["rate_limit_store"] = "memory"
     return LiveServer(Settings(**data)).start()
@@ -273,15 +274,17 @@ def from_manifests(tmp_path_factory, tiny_llama):
 
 
 def test_probe_paths_and_the_hpa_series_exist_on_the_live_server(from_manifests):
+    """As the kubelet and Prometheus send them: Host is the pod's IP and port."""
     srv = from_manifests
+    pod = {"Host": "10.244.1.7:8000"}
     c = _mlxd_container(_find("Deployment", "mlxd"))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        r = httpx.get(srv.url + c[probe]["httpGet"]["path"], timeout=10)
+        r = httpx.get(srv.url + c[probe]["httpGet"]["path"], headers=pod, timeout=10)
         assert r.status_code == 200, (probe, r.text)
         assert r.json()["status"] == "ok"
     path = _find("Deployment", "mlxd")["spec"]["template"]["metadata"]["annotations"][
         "prometheus.io/path"]
-    text = httpx.get(srv.url + path, timeout=10).text
+    text = httpx.get(srv.url + path, headers=pod, timeout=10).text
     series = re.match(r"[^{]+", _adapter_rule()["seriesQuery"]).group(0)
     assert f"# TYPE {series} gauge" in text
 
@@ -375,6 +378,24 @@ def test_proxy_streams_server_sent_events(proxy):
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+def test_proxy_passes_any_host_name_and_the_ui_own_origin(proxy):
+    """nginx passes the client's host name without its port ($host): the replicas (bound to
+    0.0.0.0) accept any name, and the web UI's origin agrees with that name."""
+    url, _, _, _ = proxy
+    port = url.rsplit(":", 1)[1]
+    chat = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user",
+                                                                  "content": "hi"}]}
+    for host in ("mlxd.example.com", "mlxd-gateway.default.svc.cluster.local:8080"):
+        r = httpx.get(url + "/v1/models", headers={"Host": host}, timeout=10)
+        assert r.status_code == 200, host
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60,
+                   headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60,
+                   headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_forbidden"
 
 
 def test_proxy_retries_a_draining_replica_on_the_other(proxy):

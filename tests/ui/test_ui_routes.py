@@ -127,7 +127,9 @@ def test_ui_off_is_404(tmp_path, tiny_llama):
     from mlxd.api.app import create_app
 
     s = make_settings(tmp_path, tiny_llama, server={"ui": False})
-    client = TestClient(create_app(s))  # no lifespan: the routes alone
+    # no lifespan: the routes alone; addressed as localhost (a loopback server refuses
+    # TestClient's default Host, testserver)
+    client = TestClient(create_app(s), base_url="http://localhost")
     for path in ("/", "/ui/", "/ui/static/app.js", "/ui/api/overview", "/ui/api/stats"):
         assert client.get(path).status_code == 404, path
 

@@ -45,7 +45,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     async def _gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
-    install_middleware(app, settings)  # request id/log/metrics, CORS, keys/limits
+    install_middleware(app, settings)  # request id/log/metrics, Host/Origin, CORS, keys
     app.include_router(openai.router)
     app.include_router(anthropic_router)  # /v1/messages, /v1/messages/count_tokens
     app.include_router(responses_router)  # /v1/responses

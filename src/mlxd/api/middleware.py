@@ -6,9 +6,12 @@ Order, outermost first (:func:`install_middleware`):
    back), the drain gate (503 while shutting down), HTTP metrics by route template, and one
    access-log line per request with the facts the layers below recorded in
    ``scope["state"]`` (model, tokens, key name; see observability/context.py).
-2. CORS (Starlette's), only when ``security.cors_origins`` is set; outside the key check so
-   that preflights pass and refusals carry CORS headers.
-3. :class:`mlxd.api.security.SecurityMiddleware`: API keys, rate limits, body limit.
+2. :class:`mlxd.api.origin.OriginMiddleware`: 403 for a Host or Origin not allowed (DNS
+   rebinding, cross-site requests), before anything reads the request.
+3. CORS (Starlette's), only when ``server.allowed_origins`` or ``security.cors_origins`` is
+   set, on the same list; outside the key check so that preflights pass and refusals carry
+   CORS headers.
+4. :class:`mlxd.api.security.SecurityMiddleware`: API keys, rate limits, body limit.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ RequestIdMiddleware = AccessMiddleware  # the name this class had before it did 
 
 def install_middleware(app: Any, settings: Any) -> Lifecycle:
     """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
+    from mlxd.api.origin import OriginMiddleware, allowed_origins
     from mlxd.api.ratelimit import make_limits
     from mlxd.api.security import KeyRing, SecurityMiddleware
 
@@ -173,13 +177,14 @@ def install_middleware(app: Any, settings: Any) -> Lifecycle:
     app.state.rate_limits = make_limits(settings.security)
     app.add_middleware(SecurityMiddleware, settings=settings, keys=keys,
                        limits=app.state.rate_limits)
-    origins = settings.security.cors_origins
+    origins = allowed_origins(settings)
     if origins:
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
                            max_age=600)
+    app.add_middleware(OriginMiddleware, settings=settings)
     app.state.recent_requests = RequestLog(settings.server.ui_recent_requests)
     app.add_middleware(AccessMiddleware, lifecycle=lifecycle, router=app.router,
                        recent=app.state.recent_requests)

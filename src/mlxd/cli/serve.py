@@ -15,6 +15,14 @@ def serve(
     config: ConfigOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Address to bind.")] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port.")] = None,
+    allowed_origins: Annotated[Optional[str], typer.Option(
+        help="Web origins whose pages may call the server (CORS too), comma-separated; '*' "
+             "any. Default: only the server's own (its web UI).",
+    )] = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option(
+        help="Host names the server answers to (against DNS rebinding), comma-separated; "
+             "'*' any. Loopback names always; default when bound beyond loopback: any.",
+    )] = None,
     model: Annotated[
         Optional[str],
         typer.Option("--model", "-m", help="Default chat model: a name, alias or directory."),
@@ -65,7 +73,8 @@ def serve(
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
-        "server": {"host": host, "port": port, "api_workers": api_workers},
+        "server": {"host": host, "port": port, "api_workers": api_workers,
+                   "allowed_origins": allowed_origins, "allowed_hosts": allowed_hosts},
         "models": {"default": model, "preload": preload or None, "dtype": dtype,
                    "adapter_path": adapter, "trust_remote_code": trust_remote_code},
         "engine": {
