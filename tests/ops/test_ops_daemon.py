@@ -55,6 +55,13 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
         m = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5)  # metrics.port
         assert m.status_code == 200 and "mlxd:http_requests_total" in m.text
         assert 'mlxd:models_loaded{kind="chat"} 1.0' in m.text  # the engine core's families
+        # no key applies there: a rebinding page's Host and a foreign Origin are refused
+        m = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5,
+                      headers={"host": f"evil.example:{mport}"})
+        assert m.status_code == 403 and "server.allowed_hosts" in m.text
+        m = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5,
+                      headers={"origin": "http://evil.example"})
+        assert m.status_code == 403 and "mlxd:" not in m.text
 
         # Drain: a request in flight when SIGTERM arrives completes; a new one gets 503.
         # It must outlast `mlxd stop`'s start-up: size it from this machine's speed (~3s).

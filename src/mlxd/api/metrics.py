@@ -65,17 +65,44 @@ class _WithCore:
 
 
 def start_metrics_port(settings, runtime=None) -> object | None:
-    """Serve the metrics on ``metrics.port`` from a daemon thread (prometheus-client's),
-    the engine core's families included when ``runtime`` is given."""
+    """Serve the metrics on ``metrics.port`` from a daemon thread, the engine core's
+    families included when ``runtime`` is given. The same Host and Origin checks as the main
+    port (api/origin.py) guard it: no key applies there, so a rebinding page must not read
+    it either."""
     m = settings.metrics
     if not m.enabled or not m.port:
         return None
-    from prometheus_client import CollectorRegistry, start_http_server
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+
+    from mlxd.api.origin import OriginMiddleware
 
     registry = REGISTRY
     if runtime is not None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_WithCore(runtime))  # type: ignore[arg-type]
-    server = start_http_server(m.port, addr=settings.server.host, registry=registry)
+    metrics_app = make_wsgi_app(registry)
+    guard = OriginMiddleware(None, settings)  # type: ignore[arg-type]  # its checks only
+
+    def guarded(environ, start_response):
+        origins = [environ["HTTP_ORIGIN"]] if "HTTP_ORIGIN" in environ else []
+        found = guard.problem(environ.get("HTTP_HOST"), origins)
+        if found is not None:
+            start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
+            return [found[1].encode() + b"\n"]
+        return metrics_app(environ, start_response)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - the base class's name
+            pass
+
+    server = make_server(settings.server.host, m.port, guarded, Server, Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()
     log.info("metrics on http://%s:%d/metrics", settings.server.host, m.port)
     return server
