@@ -278,7 +278,7 @@ class EncoderService:
                 if not hasattr(engine, "encode_messages"):
                     raise InvalidRequest(f"messages need a chat model; '{entry.name}' is a "
                                          f"{kind} model", param="messages")
-                ids = [await asyncio.to_thread(engine.encode_messages, messages)]
+                ids = [await self.rt.renderer.run(engine.encode_messages, messages)]
             else:
                 texts = list(inputs or [])
                 ids = await asyncio.to_thread(_tokenize_texts, engine, kind, texts,
