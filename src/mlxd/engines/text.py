@@ -232,6 +232,12 @@ class TextProcessor:
         fresh llguidance matcher; an unsupported schema or grammar is a 400."""
         fmt = self.tool_format
         if spec.tool_call:
+            if fmt.json_body:  # each tool's arguments schema must be servable on its own
+                for t in spec.tools or []:
+                    fn = t.get("function", t)
+                    if fn.get("name") in spec.names:
+                        self.grammar.check(self.grammar.json_schema_grammar(
+                            fn.get("parameters") or {"type": "object"}, "tools"), "tools")
             grammar = tool_call_grammar(self.grammar, fmt, spec.tools or [], spec.names,
                                         spec.parallel)
             return self.grammar.matcher(grammar, "tool_choice")
