@@ -18,12 +18,15 @@ CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
 LOOP = [{"role": "user", "content": "please loop"}]
 
-# ChatML, except that a last message saying "loop" runs 10^10 empty iterations: an
+# A last message saying "loop" (its text, or its parts') runs 10^10 empty iterations: an
 # operator's template that is too slow for some inputs.
-LOOPING_TEMPLATE = (
-    "{%- if 'loop' in messages[-1]['content'] %}"
+LOOP_PREFIX = (
+    "{%- if 'loop' in (messages[-1]['content'] | string) %}"
     "{%- for i in range(100000) %}{%- for j in range(100000) %}{%- endfor %}{%- endfor %}"
     "{%- endif %}"
+)
+LOOPING_TEMPLATE = (
+    LOOP_PREFIX +
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
@@ -174,3 +177,37 @@ def test_a_client_that_leaves_interrupts_its_render(start_server, looping_llama)
                        timeout=httpx.Timeout(60, read=1.0))
     r = httpx.post(srv.url + "/v1/tokenize", json={"messages": MSG}, timeout=120)
     assert r.status_code == 200, r.text
+
+
+def test_a_vision_render_in_the_engine_core_stops_with_its_client(tmp_path, tiny_llama):
+    """A vision prompt renders in the engine core: a client that leaves aborts its request
+    there, which interrupts the render (one slot, a deadline far away: the next request to
+    the model is served only if it was)."""
+    import json
+
+    from fixtures.tiny_vlm import QWEN2_VL_TEMPLATE, make_tiny_qwen2_vl
+
+    src = make_tiny_qwen2_vl(tmp_path / "src" / "looping-vl")
+    template = LOOP_PREFIX + QWEN2_VL_TEMPLATE
+    (src / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    from mlxd.config import ModelSettings
+    from mlxd.store.local import ModelStore
+    from mlxd.store.pull import pull
+
+    models = tmp_path / "home" / "models"
+    assert pull(ModelStore(models), str(src), ModelSettings(dir=models))["kind"] == "vision"
+    srv = LiveServer(make_settings(tmp_path / "home", tiny_llama, models={
+        "preload": ["looping-vl"]}, server={"template_timeout_s": 3600,
+                                            "max_concurrent_renders": 1})).start()
+    try:
+        body = {"model": "looping-vl", "max_tokens": 2}
+        for _ in range(2):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + CHAT, json={**body, "messages": LOOP},
+                           timeout=httpx.Timeout(60, read=1.0))
+        r = httpx.post(srv.url + CHAT, json={**body, "messages": MSG}, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
