@@ -170,7 +170,8 @@ class Renderer:
             self._slots = asyncio.Semaphore(self.max_concurrent)
         slots = self._slots
         try:
-            await asyncio.wait_for(slots.acquire(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # a slot is never lost to a race
+                await slots.acquire()
         except TimeoutError:
             raise QueueFull("too many prompts are being templated; retry shortly",
                             headers={"Retry-After": "1"}) from None
