@@ -189,6 +189,17 @@ class ServerSettings(_Section):
     @classmethod
     def _origins(cls, v: list[str]) -> list[str]:
         return [origin_entry(x) for x in v]
+    template_timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="Longest a prompt may spend in the chat template and tokenizer; past it "
+                    "the request is a 400 and its render is interrupted (a disconnect "
+                    "interrupts it too).",
+    )
+    max_concurrent_renders: int = Field(
+        8, ge=1, le=1024,
+        description="Chat-template renders running at once per process; more wait (up to "
+                    "template_timeout_s, then 429).",
+    )
 
 
 class ModelOptions(_Section):

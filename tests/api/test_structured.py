@@ -145,3 +145,98 @@ def test_responses_and_anthropic_structured_output(agent_server, client):
                                extra_body={"output_config": {"format": {
                                    "type": "json_schema", "schema": PERSON}}})
     jsonschema.validate(json.loads(m.content[0].text), PERSON)
+
+
+# {"$ref": "#"}: llguidance accepts it, but no production of it ever ends
+ENDLESS = {"$ref": "#"}
+# a pattern whose lexer outgrows llguidance's limits once its string starts
+EXPLODING = {"type": "object", "properties": {"a": {"type": "string",
+                                                    "pattern": "^(a{1000}){1000}$"}},
+             "required": ["a"], "additionalProperties": False}
+
+
+def _rf(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_cannot_start_is_400_in_every_dialect(agent_server, stream):
+    """The core computes a grammar's first mask when it admits the request: a schema the
+    grammar engine cannot serve is a 400 before any output, never an empty "stop"."""
+    url = agent_server.url
+    bodies = [
+        ("/v1/chat/completions", {"model": "tool-qwen2", "messages": MSG,
+                                  "response_format": _rf(ENDLESS)}, "response_format"),
+        ("/v1/responses", {"model": "tool-qwen2", "input": "Invent a person.", "text": {
+            "format": {"type": "json_schema", "name": "x", "schema": ENDLESS}}}, None),
+        ("/v1/chat/completions", {"model": "tool-qwen2", "messages": MSG, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": ENDLESS}}],
+            "tool_choice": "required"}, "tools"),
+    ]
+    for path, body, param in bodies:
+        r = httpx.post(url + path, json={**body, "max_tokens": 20, "stream": stream},
+                       timeout=60)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert "not supported" in err["message"]
+        if param is not None:
+            assert err["param"] == param
+    for path, body in (("/api/chat", {"messages": MSG}), ("/api/generate", {"prompt": "A"})):
+        r = httpx.post(url + path, json={"model": "tool-qwen2", "format": ENDLESS,
+                                         "stream": stream, **body}, timeout=60)
+        assert r.status_code == 400 and "not supported" in r.json()["error"]
+    r = httpx.post(url + "/v1/messages", json={
+        "model": "tool-qwen2", "max_tokens": 20, "messages": MSG, "stream": stream,
+        "output_config": {"format": {"type": "json_schema", "schema": ENDLESS}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_grammar_that_fails_while_generating_is_an_error_not_a_stop(agent_server, client):
+    """A matcher that fails mid-way (a resource limit) ends its row with an error the
+    client sees: a 400 without a body, an error event then the end in a stream; never a
+    truncated document with finish_reason "stop"."""
+    url = agent_server.url
+    kw = {"max_tokens": 60, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tool-qwen2", messages=MSG,
+                                       response_format=_rf(EXPLODING), **kw)
+    assert e.value.body["code"] == "grammar_error"
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "model": "tool-qwen2", "messages": MSG, "response_format": _rf(EXPLODING),
+        "stream": True, **kw}, timeout=60)
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[-1]["error"]["code"] == "grammar_error"
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert all(c["choices"][0]["finish_reason"] is None for c in events[:-1] if c.get("choices"))
+    # the other dialects and a forced tool call whose arguments hold the pattern
+    r = httpx.post(url + "/api/generate", json={"model": "tool-qwen2", "prompt": "A person:",
+                                                "format": EXPLODING, "stream": True,
+                                                "options": {"num_predict": 60,
+                                                            "temperature": 0}}, timeout=60)
+    lines = [json.loads(line) for line in r.text.splitlines() if line]
+    assert "grammar" in lines[-1]["error"] and not any(x.get("done") for x in lines)
+    r = httpx.post(url + "/v1/responses", json={
+        "model": "tool-qwen2", "input": "Invent a person.", "max_output_tokens": 60,
+        "temperature": 0, "text": {"format": {"type": "json_schema", "name": "x",
+                                              "schema": EXPLODING}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_error"
+    r = httpx.post(url + "/api/chat", json={"model": "tool-qwen2", "messages": MSG,
+                                            "format": EXPLODING, "stream": False,
+                                            "options": {"num_predict": 60, "temperature": 0}},
+                   timeout=60)
+    assert r.status_code == 400 and "grammar" in r.json()["error"]
+    r = httpx.post(url + "/v1/messages", json={
+        "model": "tool-qwen2", "max_tokens": 60, "temperature": 0, "messages": MSG,
+        "output_config": {"format": {"type": "json_schema", "schema": EXPLODING}}}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/chat/completions", json={
+        "model": "tool-qwen2", "messages": MSG, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": EXPLODING}}], **kw},
+        timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_error"
+    # the server goes on serving constrained requests
+    r = client.chat.completions.create(model="tool-qwen2", messages=MSG, response_format=RF,
+                                       max_tokens=400, temperature=0)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)

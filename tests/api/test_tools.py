@@ -198,3 +198,98 @@ def test_ollama_tools_and_tool_history(agent_server, tool_qwen2):
          {"role": "tool", "content": "rain"}], tools=TOOLS, add_generation_prompt=True,
         tokenize=False)
     assert body["prompt_eval_count"] == len(tok(text)["input_ids"])
+
+
+def _history(calls) -> list[dict]:
+    return [*ASK, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
+
+
+@pytest.mark.parametrize(("calls", "param"), [
+    ([{"id": "a", "type": "function", "function": "notadict"}],
+     "messages[1].tool_calls[0].function"),
+    ("notalist", "messages[1].tool_calls"),
+    ({"id": "a"}, "messages[1].tool_calls"),
+    (["notadict"], "messages[1].tool_calls[0]"),
+    ([{"id": "a", "type": "function", "function": {"arguments": "{}"}}],
+     "messages[1].tool_calls[0].function.name"),
+    ([{"id": "a", "type": "function", "function": {"name": 7, "arguments": "{}"}}],
+     "messages[1].tool_calls[0].function.name"),
+    ([{"id": "a", "type": "function", "function": {"name": "get_time", "arguments": 5}}],
+     "messages[1].tool_calls[0].function.arguments"),
+    ([{"id": "a", "type": "function", "function": {"name": "get_time", "arguments": [1]}}],
+     "messages[1].tool_calls[0].function.arguments"),
+    ([{"id": 5, "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+     "messages[1].tool_calls[0].id"),
+    ([{"id": "a", "type": "code", "function": {"name": "get_time", "arguments": "{}"}}],
+     "messages[1].tool_calls[0].type"),
+])
+@pytest.mark.parametrize("model", ["tool-qwen2", "plain-llama"])
+def test_malformed_tool_calls_in_the_history_are_400(agent_server, calls, param, model):
+    """With a template that renders tools and with the fallback syntax; /v1/tokenize
+    reads the same messages."""
+    url = agent_server.url
+    for tools in (TOOLS, None):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": _history(calls), "tools": tools, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(url + "/v1/tokenize", timeout=60,
+                   json={"model": model, "messages": _history(calls)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_malformed_tool_calls_in_other_dialects_are_400(agent_server):
+    url = agent_server.url
+    for call, param in (({"function": "notadict"}, "messages[1].tool_calls[0].function"),
+                        ("notadict", None),
+                        ({"function": {"arguments": {}}},
+                         "messages[1].tool_calls[0].function.name"),
+                        ({"function": {"name": "get_time", "arguments": 3}},
+                         "messages[1].tool_calls[0].function.arguments")):
+        r = httpx.post(url + "/api/chat", timeout=60, json={
+            "model": "tool-qwen2", "tools": TOOLS, "stream": False,
+            "messages": [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]}]})
+        assert r.status_code == 400, r.text
+        if param is not None:
+            assert param in r.json()["error"]
+    for item, field in (({"name": None}, "name"), ({"name": ""}, "name"),
+                        ({"name": "get_time", "arguments": 5}, "arguments"),
+                        ({"name": "get_time", "call_id": 5}, "call_id")):
+        r = httpx.post(url + "/v1/responses", timeout=60, json={
+            "model": "tool-qwen2", "tools": [{"type": "function", "name": "get_time"}],
+            "max_output_tokens": 2,
+            "input": [{"role": "user", "content": "Time?"},
+                      {"type": "function_call", "call_id": "c", **item}]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == f"input[1].{field}"
+    for block, field in (({"name": None, "input": {}}, "name"),
+                         ({"name": "get_time", "input": "x"}, "input"),
+                         ({"name": "get_time", "input": {}, "id": 5}, "id")):
+        r = httpx.post(url + "/v1/messages", timeout=60, json={
+            "model": "tool-qwen2", "max_tokens": 2, "messages": [
+                {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": [{"type": "tool_use", **block}]}]})
+        assert r.status_code == 400, r.text
+        assert field in r.json()["error"]["message"]
+    # the server still serves
+    r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tool-qwen2", "messages": ASK, "max_tokens": 2})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("model", ["tool-qwen2", "plain-llama"])
+@pytest.mark.parametrize("max_tokens", [1, 3, 8, 20])
+def test_a_forced_call_cut_by_max_tokens_leaks_nothing(client, model, max_tokens):
+    """A forced call the length limit cuts is incomplete: finish_reason "length", no
+    content (not even the call's markup), no call reported, streamed or not."""
+    kw = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=max_tokens, temperature=0)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(tool_choice=choice, **kw)
+        c = r.choices[0]
+        assert c.finish_reason == "length"
+        assert not c.message.content and not c.message.tool_calls, c.message
+        chunks = list(client.chat.completions.create(tool_choice=choice, stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+        assert not any(ch.choices[0].delta.tool_calls for ch in chunks if ch.choices)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from mlxd.api.tooling import function_tool, tool_names
+from mlxd.api.tooling import check_call, function_tool, tool_names
 from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
@@ -68,9 +68,16 @@ class MessagesBase(_Req):
                                              f"{where}[{j}]"))
                     parts.append({"type": "image"})
                 elif kind == "tool_use" and m.role == "assistant":
+                    args = block.get("input")
+                    if args is not None and not isinstance(args, dict):
+                        raise InvalidRequest(f"{where}[{j}].input must be an object",
+                                             param=f"{where}[{j}].input")
+                    if not isinstance(block.get("id", ""), str):
+                        raise InvalidRequest(f"{where}[{j}].id must be a string",
+                                             param=f"{where}[{j}].id")
                     calls.append({"id": block.get("id") or "", "type": "function",
-                                  "function": {"name": block.get("name"),
-                                               "arguments": block.get("input") or {}}})
+                                  "function": check_call(block.get("name"), args,
+                                                         f"{where}[{j}]")})
                 elif kind == "tool_result" and m.role == "user":
                     out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""),
                                 "content": _text_of(block.get("content", ""), where)})

@@ -22,7 +22,13 @@ from mlxd.api.common import runtime
 from mlxd.api.docs import NDJSON, OllamaChat, OllamaGenerate, ok, streamed
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
-from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint, openai_tools
+from mlxd.api.tooling import (
+    apply_tools,
+    arguments_dict,
+    check_tool_calls,
+    json_schema_constraint,
+    openai_tools,
+)
 from mlxd.api.wire import (
     KeepAlive,
     MinP,
@@ -128,14 +134,14 @@ class ChatMessage(_Body):
     tool_name: str | None = None
     thinking: str | None = None
 
-    def tool_fields(self) -> dict[str, Any]:
-        """An earlier turn's calls (arguments as a mapping) and a tool result's name."""
+    def tool_fields(self, where: str) -> dict[str, Any]:
+        """An earlier turn's calls (arguments as a mapping) and a tool result's name; a
+        malformed call is a 400 naming its field (``where``: this message)."""
         m: dict[str, Any] = {}
         if self.tool_calls:
-            m["tool_calls"] = [{"type": "function", "function": {
-                "name": (tc.get("function") or {}).get("name"),
-                "arguments": (tc.get("function") or {}).get("arguments") or {}}}
-                for tc in self.tool_calls]
+            calls = check_tool_calls(self.tool_calls, f"{where}.tool_calls")
+            m["tool_calls"] = [{"type": "function", "function": tc["function"]}
+                               for tc in calls]
         if self.tool_name:
             m["name"] = self.tool_name
         return m
@@ -255,7 +261,7 @@ async def chat(body: ChatBody, request: Request):
         model=body.model, sampling=params,
         messages=[{"role": m.role,
                    "content": _with_images(m.content, m.images, f"messages[{i}].images", images),
-                   **m.tool_fields()}
+                   **m.tool_fields(f"messages[{i}]")}
                   for i, m in enumerate(body.messages)],
         keep_alive=body.keep_alive, request_id=request.state.request_id,
         images=images or None,

@@ -36,6 +36,7 @@ from mlxd.api.tooling import (
     openai_tools,
 )
 from mlxd.core.errors import MlxdError, ModelNotFound
+from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import GenerateRequest, TokenLogprob, TopLogprob
 from mlxd.frontend.generation import Generation
 
@@ -140,7 +141,7 @@ def _chat_extras(req: GenerateRequest, body: ChatCompletionRequest) -> None:
     apply_tools(req, tools, openai_tool_choice(body.tool_choice, tools),
                 body.parallel_tool_calls)
     req.constraint = openai_response_format(body.response_format)
-    req.template_kwargs = body.chat_template_kwargs
+    req.template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     req.user = body.user
 
 

@@ -35,6 +35,7 @@ from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
     apply_tools,
+    check_call,
     function_tool,
     openai_response_format,
     openai_tool_choice,
@@ -180,9 +181,13 @@ def input_messages(inp: str | list[dict], images: list[ImageInput] | None = None
                         "content": _content_text(item.get("content"), f"{where}.content",
                                                  images if role == "user" else None)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id") or "", "type": "function",
-                    "function": {"name": item.get("name"),
-                                 "arguments": item.get("arguments") or "{}"}}
+            call_id = item.get("call_id") or item.get("id") or ""
+            if not isinstance(call_id, str):
+                raise InvalidRequest(f"{where}.call_id must be a string",
+                                     param=f"{where}.call_id")
+            call = {"id": call_id, "type": "function",
+                    "function": check_call(item.get("name"), item.get("arguments") or "{}",
+                                           where)}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and \
                     (last.get("tool_calls") or not last.get("content")):

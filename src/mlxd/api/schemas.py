@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from mlxd.api.tooling import check_tool_calls
 from mlxd.api.wire import (
     KeepAlive,
     LogitBias,
@@ -220,6 +221,8 @@ class ChatCompletionRequest(SamplingFields):
                 d["content"] = ""
             if d["role"] == "developer":
                 d["role"] = "system"
+            if "tool_calls" in d:
+                d["tool_calls"] = check_tool_calls(d["tool_calls"], f"messages[{i}].tool_calls")
             out.append(d)
         return out
 

@@ -56,6 +56,46 @@ def tool_names(tools: list[dict] | None) -> list[str]:
     return [t["function"]["name"] for t in tools or []]
 
 
+def check_tool_calls(calls: Any, param: str) -> list[dict]:
+    """An earlier assistant turn's ``tool_calls`` (Chat Completions' shape: ``{"id",
+    "type": "function", "function": {"name", "arguments"}}``, arguments a JSON string or an
+    object) as templates take them; a malformed one is a 400 naming its field, never a
+    failure inside the template or the tool-call code."""
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{param} must be a list of tool calls", param=param)
+    out = []
+    for k, tc in enumerate(calls):
+        where = f"{param}[{k}]"
+        if not isinstance(tc, dict):
+            raise InvalidRequest(f"{where} must be an object", param=where)
+        if tc.get("type", "function") != "function":
+            raise InvalidRequest(f"{where}.type must be 'function'", param=f"{where}.type")
+        if not isinstance(tc.get("id", ""), str):
+            raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
+        fn = tc.get("function")
+        if not isinstance(fn, dict):
+            raise InvalidRequest(f"{where}.function must be an object with a name and "
+                                 "arguments", param=f"{where}.function")
+        out.append({**tc, "function": check_call(fn.get("name"), fn.get("arguments"),
+                                                 f"{where}.function")})
+    return out
+
+
+def check_call(name: Any, arguments: Any, param: str, *, name_field: str = "name",
+               arguments_field: str = "arguments") -> dict:
+    """One earlier call's ``{"name", "arguments"}``: a non-empty name, and arguments that
+    are a JSON string, an object or absent (``{}``)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{param}.{name_field} must be a non-empty string",
+                             param=f"{param}.{name_field}")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, (str, dict)):
+        raise InvalidRequest(f"{param}.{arguments_field} must be a JSON string or an object",
+                             param=f"{param}.{arguments_field}")
+    return {"name": name, "arguments": arguments}
+
+
 def openai_tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None]:
     """``"auto" | "none" | "required" | {"type": "function", "function": {"name"}}`` (Chat
     Completions) or ``{"type": "function", "name"}`` (Responses) -> (choice, name)."""

@@ -27,6 +27,20 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class TemplateTimeout(InvalidRequest):
+    """The prompt's chat template did not finish rendering within server.template_timeout_s:
+    the messages (or the template they meet) are too expensive to render."""
+
+    code = "template_timeout"
+
+
+class GrammarError(InvalidRequest):
+    """The grammar engine could not follow the request's schema or grammar while generating
+    (a resource limit of llguidance): what was generated is no valid answer."""
+
+    code = "grammar_error"
+
+
 class ModelNotFound(MlxdError):
     status = 404
     code = "model_not_found"

@@ -38,6 +38,7 @@ import zmq.asyncio
 from mlxd.config import Settings
 from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
+from mlxd.core.render import Renderer
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.outlet import Outlet
 
@@ -109,6 +110,9 @@ class EngineCore:
         self.worker = DeviceWorker()
         self.models = ModelManager(settings, self.worker)
         self.encoders = EncoderService(self)
+        # vision prompts' templates and /v1/tokenize's, bounded (core/render.py)
+        self.renderer = Renderer(settings.server.template_timeout_s,
+                                 settings.server.max_concurrent_renders)
         self.audio = AudioService(self, self.encoders)
         self.draining = False
         self.ready = False
@@ -118,6 +122,7 @@ class EngineCore:
         self.outlet = Outlet(self._heartbeat)
         self._live: dict[str, _Live] = {}
         self._aborted: deque[str] = deque(maxlen=4096)  # aborts that beat their Add
+        self._rendering: dict[str, asyncio.Task] = {}  # Adds whose prompt renders, by rid
         self._channels: dict[int, FrontendChannel] = {}
         self._calls: dict[tuple[int, int], asyncio.Task] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -232,6 +237,9 @@ class EngineCore:
             for rid in msg.rids:
                 if not self._end(rid, cancel=True):
                     self._aborted.append(rid)
+                    rendering = self._rendering.get(rid)
+                    if rendering is not None:  # its prompt still renders: interrupt that
+                        rendering.cancel()
         elif isinstance(msg, p.Call):
             key = (msg.frontend, msg.cid)
             if msg.method == "cancel_call":
@@ -263,7 +271,11 @@ class EngineCore:
             engine = lease.engine
             params = p.sampling_from_wire(m.sampling)
             if m.vision is not None or engine.kind == "vision":
-                prompt = await asyncio.to_thread(self._vision_prompt, engine, m)
+                self._rendering[m.rid] = asyncio.current_task()  # type: ignore[assignment]
+                try:
+                    prompt = await self.renderer.run(self._vision_prompt, engine, m)
+                finally:
+                    self._rendering.pop(m.rid, None)
             elif engine.kind != "chat":
                 raise InvalidRequest(f"model '{engine.name}' is a {engine.kind} model, not a "
                                      "chat model", param="model")

@@ -7,7 +7,8 @@ previous step (the context's last token), then masks every token the grammar doe
 at this point (``-inf``). Rows without a grammar are untouched, so one batch mixes
 constrained and free sequences. When the grammar is complete only EOS is allowed, so the
 sequence ends with ``finish_reason == "stop"``; running out of ``max_tokens`` first ends it
-with "length" (a truncated document).
+with "length" (a truncated document). A matcher that fails on the way (a resource limit
+of llguidance) ends its row with a GrammarError, which the client sees.
 
 It lives apart from engines/structured.py (grammar sources and validation) because front
 ends validate grammars and must not import MLX (docs/architecture.md).
@@ -15,14 +16,14 @@ ends validate grammars and must not import MLX (docs/architecture.md).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-log = logging.getLogger(__name__)
+from mlxd.core.errors import GrammarError
+from mlxd.engines.structured import first_line
 
 
 class GrammarProcessor:
@@ -42,7 +43,6 @@ class GrammarProcessor:
         self._tail: list[int] = []
         self._calls = 0
         self._pending = False  # our last mask applies to the context's last token
-        self._warned = False
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         self._calls += 1
@@ -59,17 +59,16 @@ class GrammarProcessor:
             return logits
         self._pending = True
         vocab = logits.shape[-1]
+        bits = None if self.matcher.is_error() else self.matcher.compute_bitmask()
         if self.matcher.is_error():
-            if not self._warned:
-                log.warning("grammar matcher failed (%s); ending the sequence",
-                            self.matcher.get_error())
-                self._warned = True
-            allowed = np.zeros(vocab, dtype=bool)
-            allowed[[t for t in self.eos if t < vocab]] = True
-        else:
-            bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
-            if allowed.shape[0] < vocab:
-                allowed = np.pad(allowed, (0, vocab - allowed.shape[0]))
+            # what was generated is no valid document: the row ends with this error
+            # (GuardedProcessors), never with an end-of-sequence that reads as "stop"
+            raise GrammarError(
+                "the grammar engine could not follow this schema or grammar while generating "
+                f"({first_line(self.matcher.get_error())}); simplify it")
+        allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
+                                bitorder="little")[:vocab].astype(bool)
+        if allowed.shape[0] < vocab:
+            allowed = np.pad(allowed, (0, vocab - allowed.shape[0]))
         mask = mx.array(allowed)
         return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))

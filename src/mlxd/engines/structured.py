@@ -38,6 +38,19 @@ JSON_OPTIONS = {"whitespace_pattern": _WS}
 TOOL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
 
 
+def first_line(error: str) -> str:
+    """An llguidance error without the parser state it may append (schema details)."""
+    return error.strip().split("\n", 1)[0][:500]
+
+
+def _limits() -> Any:
+    """llguidance's default resource limits, with terse errors: a verbose one carries the
+    parser's state and grammar, which are not the client's to read."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
 class GrammarCompiler:
     """One model's grammars: its llguidance tokenizer (built on first use: it copies the
     whole vocabulary into tries, 60-90 MB for a 150k-token vocabulary)
@@ -69,13 +82,13 @@ class GrammarCompiler:
 
     # -- grammar sources ---------------------------------------------------------------------
     @staticmethod
-    def json_schema_grammar(schema: dict | bool) -> str:
+    def json_schema_grammar(schema: dict | bool, param: str = "response_format") -> str:
         import llguidance
 
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as exc:
-            raise InvalidRequest(f"invalid JSON schema: {exc}", param="response_format") from exc
+            raise InvalidRequest(f"invalid JSON schema: {exc}", param=param) from exc
 
     def from_constraint(self, c: OutputConstraint) -> str:
         import llguidance
@@ -109,32 +122,45 @@ class GrammarCompiler:
     # -- checking and matching -------------------------------------------------------------
     def check(self, grammar: str, param: str = "response_format") -> None:
         """Raise a 400 (InvalidRequest) for an unsupported grammar or schema: validation
-        with the tokenizer (remembered per grammar), no matcher built for it."""
-        self._validate(grammar, param, self.lltok)
+        with the tokenizer and a first mask (remembered per grammar)."""
+        self._checked(grammar, param)
 
-    def _validate(self, grammar: str, param: str, lltok: Any) -> None:
+    def _checked(self, grammar: str, param: str) -> Any:
+        """Validate ``grammar`` and compute its first mask, unless a recent request did
+        (then no matcher is built here: None). The first mask catches a grammar llguidance
+        accepts but cannot start (``{"$ref": "#"}``: no production ends), as a 400 before
+        any output rather than an empty document that ends in "stop"."""
         import llguidance
 
+        lltok = self.lltok
         with self._lock:
             err = self._valid.get(grammar)
+        m = None
         if err is None:
-            err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+            err = llguidance.LLMatcher.validate_grammar(grammar, lltok, limits=_limits())
+            if not err or err.startswith("WARNING"):
+                m = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
+                if not m.is_error():
+                    m.compute_bitmask()  # no token consumed: the first step reuses its work
+                err = first_line(m.get_error()) if m.is_error() else err
             with self._lock:
                 self._valid[grammar] = err
                 while len(self._valid) > 256:
                     self._valid.popitem(last=False)
         if err and not err.startswith("WARNING"):
             raise InvalidRequest(f"this schema or grammar is not supported: {err}", param=param)
+        return m
 
     def matcher(self, grammar: str, param: str = "response_format") -> Any:
         """A fresh matcher for ``grammar``; an unsupported grammar or schema is a 400."""
         import llguidance
 
-        self._validate(grammar, param, self.lltok)
-        m = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
+        m = self._checked(grammar, param)
+        if m is None:
+            m = llguidance.LLMatcher(self.lltok, grammar, log_level=0, limits=_limits())
         if m.is_error():
-            raise InvalidRequest(f"this schema or grammar is not supported: {m.get_error()}",
-                                 param=param)
+            raise InvalidRequest("this schema or grammar is not supported: "
+                                 f"{first_line(m.get_error())}", param=param)
         return m
 
 

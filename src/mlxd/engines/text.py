@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.core.errors import InvalidRequest, ModelLoadError
+from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import GenerateRequest, GrammarSpec
 from mlxd.engines.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
 from mlxd.engines.tool_calls import (
@@ -68,6 +69,20 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
     return tok
 
 
+def _render_arguments(tokenizer: Any) -> frozenset[str]:
+    """The named arguments of this tokenizer's ``apply_chat_template`` (a newer transformers
+    may add some): no request's template variable may take one of their names."""
+    import inspect
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        params = inspect.signature(type(hf).apply_chat_template).parameters
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+    return frozenset(n for n, p in params.items()
+                     if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 def tokenizer_defaults(model: Any) -> dict[str, Any] | None:
     """The tokenizer settings mlx-lm keeps in a loaded model's family module
     (``TOKENIZER_DEFAULTS``: chat template, tool parser, EOS ids), if it has any."""
@@ -109,6 +124,7 @@ class TextProcessor:
                                     else getattr(tokenizer, "eos_token_ids", []) or [])
         self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
         self.tool_format: ToolFormat = tool_format(tokenizer)
+        self._render_arguments = _render_arguments(tokenizer)
 
     @property
     def detokenizer(self) -> Any:
@@ -120,6 +136,8 @@ class TextProcessor:
             raise InvalidRequest(
                 f"model '{self.name}' has no chat template; use /v1/completions", param="model"
             )
+        variables = {k: v for k, v in template_kwargs.items() if k != "tools"}
+        check_template_kwargs(variables, reserved=self._render_arguments)
         try:
             ids = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, **template_kwargs
@@ -214,6 +232,12 @@ class TextProcessor:
         fresh llguidance matcher; an unsupported schema or grammar is a 400."""
         fmt = self.tool_format
         if spec.tool_call:
+            if fmt.json_body:  # each tool's arguments schema must be servable on its own
+                for t in spec.tools or []:
+                    fn = t.get("function", t)
+                    if fn.get("name") in spec.names:
+                        self.grammar.check(self.grammar.json_schema_grammar(
+                            fn.get("parameters") or {"type": "object"}, "tools"), "tools")
             grammar = tool_call_grammar(self.grammar, fmt, spec.tools or [], spec.names,
                                         spec.parallel)
             return self.grammar.matcher(grammar, "tool_choice")

@@ -163,15 +163,26 @@ class OutputSplitter:
                 self._lstrip = True
         return "".join(content), "".join(reasoning), calls
 
-    def flush(self) -> tuple[str, str, list[ToolCall]]:
-        """At the end of generation: held text, and a call whose end marker never came."""
+    def flush(self, cut: bool = False) -> tuple[str, str, list[ToolCall]]:
+        """At the end of generation: held text, and a call whose end marker never came.
+
+        ``cut``: the length limit ended the output. A call it cut short is incomplete:
+        neither a call nor answer text (its markup would leak), and a held beginning of
+        the call marker is dropped with it."""
         content: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCall] = []
-        self._emit(self._buf, content, reasoning)
+        fmt = self.fmt
+        if not (cut and fmt is not None and self.state == "content" and self._buf
+                and fmt.start.startswith(self._buf)):
+            self._emit(self._buf, content, reasoning)
         self._buf = ""
         if self.state == "tool":
-            calls.extend(self._finish_call(content, final=True))
+            assert fmt is not None
+            if cut and fmt.end:  # cut before its end marker
+                self._tool_text = ""
+            else:
+                calls.extend(self._finish_call(content, final=True, drop=cut))
             self.state = "content"
         if self._ws and not (self.calls or calls):
             content.append(self._ws)
@@ -199,11 +210,15 @@ class OutputSplitter:
             content.append(self._ws + body)
             self._ws = text[len(body):]
 
-    def _finish_call(self, out: list[str], final: bool = False) -> list[ToolCall]:
-        """Parse the collected call text; text that is no call goes to ``out`` (the answer)."""
+    def _finish_call(self, out: list[str], final: bool = False, drop: bool = False
+                     ) -> list[ToolCall]:
+        """Parse the collected call text; text that is no call goes to ``out`` (the answer),
+        unless ``drop``."""
         raw, self._tool_text = self._tool_text, ""
         assert self.fmt is not None
         calls = parse_calls(self.fmt, raw, self.tools)
+        if calls is None and drop:
+            return []
         if calls is None:
             out.append(self._ws + self.fmt.start + raw + ("" if final else self.fmt.end))
             self._ws = ""

@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten
 
 from mlxd.config import resolve_kv_quant_scheme
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
+from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
 from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
@@ -312,6 +313,7 @@ class VisionEngine(DecodeEngine):
                   template_kwargs: dict) -> str:
         from mlx_vlm.prompt_utils import apply_chat_template
 
+        check_template_kwargs(template_kwargs)  # variables only (core/render.py)
         try:
             out = apply_chat_template(self.processor, self.model.config, messages,
                                       num_images=n_images, num_audios=n_audio,

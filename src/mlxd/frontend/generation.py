@@ -146,7 +146,7 @@ class Generation:
         if split is not None:
             event.text, event.reasoning, event.tool_calls = split.feed(text)
             if finish is not None:
-                more, reasoning, calls = split.flush()
+                more, reasoning, calls = split.flush(cut=finish == "length")
                 event.text += more
                 event.reasoning += reasoning
                 event.tool_calls += calls

@@ -33,6 +33,7 @@ from mlxd.core.errors import (
     ShuttingDown,
     Unavailable,
 )
+from mlxd.core.render import Renderer
 from mlxd.core.types import (
     EmbedRequest,
     EmbedResult,
@@ -78,6 +79,9 @@ class Runtime:
         self.models = ModelsView(self)
         self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
         self.speech = SpeechRequests(self)  # transcription and speech (the audio routes)
+        # chat templates run bounded, and stop with their request (core/render.py)
+        self.renderer = Renderer(settings.server.template_timeout_s,
+                                 settings.server.max_concurrent_renders)
         self.startup_timeout = startup_timeout
         self.started_at = time.time()
         self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
@@ -130,7 +134,7 @@ class Runtime:
                     continue
                 proc = await self.processor(info)
                 if getattr(proc.tokenizer, "has_chat_template", False):
-                    await asyncio.to_thread(proc.encode_messages,
+                    await self.renderer.run(proc.encode_messages,
                                             [{"role": "user", "content": "Hello"}])
             except Exception:  # noqa: BLE001 - the first request will say what is wrong
                 log.warning("could not prepare the tokenizer of %s", name, exc_info=True)
@@ -296,7 +300,7 @@ class Runtime:
             plan = None
             params = prompts.fit_to_context(self.settings, info, req, 0)
         else:
-            tokens, plan = await asyncio.to_thread(prompts.tokenize_and_prepare, proc, req)
+            tokens, plan = await self.renderer.run(prompts.tokenize_and_prepare, proc, req)
             params = prompts.fit_to_context(self.settings, info, req, len(tokens))
         add = p.Add(
             epoch=0, frontend=0, rid=new_rid(), model=name, keep_alive=req.keep_alive,
@@ -327,7 +331,7 @@ class Runtime:
             res = await self.tokenize(info["name"], None, req.messages)
             return info["name"], len(res.tokens[0])
         proc = await self.processor(info)
-        tokens = await asyncio.to_thread(proc.tokenize, req)
+        tokens = await self.renderer.run(proc.tokenize, req)
         return info["name"], len(tokens)
 
     def _known_kind(self, name: str) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -206,9 +207,12 @@ class EncoderService:
                         f"model '{entry.name}' is a {entry.kind} model; reranking needs a "
                         "reranker (cross-encoder) or a chat model", param="model")
                 size = len(req.query) * len(req.documents) + sum(map(len, req.documents))
-                encoded = await self._off_loop(size, engine.encode_pairs, req.query,
-                                               req.documents, truncate=req.truncate,
-                                               instruction=req.instruction)
+                encode = functools.partial(engine.encode_pairs, req.query, req.documents,
+                                           truncate=req.truncate, instruction=req.instruction)
+                # a chat model's scorer renders the model's chat template around the query:
+                # bounded and interrupted with the request, as every render (core/render.py)
+                encoded = await (self.rt.renderer.run(encode) if entry.kind == "chat"
+                                 else self._off_loop(size, encode))
                 scores = await self._run(engine, encoded)
                 ntok = sum(len(ids) for ids, _ in encoded)
                 add_usage(entry.name, ntok, 0)
@@ -278,7 +282,7 @@ class EncoderService:
                 if not hasattr(engine, "encode_messages"):
                     raise InvalidRequest(f"messages need a chat model; '{entry.name}' is a "
                                          f"{kind} model", param="messages")
-                ids = [await asyncio.to_thread(engine.encode_messages, messages)]
+                ids = [await self.rt.renderer.run(engine.encode_messages, messages)]
             else:
                 texts = list(inputs or [])
                 ids = await asyncio.to_thread(_tokenize_texts, engine, kind, texts,
