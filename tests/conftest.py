@@ -107,20 +107,24 @@ class LiveServer:
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
 
-    def core(self, method: str, *, index: int = 0, **args):
-        """A call to one of this server's engine cores (status, loaded, fault drills...)."""
+    def core(self, request, *, index: int = 0):
+        """A call to one of this server's engine cores (``p.Status()``, ``p.Loaded()``,
+        fault drills...): its result struct."""
         import asyncio
 
         rt = self.runtime
-        return asyncio.run_coroutine_threadsafe(rt.cores.clients[index].call(method, **args),
+        return asyncio.run_coroutine_threadsafe(rt.cores.clients[index].call(request),
                                                 rt.loop).result(60)
 
     def fault(self, kind: str, *, index: int = 0, **args) -> None:
         """A failure drill in an engine core (enginecore/calls.py ``fault``)."""
         import contextlib
 
+        from mlxd.enginecore.protocol import Fault
+
+        request = Fault(kind, **args)  # a misspelt argument fails here, not silently
         with contextlib.suppress(Exception):  # "kill" and "abort" never answer
-            self.core("fault", kind=kind, index=index, **args)
+            self.core(request, index=index)
 
     @property
     def core_pid(self) -> int:

@@ -28,6 +28,8 @@ from fixtures.tiny_encoders import (
 )
 from fixtures.tiny_models import make_tiny_chat_model
 
+from mlxd.enginecore.protocol import Scorers
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MINILM = "all-minilm-l6-v2"
 SMOL = "smollm2-135m-instruct"
@@ -270,7 +272,7 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
     # The chat model's weights are shared, not loaded again.
     assert [m["name"] for m in srv.health()["models"]].count(SMOL) == 1
     # Architectures without a plain LM head take the full forward: the same scores.
-    assert srv.core("scorers") == 1
+    assert srv.core(Scorers()).count == 1
     srv.fault("scorer_plain_head", value=False)
     try:
         full = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital "

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 from fixtures.byte_level import CHATML, write_byte_level_tokenizer
 
+from mlxd.enginecore import protocol as p
 from mlxd.enginecore.calls import model_info
 from mlxd.engines.text import load_tokenizer, tokenizer_defaults
 
@@ -89,8 +90,9 @@ def test_family_defaults_come_from_the_loaded_models_module():
     entry = SimpleNamespace(name="m", kind="chat", path=Path("/m"),
                             engine=SimpleNamespace(model=spark, vocab_size=10))
     info = model_info(entry)
-    assert info["tokenizer_defaults"] == muse_spark.TOKENIZER_DEFAULTS
-    json.dumps(info)  # plain data, as the core's messages carry it
+    assert info.tokenizer_defaults == muse_spark.TOKENIZER_DEFAULTS
+    wire = p.frontend_decoder().decode(p.encoder().encode(p.Reply(1, 1, info)))
+    assert wire.value == info  # plain data: it crosses the wire as it is
 
 
 def test_the_front_ends_tokenizer_applies_the_defaults_it_is_sent(tok_dir):

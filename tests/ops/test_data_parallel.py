@@ -16,6 +16,8 @@ import httpx
 import pytest
 from conftest import LiveServer, install_into_store, make_settings
 
+from mlxd.enginecore.protocol import Status
+
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory, tiny_llama, tiny_qwen2):
@@ -161,7 +163,7 @@ def test_a_killed_core_ends_only_its_streams_and_comes_back(dp):
     for t in threads:
         t.start()
     assert all(ev.wait(30) for ev in started)
-    on_killed = dp.core("status", index=1)["requests_in_flight"]
+    on_killed = dp.core(Status(), index=1).requests_in_flight
     assert 1 <= on_killed <= 5
     os.kill(pids[1], signal.SIGKILL)
     assert _wait(lambda: dp.health()["engine_cores"][1]["state"] != "ok", 5)

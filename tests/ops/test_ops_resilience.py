@@ -9,6 +9,8 @@ import httpx
 import pytest
 from conftest import LiveServer, install_into_store, make_settings
 
+from mlxd.enginecore.protocol import Loaded
+
 # What MLX's Metal allocator raises when a buffer does not fit.
 METAL_OOM = ("[metal::malloc] Attempting to allocate 68719476736 bytes which is greater "
              "than the maximum allowed buffer size of 28991029248 bytes.")
@@ -74,7 +76,7 @@ def test_oom_while_loading_is_503_and_the_next_load_succeeds(srv):
     # idle for its keep_alive: unloaded by the sweeper, counted as an eviction
     assert _wait(lambda: _metric(srv, "mlxd:model_evictions_total", model="spare",
                                  reason="idle") == 1, 8)
-    assert "spare" not in [m["name"] for m in srv.core("loaded")]
+    assert "spare" not in [m["name"] for m in srv.core(Loaded()).models]
     assert _metric(srv, "mlxd:models_loaded", kind="chat") == loaded
 
 

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from conftest import LiveServer, make_settings
 
+from mlxd.enginecore.protocol import Status
+
 MODEL = "tiny-llama"
 PROMPTS = ["hello there", "the quick brown fox", "1 2 3 4 5 6 7", "a"]
 
@@ -239,7 +241,7 @@ def _kill_a_rank_and_see_the_group_restart(srv: LiveServer, rank: int, model: st
     for t in threads:
         t.start()
     assert all(ev.wait(20) for ev in started)
-    assert _wait(lambda: srv.core("status")["requests_in_flight"] == 5, 20)
+    assert _wait(lambda: srv.core(Status()).requests_in_flight == 5, 20)
     os.kill(pids[rank], signal.SIGKILL)  # kill -9 of one rank, from outside
     assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})

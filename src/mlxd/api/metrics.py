@@ -12,6 +12,7 @@ import logging
 from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mlxd.enginecore.protocol import Metrics
 from mlxd.observability.metrics import REGISTRY, MergedCollector, merged_text
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,12 @@ async def core_texts(runtime) -> list[str]:
     """Each engine core's exposition, in core order ("" for a dead or busy core: the
     front end's own families and the other cores' still go out)."""
     texts = []
-    for client, reply in await runtime.cores.call_all("metrics"):
+    for client, reply in await runtime.cores.call_all(Metrics()):
         if isinstance(reply, BaseException):
             log.warning("could not read engine core %d's metrics", client.index)
-            reply = b""
-        texts.append(reply.decode())
+            texts.append("")
+        else:
+            texts.append(reply.text.decode())
     return texts or [""]
 
 

@@ -1,13 +1,15 @@
 """The engine core's request/response calls: model management, status and encoders.
 
-Each is a coroutine ``fn(core, **args) -> value``; values are plain msgspec-encodable data
-(bytes for vectors). Errors travel back as :class:`~.protocol.WireError`.
+Each is a coroutine ``fn(core, request) -> result``, the request and result being the call's
+structs in enginecore/protocol.py (bytes for vectors and audio); :data:`HANDLERS` maps the
+request's type to it. Errors travel back as :class:`~.protocol.WireError`.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -16,24 +18,23 @@ from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 from mlxd.enginecore import group
+from mlxd.enginecore import protocol as p
 from mlxd.engines.text import tokenizer_defaults
 
 
-def model_info(entry: Any) -> dict[str, Any]:
+def model_info(entry: Any) -> p.ModelInfo:
     """What a front end needs to serve a loaded model: its tokenizer's place and limits."""
     engine = entry.engine
-    return {
-        "name": entry.name, "kind": entry.kind, "path": str(entry.path),
-        "context_length": int(getattr(engine, "context_length", 0) or 0),
-        "vocab_size": int(getattr(engine, "vocab_size", 0) or 0),
-        "eos_token_ids": list(getattr(engine, "eos_token_ids", []) or []),
-        "adapter_path": str(engine.adapter_path) if getattr(engine, "adapter_path", None)
+    return p.ModelInfo(
+        name=entry.name, kind=entry.kind, path=str(entry.path),
+        context_length=int(getattr(engine, "context_length", 0) or 0),
+        vocab_size=int(getattr(engine, "vocab_size", 0) or 0),
+        eos_token_ids=list(getattr(engine, "eos_token_ids", []) or []),
+        adapter_path=str(engine.adapter_path) if getattr(engine, "adapter_path", None)
         else None,
-        "sample_rate": int(getattr(engine, "sample_rate", 0) or 0),
-        "window_seconds": int(getattr(engine, "window_seconds", 0) or 0),
-        # what the front end's tokenizer load cannot find without importing MLX (text.py)
-        "tokenizer_defaults": tokenizer_defaults(getattr(engine, "model", None)),
-    }
+        sample_rate=int(getattr(engine, "sample_rate", 0) or 0),
+        window_seconds=int(getattr(engine, "window_seconds", 0) or 0),
+        tokenizer_defaults=tokenizer_defaults(getattr(engine, "model", None)))
 
 
 def loaded_view(entry: Any) -> dict[str, Any]:
@@ -69,25 +70,26 @@ def memory() -> dict[str, int]:
         return {}
 
 
-async def touch(core: Any, model: str | None, keep_alive: Any = None) -> dict[str, Any]:
-    entry = await core.models.touch(model, keep_alive)
+async def touch(core: Any, req: p.Touch) -> p.ModelInfo:
+    entry = await core.models.touch(req.model, req.keep_alive)
     return model_info(entry)
 
 
-async def unload(core: Any, model: str | None = None) -> dict[str, Any]:
-    result = await core.models.unload(model)
-    return {**result, "memory": memory()}
+async def unload(core: Any, req: p.Unload) -> p.Unloaded:
+    result = await core.models.unload(req.model)
+    return p.Unloaded(result["unloaded"], result["deferred"], memory())
 
 
-async def loaded(core: Any) -> list[dict[str, Any]]:
-    return [loaded_view(e) for e in core.models.loaded()]
+async def loaded(core: Any, req: p.Loaded) -> p.LoadedModels:
+    return p.LoadedModels([loaded_view(e) for e in core.models.loaded()])
 
 
-async def forget(core: Any, name: str) -> None:
-    core.models.forget_store_entry(name)
+async def forget(core: Any, req: p.Forget) -> p.Done:
+    core.models.forget_store_entry(req.name)
+    return p.Done()
 
 
-async def status(core: Any) -> dict[str, Any]:
+async def status(core: Any, req: p.Status) -> p.CoreStatus:
     from mlxd import blas
     from mlxd.engines.backend import backend_name
 
@@ -97,71 +99,76 @@ async def status(core: Any) -> dict[str, Any]:
     # batches between two readings, and /health's sum must be the sum of its parts
     views = [loaded_view(e) for e in m.loaded()]
     caches = sum(sum(v["cache_memory_bytes"].values()) for v in views)
-    return {
-        "pid": os.getpid(), "epoch": core.epoch, "backend": backend_name(),
-        "blas": loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
-        "device": os.environ.get(DEVICE_ENV) or "default",
-        "uptime_s": round(time.time() - core.started_at, 3),
-        "requests_in_flight": core._inflight, "requests_total": core.admitted_total,
-        "memory": {**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
-                   "caches_bytes": caches},
-        "model_loads": dict(m.load_counts), "model_evictions": m.evictions,
-        "models": views,
-        "rank_group": group.status(),
-    }
+    return p.CoreStatus(
+        pid=os.getpid(), epoch=core.epoch, backend=backend_name(),
+        blas=loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
+        device=os.environ.get(DEVICE_ENV) or "default",
+        uptime_s=round(time.time() - core.started_at, 3),
+        requests_in_flight=core._inflight, requests_total=core.admitted_total,
+        memory={**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
+                "caches_bytes": caches},
+        model_loads=dict(m.load_counts), model_evictions=m.evictions,
+        models=views,
+        rank_group=group.status())
 
 
-async def metrics_text(core: Any) -> bytes:
+async def metrics_text(core: Any, req: p.Metrics) -> p.MetricsText:
     from prometheus_client import generate_latest
 
     from mlxd.observability.metrics import REGISTRY
 
-    return generate_latest(REGISTRY)
+    return p.MetricsText(generate_latest(REGISTRY))
 
 
-async def embed(core: Any, **req: Any) -> dict[str, Any]:
-    res = await core.encoders.embed(EmbedRequest(**req))
+async def embed(core: Any, req: p.Embed) -> p.Embedded:
+    res = await core.encoders.embed(EmbedRequest(
+        req.model, req.inputs, truncate=req.truncate, dimensions=req.dimensions,
+        keep_alive=req.keep_alive, request_id=req.request_id))
     vec = np.ascontiguousarray(res.vectors, dtype=np.float32)
-    return {"model": res.model, "vectors": vec.tobytes(), "shape": list(vec.shape),
-            "prompt_tokens": res.prompt_tokens,
-            "load_s": max(res.timings.t_acquired - res.timings.t_submitted, 0.0)}
+    return p.Embedded(res.model, vec.tobytes(), list(vec.shape), res.prompt_tokens,
+                      max(res.timings.t_acquired - res.timings.t_submitted, 0.0))
 
 
-async def rerank(core: Any, **req: Any) -> dict[str, Any]:
-    res = await core.encoders.rerank(RerankRequest(**req))
-    return {"model": res.model, "scores": [float(s) for s in res.scores],
-            "prompt_tokens": res.prompt_tokens,
-            "load_s": max(res.timings.t_acquired - res.timings.t_submitted, 0.0)}
+async def rerank(core: Any, req: p.Rerank) -> p.Reranked:
+    res = await core.encoders.rerank(RerankRequest(
+        req.model, req.query, req.documents, truncate=req.truncate,
+        instruction=req.instruction, keep_alive=req.keep_alive, request_id=req.request_id))
+    return p.Reranked(res.model, [float(s) for s in res.scores], res.prompt_tokens,
+                      max(res.timings.t_acquired - res.timings.t_submitted, 0.0))
 
 
-async def transcribe(core: Any, **req: Any) -> dict[str, Any]:
+async def transcribe(core: Any, req: p.Transcribe) -> p.Transcribed:
     """One window of samples (16 kHz mono float32 bytes, at most 30 s) to text and
     segments."""
-    return await core.audio.transcribe(**req)
+    res = await core.audio.transcribe(
+        req.model, req.audio, task=req.task, language=req.language, prompt=req.prompt,
+        temperature=req.temperature, words=req.words, keep_alive=req.keep_alive)
+    return p.Transcribed(res["model"], res["duration"], p.TranscriptWindow(**res["window"]))
 
 
-async def speak(core: Any, **req: Any) -> dict[str, Any]:
+async def speak(core: Any, req: p.Speak) -> p.Spoken:
     """Text to audio (float32 bytes at the model's sample rate)."""
-    return await core.audio.speak(**req)
+    res = await core.audio.speak(req.model, req.text, voice=req.voice, speed=req.speed,
+                                 keep_alive=req.keep_alive)
+    return p.Spoken(res["model"], res["audio"], int(res["sample_rate"]),
+                    bool(res["speed_applied"]))
 
 
-async def tokenize(core: Any, model: str | None, inputs: list[str] | None,
-                   messages: list[dict] | None = None, add_special_tokens: bool = True,
-                   token_strings: bool = False, keep_alive: Any = None) -> dict[str, Any]:
-    res = await core.encoders.tokenize(model, inputs, messages,
-                                       add_special_tokens=add_special_tokens,
-                                       token_strings=token_strings, keep_alive=keep_alive)
-    return {"model": res.model, "kind": res.kind, "tokens": res.tokens,
-            "context_length": res.context_length, "token_strings": res.token_strings}
+async def tokenize(core: Any, req: p.Tokenize) -> p.Tokenized:
+    res = await core.encoders.tokenize(req.model, req.inputs, req.messages,
+                                       add_special_tokens=req.add_special_tokens,
+                                       token_strings=req.token_strings,
+                                       keep_alive=req.keep_alive)
+    return p.Tokenized(res.model, res.kind, res.tokens, res.context_length,
+                       res.token_strings)
 
 
-async def scorers(core: Any) -> int:
+async def scorers(core: Any, req: p.Scorers) -> p.ScorerCount:
     """How many LLM rerank scorers borrow a chat model's weights (tests)."""
-    return len(core.encoders.scorers())
+    return p.ScorerCount(len(core.encoders.scorers()))
 
 
-async def fault(core: Any, kind: str, model: str | None = None, seconds: float = 0.0,
-                message: str = "", value: bool = True) -> None:
+async def fault(core: Any, req: p.Fault) -> p.Done:
     """Failure drills (only with MLXD_TEST_FAULTS=1): how a core dies or fails in the field.
 
     ``kill``/``abort``: the process dies (SIGKILL; SIGABRT as a Metal/CUDA abort does);
@@ -173,6 +180,7 @@ async def fault(core: Any, kind: str, model: str | None = None, seconds: float =
     """
     import signal
 
+    kind, model, message = req.kind, req.model, req.message
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "abort":
@@ -183,7 +191,7 @@ async def fault(core: Any, kind: str, model: str | None = None, seconds: float =
         entry = core.models.get_loaded(model or core.models.default_name)
         if entry is None:
             raise ModelNotFound(f"model '{model}' is not loaded")
-        _patch_step(entry.engine, kind, seconds, message)
+        _patch_step(entry.engine, kind, req.seconds, message)
     elif kind == "load_error":
         import mlxd.engines.registry as registry
 
@@ -196,9 +204,10 @@ async def fault(core: Any, kind: str, model: str | None = None, seconds: float =
         registry.create_engine = failing
     elif kind == "scorer_plain_head":
         for scorer in core.encoders.scorers():
-            scorer._plain_head = value
+            scorer._plain_head = req.value
     else:
         raise ModelNotFound(f"unknown fault '{kind}'")
+    return p.Done()
 
 
 def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
@@ -218,9 +227,9 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
     engine.step = step
 
 
-METHODS = {
-    "touch": touch, "unload": unload, "loaded": loaded, "forget": forget, "status": status,
-    "metrics": metrics_text, "embed": embed, "rerank": rerank, "tokenize": tokenize,
-    "transcribe": transcribe, "speak": speak,
-    "scorers": scorers, "fault": fault,
+# Each call's handler, by its request's type (every member of protocol.CallRequest).
+HANDLERS: dict[type[p.Request], Callable[[Any, Any], Awaitable[p.Result]]] = {
+    p.Touch: touch, p.Unload: unload, p.Loaded: loaded, p.Forget: forget, p.Status: status,
+    p.Metrics: metrics_text, p.Embed: embed, p.Rerank: rerank, p.Tokenize: tokenize,
+    p.Transcribe: transcribe, p.Speak: speak, p.Scorers: scorers, p.Fault: fault,
 }

@@ -160,8 +160,8 @@ class EngineCore:
                 raw = await sock.recv()
                 try:
                     msg = decode(raw)
-                except msgspec.DecodeError:
-                    log.error("dropped an undecodable message (%d bytes)", len(raw))
+                except msgspec.DecodeError as exc:
+                    self._undecodable(raw, exc)
                     continue
                 self._dispatch(msg)
         finally:
@@ -241,13 +241,21 @@ class EngineCore:
                     if rendering is not None:  # its prompt still renders: interrupt that
                         rendering.cancel()
         elif isinstance(msg, p.Call):
-            key = (msg.frontend, msg.cid)
-            if msg.method == "cancel_call":
-                task = self._calls.pop((msg.frontend, int(msg.args["cid"])), None)
-                if task is not None:
-                    task.cancel()
-                return
-            self._calls[key] = asyncio.create_task(self._call(msg))
+            self._calls[(msg.frontend, msg.cid)] = asyncio.create_task(self._call(msg))
+        elif isinstance(msg, p.CancelCall):
+            task = self._calls.pop((msg.frontend, msg.cid), None)
+            if task is not None:
+                task.cancel()
+
+    def _undecodable(self, raw: bytes, exc: msgspec.DecodeError) -> None:
+        """A message that does not decode: dropped; a call's caller gets the reason (a
+        400), so that it does not wait for an answer that never comes."""
+        head = p.call_head(raw)
+        if head is None or head.epoch != self.epoch:
+            log.error("dropped an undecodable message (%d bytes): %s", len(raw), exc)
+            return
+        self.outlet.send(head.frontend, p.Reply(self.epoch, head.cid, None, p.error_to_wire(
+            InvalidRequest(f"malformed engine-core call: {exc}"))))
 
     def _reply_error(self, fe: int, rid: str, exc: BaseException) -> None:
         self.outlet.send(fe, p.Outputs(self.epoch, [p.SeqOut(
@@ -364,11 +372,13 @@ class EngineCore:
         from mlxd.enginecore import calls
 
         try:
-            fn = calls.METHODS.get(m.method)
-            if fn is None or (m.method == "fault" and os.environ.get(FAULTS_ENV) != "1"):
-                raise InvalidRequest(f"unknown engine-core call '{m.method}'")
-            value = await fn(self, **m.args)
-            reply = p.Reply(self.epoch, m.cid, value)
+            request = m.request
+            fn = calls.HANDLERS.get(type(request))
+            if fn is None or (isinstance(request, p.Fault)
+                              and os.environ.get(FAULTS_ENV) != "1"):
+                raise InvalidRequest("unknown engine-core call "
+                                     f"'{type(request).__struct_config__.tag}'")
+            reply = p.Reply(self.epoch, m.cid, await fn(self, request))
         except asyncio.CancelledError:
             return
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller

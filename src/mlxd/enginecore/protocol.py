@@ -22,7 +22,7 @@ message queued for a core that has since died is dropped, never run by its succe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar, Union, get_args
 
 import msgspec
 
@@ -95,13 +95,21 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
 
 
 class Call(msgspec.Struct, tag="call", array_like=True, gc=False):
-    """A request/response call (load, unload, status, embed, rerank, tokenize...)."""
+    """A request/response call: ``request`` is one of :data:`CallRequest` (its type says
+    which call; the core answers with a :class:`Reply` holding that call's result)."""
 
     epoch: int
     frontend: int
     cid: int
-    method: str
-    args: dict[str, Any]
+    request: CallRequest
+
+
+class CancelCall(msgspec.Struct, tag="cancel", array_like=True, gc=False):
+    """The caller of call ``cid`` is gone: the core stops working on it."""
+
+    epoch: int
+    frontend: int
+    cid: int
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False):
@@ -115,7 +123,7 @@ class Bye(msgspec.Struct, tag="bye", array_like=True, gc=False):
     frontend: int
 
 
-ToCore = Add | Abort | Call | Hello | Bye
+ToCore = Add | Abort | Call | CancelCall | Hello | Bye
 
 
 class WireError(msgspec.Struct, array_like=True, gc=False):
@@ -154,9 +162,11 @@ class Outputs(msgspec.Struct, tag="out", array_like=True, gc=False):
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True, gc=False):
+    """A call's answer: its result, or the error it raised (``value`` None)."""
+
     epoch: int
     cid: int
-    value: Any = None
+    value: CallResult | None = None
     error: WireError | None = None
 
 
@@ -175,8 +185,293 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
 ToFrontend = Outputs | Reply | Heartbeat
 
 
+# -- calls: one request struct and one result struct per call --------------------------------
+
+KeepAlive = str | int | float | None
+
+
+class Result(msgspec.Struct, array_like=True, gc=False):
+    """A call's answer; each call has its own subclass (tagged, so the union decodes it)."""
+
+
+R = TypeVar("R", bound=Result)
+
+
+class Request(msgspec.Struct, Generic[R], array_like=True, gc=False):
+    """A call's arguments; each call has its own subclass, ``Request[ItsResult]``, so the
+    core dispatches on the type and a caller's ``call(Touch(...))`` is typed ModelInfo."""
+
+    result: ClassVar[type[Result]]
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for base in getattr(cls, "__orig_bases__", ()):
+            args = get_args(base)
+            if args and isinstance(args[0], type) and issubclass(args[0], Result):
+                cls.result = args[0]
+
+
+# results
+
+
+class ModelInfo(Result, tag="info"):
+    """What a front end needs to serve a loaded model: its tokenizer's place and limits."""
+
+    name: str
+    kind: str
+    path: str
+    context_length: int = 0
+    vocab_size: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    adapter_path: str | None = None
+    sample_rate: int = 0
+    window_seconds: int = 0
+    # what the front end's tokenizer load cannot find without importing MLX (engines/text.py)
+    tokenizer_defaults: dict[str, Any] | None = None
+
+
+class Unloaded(Result, tag="unloaded"):
+    """The models unloaded now, those unloaded when their last request ends, and MLX's
+    allocator view after it."""
+
+    unloaded: list[str]
+    deferred: list[str]
+    memory: dict[str, int]
+
+
+class LoadedModels(Result, tag="loaded"):
+    """One view per loaded model (enginecore/calls.py ``loaded_view``: its fixed keys and
+    what its engine's ``stats()`` adds, which differs by kind)."""
+
+    models: list[dict[str, Any]]
+
+
+class CoreStatus(Result, tag="status"):
+    """One core for /health: process, memory (allocator, budget, models, caches), loads and
+    its models' views; ``rank_group`` when it leads a tensor or pipeline parallel group."""
+
+    pid: int
+    epoch: int
+    backend: str
+    blas: str
+    device: str
+    uptime_s: float
+    requests_in_flight: int
+    requests_total: int
+    memory: dict[str, int]
+    model_loads: dict[str, int]
+    model_evictions: int
+    models: list[dict[str, Any]]
+    rank_group: dict[str, Any] | None = None
+
+
+class MetricsText(Result, tag="metrics"):
+    text: bytes  # the core's Prometheus exposition
+
+
+class Embedded(Result, tag="embedded"):
+    model: str
+    vectors: bytes  # float32, C order, of ``shape``
+    shape: list[int]
+    prompt_tokens: int
+    load_s: float  # waiting for the model to load
+
+
+class Reranked(Result, tag="reranked"):
+    model: str
+    scores: list[float]
+    prompt_tokens: int
+    load_s: float
+
+
+class Tokenized(Result, tag="tokenized"):
+    model: str
+    kind: str
+    tokens: list[list[int]]
+    context_length: int
+    token_strings: list[list[str]] | None = None
+
+
+class TranscriptWindow(Result, tag="window"):
+    """Whisper's result for one window (engines/stt.py); segments as it made them."""
+
+    language: str | None
+    language_name: str | None
+    text: str
+    segments: list[dict[str, Any]]
+    avg_logprob: float | None
+    no_speech_prob: float | None
+    compression_ratio: float | None
+    temperature: float
+    tokens: int
+
+
+class Transcribed(Result, tag="transcribed"):
+    model: str
+    duration: float
+    window: TranscriptWindow
+
+
+class Spoken(Result, tag="spoken"):
+    model: str
+    audio: bytes  # float32 samples at ``sample_rate``
+    sample_rate: int
+    speed_applied: bool  # the model spoke at the asked speed itself
+
+
+class ScorerCount(Result, tag="scorers"):
+    count: int  # LLM rerank scorers borrowing a chat model's weights
+
+
+class Done(Result, tag="done"):
+    """A call that answers nothing but its success."""
+
+
+# requests
+
+
+class Touch(Request[ModelInfo], tag="touch"):
+    """Load ``model`` (None: the default) if it is not, refresh its keep-alive."""
+
+    model: str | None
+    keep_alive: KeepAlive = None
+
+
+class Unload(Request[Unloaded], tag="unload"):
+    model: str | None = None  # None: every model that is not pinned
+
+
+class Loaded(Request[LoadedModels], tag="loaded"):
+    pass
+
+
+class Forget(Request[Done], tag="forget"):
+    """The store entry ``name`` was deleted: drop what the core remembers of it."""
+
+    name: str
+
+
+class Status(Request[CoreStatus], tag="status"):
+    pass
+
+
+class Metrics(Request[MetricsText], tag="metrics"):
+    pass
+
+
+class Embed(Request[Embedded], tag="embed"):
+    model: str | None
+    inputs: list[str | list[int]]
+    truncate: bool = True
+    dimensions: int | None = None
+    keep_alive: KeepAlive = None
+    request_id: str = ""
+
+
+class Rerank(Request[Reranked], tag="rerank"):
+    model: str | None
+    query: str
+    documents: list[str]
+    truncate: bool = True
+    instruction: str | None = None
+    keep_alive: KeepAlive = None
+    request_id: str = ""
+
+
+class Tokenize(Request[Tokenized], tag="tokenize"):
+    model: str | None
+    inputs: list[str] | None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    token_strings: bool = False
+    keep_alive: KeepAlive = None
+
+
+class Transcribe(Request[Transcribed], tag="transcribe"):
+    """One window of samples (mono float32 bytes at the model's rate, at most its window)."""
+
+    model: str | None
+    audio: bytes
+    task: str = "transcribe"
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    words: bool = False
+    keep_alive: KeepAlive = None
+
+
+class Speak(Request[Spoken], tag="speak"):
+    model: str | None
+    text: str
+    voice: str | None = None
+    speed: float = 1.0
+    keep_alive: KeepAlive = None
+
+
+class Scorers(Request[ScorerCount], tag="scorers"):
+    pass
+
+
+class Fault(Request[Done], tag="fault"):
+    """A failure drill (only in a core started with MLXD_TEST_FAULTS=1; enginecore/calls.py
+    ``fault`` lists the kinds)."""
+
+    kind: str
+    model: str | None = None
+    seconds: float = 0.0
+    message: str = ""
+    value: bool = True
+
+
+CallRequest = Union[  # noqa: UP007 - a runtime alias msgspec decodes (a tagged union)
+    Touch, Unload, Loaded, Forget, Status, Metrics, Embed, Rerank, Tokenize, Transcribe,
+    Speak, Scorers, Fault]
+CallResult = Union[  # noqa: UP007
+    ModelInfo, Unloaded, LoadedModels, CoreStatus, MetricsText, Embedded, Reranked,
+    Tokenized, Transcribed, Spoken, ScorerCount, Done]
+
+
 def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
+
+
+def result_type(request: Request[R]) -> type[R]:
+    """The result struct ``request``'s call answers with."""
+    return request.result  # type: ignore[return-value]
+
+
+class _CallHead(msgspec.Struct, tag="call", array_like=True, gc=False):
+    """A :class:`Call`'s addressing, its request left undecoded."""
+
+    epoch: int
+    frontend: int
+    cid: int
+    request: msgspec.Raw
+
+
+class _ReplyHead(msgspec.Struct, tag="reply", array_like=True, gc=False):
+    """A :class:`Reply`'s addressing, its value and error left undecoded."""
+
+    epoch: int
+    cid: int
+    value: msgspec.Raw = msgspec.Raw()
+    error: msgspec.Raw = msgspec.Raw()
+
+
+def call_head(raw: bytes) -> _CallHead | None:
+    """Where to answer a message that did not decode, if it is a call (None otherwise)."""
+    try:
+        return msgspec.msgpack.decode(raw, type=_CallHead)
+    except msgspec.DecodeError:
+        return None
+
+
+def reply_head(raw: bytes) -> _ReplyHead | None:
+    """Which call a reply that did not decode answers, if it is a reply (None otherwise)."""
+    try:
+        return msgspec.msgpack.decode(raw, type=_ReplyHead)
+    except msgspec.DecodeError:
+        return None
 
 
 def core_decoder() -> msgspec.msgpack.Decoder:

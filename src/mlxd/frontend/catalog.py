@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.core.errors import ModelNotFound
+from mlxd.enginecore import protocol as p
 
 
 class ModelCatalogOps:
@@ -39,13 +40,13 @@ class ModelCatalogOps:
 
         await asyncio.to_thread(remove, self._rt.catalog.store, name)
         self._rt.forget_model(name)
-        await self._rt.cores.values_all("forget", name=name)  # every core that is up
+        await self._rt.cores.values_all(p.Forget(name))  # every core that is up
 
     def describe(self, name: str) -> dict[str, Any]:
         """What /api/show tells: manifest, config.json, chat template."""
         name = self._rt.catalog.resolve(name)
         info = self._rt._info.get(name)
-        path = Path(info["path"]) if info else self._rt.catalog.path(name)
+        path = Path(info.path) if info else self._rt.catalog.path(name)
         if path is None:
             raise ModelNotFound(f"model '{name}' not found", param="model")
         config = _read_json(path / "config.json")

@@ -55,7 +55,7 @@ class CoreClient:
         self.core_load = 0  # the core's requests in flight, all front ends', per heartbeat
         self._streams: dict[str, asyncio.Queue] = {}
         self._orphans: list[str] = []  # failed on a stall; aborted if the same core returns
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future[p.Reply]] = {}
         self._cid = itertools.count(1)
         self._ready_event = asyncio.Event()
         self._enc = p.encoder()
@@ -133,26 +133,32 @@ class CoreClient:
         msg.epoch, msg.frontend = self.epoch, self.frontend
         self._send(msg)
 
-    async def call(self, method: str, **args: Any) -> Any:
-        """One call; cancelling the caller (a client gone) cancels it in the core."""
+    async def call(self, request: p.Request[p.R]) -> p.R:
+        """One call (its result's type is the request's: ``call(p.Unload(...))`` answers
+        :class:`~mlxd.enginecore.protocol.Unloaded`); cancelling the caller (a client gone)
+        cancels it in the core."""
         if not self.alive:
             raise p.error_from_wire(_died())
         cid = next(self._cid)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
         self._calls[cid] = fut
-        self._send(p.Call(self.epoch, self.frontend, cid, method, args))
+        self._send(p.Call(self.epoch, self.frontend, cid, request))  # type: ignore[arg-type]
         try:
             reply = await fut
         except asyncio.CancelledError:
             if self.alive:
                 with contextlib.suppress(zmq.ZMQError):
-                    self._send(p.Call(self.epoch, self.frontend, 0, "cancel_call",
-                                      {"cid": cid}))
+                    self._send(p.CancelCall(self.epoch, self.frontend, cid))
             raise
         finally:
             self._calls.pop(cid, None)
         if reply.error is not None:
             raise p.error_from_wire(reply.error)
+        expected = p.result_type(request)
+        if not isinstance(reply.value, expected):
+            raise p.error_from_wire(p.WireError(
+                "engine", f"the engine core answered {type(reply.value).__name__} to "
+                f"{type(request).__name__}, not {expected.__name__}"))
         return reply.value
 
     # -- receiving ---------------------------------------------------------------------------
@@ -162,9 +168,10 @@ class CoreClient:
             raw = await self._pull.recv()
             try:
                 msg = decode(raw)
-            except Exception:  # noqa: BLE001 - a malformed message must not stop the reader
-                log.exception("dropped an undecodable message from the engine core")
-                continue
+            except Exception as exc:  # noqa: BLE001 - a malformed message must not stop it
+                msg = self._undecodable(raw, exc)
+                if msg is None:
+                    continue
             if isinstance(msg, p.Heartbeat):
                 self._beat(msg)
             elif msg.epoch != self.epoch:
@@ -179,6 +186,17 @@ class CoreClient:
                 fut = self._calls.get(msg.cid)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    def _undecodable(self, raw: bytes, exc: Exception) -> p.Reply | None:
+        """A message that does not decode: a reply fails its call (500) rather than leave
+        it waiting; anything else is dropped."""
+        head = p.reply_head(raw)
+        if head is None:
+            log.error("dropped an undecodable message from the engine core: %s", exc)
+            return None
+        log.error("an undecodable reply from the engine core: %s", exc)
+        return p.Reply(head.epoch, head.cid, None,
+                       p.WireError("engine", f"undecodable reply: {exc}"))
 
     def _beat(self, hb: p.Heartbeat) -> None:
         self._last_beat = time.monotonic()

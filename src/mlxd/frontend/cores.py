@@ -3,10 +3,10 @@
 With ``engine.devices`` naming several devices (data parallel) every front end talks to
 every core. A generation goes to one core (frontend/routing.py: prefix affinity, then
 load); an encoder or tokenizer call to the least busy core; the model manager's calls
-(``loaded``, ``status``, ``unload``, ``metrics``, ``forget``, a load without a request)
-go to every core that is up, and their answers are merged by the caller. A core's death
-fails its own requests only (its CoreClient's), the others keep serving while its
-supervisor restarts it.
+(``Loaded``, ``Status``, ``Unload``, ``Metrics``, ``Forget``, a ``Touch`` without a
+request: enginecore/protocol.py) go to every core that is up, and their answers are merged
+by the caller. A core's death fails its own requests only (its CoreClient's), the others
+keep serving while its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from mlxd.core.errors import Unavailable
+from mlxd.enginecore import protocol as p
 from mlxd.frontend.client import CoreClient
 from mlxd.frontend.routing import PrefixRouter, block_hashes
 
@@ -99,18 +99,18 @@ class CorePool:
         return self.clients[self.router.least(loads)]
 
     # -- calls -------------------------------------------------------------------------------
-    async def call(self, method: str, **args: Any) -> Any:
+    async def call(self, request: p.Request[p.R]) -> p.R:
         """One call on the least busy core."""
-        return await self.least_busy().call(method, **args)
+        return await self.least_busy().call(request)
 
-    async def call_all(self, method: str, *, timeout: float | None = None,
-                       **args: Any) -> list[tuple[CoreClient, Any]]:
-        """The call on every live core, concurrently: (core, value or the exception it
+    async def call_all(self, request: p.Request[p.R], *, timeout: float | None = None
+                       ) -> list[tuple[CoreClient, p.R | BaseException]]:
+        """The call on every live core, concurrently: (core, result or the exception it
         raised) per core, in core order; a dead core is left out."""
         live = self.alive
 
-        async def one(c: CoreClient) -> Any:
-            return await asyncio.wait_for(c.call(method, **args), timeout)
+        async def one(c: CoreClient) -> p.R:
+            return await asyncio.wait_for(c.call(request), timeout)
 
         results = await asyncio.gather(*(one(c) for c in live), return_exceptions=True)
         for r in results:
@@ -118,10 +118,10 @@ class CorePool:
                 raise r
         return list(zip(live, results, strict=True))
 
-    async def values_all(self, method: str, **args: Any) -> list[tuple[CoreClient, Any]]:
-        """:meth:`call_all`'s values; a core that died meanwhile is left out as a dead one
+    async def values_all(self, request: p.Request[p.R]) -> list[tuple[CoreClient, p.R]]:
+        """:meth:`call_all`'s results; a core that died meanwhile is left out as a dead one
         is, any other failure is raised (the first core's)."""
-        results = await self.call_all(method, **args)
+        results = await self.call_all(request)
         for c, r in results:
             if isinstance(r, BaseException) and c.alive:
                 raise r

@@ -1,9 +1,9 @@
 """/health's and the model views' answers from several engine cores: per core, and merged.
 
-Each core reports its own models, requests and memory (enginecore/calls.py ``status`` and
-``loaded``); a host with one core per device shows each core (``engine_cores``: device,
-pid, state, loaded models, requests) and totals over the cores that answered, with a model
-loaded on several cores listed once, naming the cores that hold it. A core that is a rank
+Each core reports its own models, requests and memory (its ``Status`` and ``Loaded`` calls,
+enginecore/calls.py); a host with one core per device shows each core (``engine_cores``:
+device, pid, state, loaded models, requests) and totals over the cores that answered, with
+a model loaded on several cores listed once, naming the cores that hold it. A core that is a rank
 group (tensor or pipeline parallel) shows it under the setting's name
 (``tensor_parallel`` / ``pipeline_parallel``: mode, size, backend, rank pids).
 """
@@ -11,6 +11,8 @@ group (tensor or pipeline parallel) shows it under the setting's name
 from __future__ import annotations
 
 from typing import Any
+
+from mlxd.enginecore.protocol import CoreStatus
 
 _SUMMED = ("active_requests", "running", "waiting")
 
@@ -21,28 +23,27 @@ def core_state(client: Any) -> str:
     return "loading" if client.alive else "restarting"
 
 
-def rank_group_view(status: dict[str, Any] | None) -> dict[str, Any]:
+def rank_group_view(status: CoreStatus | None) -> dict[str, Any]:
     """``{"tensor_parallel": group}`` or ``{"pipeline_parallel": group}`` for a core whose
     status reports a rank group; ``{}`` otherwise."""
-    rg = (status or {}).get("rank_group")
+    rg = status.rank_group if status is not None else None
     return {f"{rg['mode']}_parallel": rg} if rg else {}
 
 
-def core_view(client: Any, status: dict[str, Any] | None, restarts: int) -> dict[str, Any]:
+def core_view(client: Any, status: CoreStatus | None, restarts: int) -> dict[str, Any]:
     """One core as /health and /api/ps show it (``status``: its status call, None when it
     did not answer)."""
-    st = status or {}
     return {
         "index": client.index,
-        "device": st.get("device") or client.device or "default",
+        "device": (status.device if status else None) or client.device or "default",
         "pid": client.core_pid, "epoch": client.epoch,
         "alive": client.alive, "ready": client.ready, "state": core_state(client),
         "restarts": restarts,
-        "requests_in_flight": st.get("requests_in_flight", 0),
-        "requests_total": st.get("requests_total", 0),
-        "models": [m["name"] for m in st.get("models", [])],
-        "memory": st.get("memory", {}),
-        **rank_group_view(st),
+        "requests_in_flight": status.requests_in_flight if status else 0,
+        "requests_total": status.requests_total if status else 0,
+        "models": [m["name"] for m in status.models] if status else [],
+        "memory": status.memory if status else {},
+        **rank_group_view(status),
     }
 
 
@@ -66,22 +67,21 @@ def merge_models(per_core: list[tuple[int, list[dict[str, Any]]]]) -> list[dict[
     return list(merged.values())
 
 
-def merge_status(per_core: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+def merge_status(per_core: list[tuple[int, CoreStatus]]) -> dict[str, Any]:
     """Totals of several cores' status calls, (core index, status) each (one core: its own
     figures)."""
     statuses = [st for _, st in per_core]
     memory: dict[str, int] = {}
     loads: dict[str, int] = {}
     for st in statuses:
-        for k, v in st.get("memory", {}).items():
-            if isinstance(v, int):
-                memory[k] = memory.get(k, 0) + v
-        for k, v in st.get("model_loads", {}).items():
+        for k, v in st.memory.items():
+            memory[k] = memory.get(k, 0) + v
+        for k, v in st.model_loads.items():
             loads[k] = loads.get(k, 0) + v
     return {
-        "requests_in_flight": sum(st.get("requests_in_flight", 0) for st in statuses),
+        "requests_in_flight": sum(st.requests_in_flight for st in statuses),
         "memory": memory,
         "model_loads": loads,
-        "model_evictions": sum(st.get("model_evictions", 0) for st in statuses),
-        "models": merge_models([(i, st.get("models", [])) for i, st in per_core]),
+        "model_evictions": sum(st.model_evictions for st in statuses),
+        "models": merge_models([(i, st.models) for i, st in per_core]),
     }

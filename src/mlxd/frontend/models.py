@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxd.enginecore import protocol as p
 from mlxd.frontend.health import merge_models
 
 
@@ -61,8 +62,8 @@ class ModelsView:
 
     async def loaded(self) -> list[LoadedModel]:
         """Every core's loaded models, one entry per model (see frontend/health.py)."""
-        replies = await self._rt.cores.values_all("loaded")
-        views = merge_models([(c.index, v) for c, v in replies])
+        replies = await self._rt.cores.values_all(p.Loaded())
+        views = merge_models([(c.index, r.models) for c, r in replies])
         return [LoadedModel.from_view(v) for v in views]
 
     async def get_loaded(self, name: str | None) -> LoadedModel | None:
@@ -72,23 +73,21 @@ class ModelsView:
     async def touch(self, name: str | None, keep_alive: Any = None) -> LoadedModel:
         """Load (or refresh) a model without a request, as Ollama's empty-prompt call does."""
         info = await self._rt.model_info(self.resolve(name), keep_alive, fresh=True)
-        found = await self.get_loaded(info["name"])
+        found = await self.get_loaded(info.name)
         if found is not None:
             return found
-        return LoadedModel(info["name"], info["kind"], info["path"], 0,
-                           context_length=info["context_length"])
+        return LoadedModel(info.name, info.kind, info.path, 0,
+                           context_length=info.context_length)
 
     async def unload(self, name: str | None = None) -> dict[str, Any]:
         """Unload from every core that is up; the names any of them unloaded or deferred."""
         model = None if name is None else self.resolve(name)
-        replies = await self._rt.cores.values_all("unload", model=model)
-        result: dict[str, Any] = {"unloaded": [], "deferred": []}
-        for _, r in replies:
-            for key, value in r.items():
-                if isinstance(value, list):
-                    result[key] = list(dict.fromkeys([*result.get(key, []), *value]))
-                elif key not in result:
-                    result[key] = value  # the first core's (memory)
-        for n in result["unloaded"]:
+        replies = await self._rt.cores.values_all(p.Unload(model))
+        unloaded = list(dict.fromkeys(n for _, r in replies for n in r.unloaded))
+        deferred = list(dict.fromkeys(n for _, r in replies for n in r.deferred))
+        result: dict[str, Any] = {"unloaded": unloaded, "deferred": deferred}
+        if replies:
+            result["memory"] = replies[0][1].memory  # the first core's
+        for n in unloaded:
             self._rt.forget_model(n)
         return result

@@ -113,9 +113,9 @@ def tokenize_and_prepare(proc: Any, req: GenerateRequest) -> tuple[list[int], An
     return tokens, proc.prepare(req, tokens)
 
 
-def fit_to_context(settings: Settings, info: dict[str, Any], req: GenerateRequest,
+def fit_to_context(settings: Settings, info: p.ModelInfo, req: GenerateRequest,
                    n_prompt: int) -> SamplingParams:
-    ctx = info["context_length"] or 4096
+    ctx = info.context_length or 4096
     sp = req.sampling
     if n_prompt >= ctx:
         raise ContextLengthExceeded(
@@ -123,7 +123,7 @@ def fit_to_context(settings: Settings, info: dict[str, Any], req: GenerateReques
             f"{n_prompt} tokens.",
             param="messages" if req.messages is not None else "prompt",
         )
-    vocab = info["vocab_size"]
+    vocab = info.vocab_size
     if sp.logit_bias and vocab and any(not 0 <= t < vocab for t in sp.logit_bias):
         raise InvalidRequest("logit_bias names a token id outside the vocabulary",
                              param="logit_bias")

@@ -89,7 +89,7 @@ class Runtime:
         self._admitted = 0  # this front end's requests between submit and release
         self._processors: dict[tuple[str, str], Any] = {}
         self._loading: dict[tuple[str, str], asyncio.Future] = {}
-        self._info: dict[str, dict[str, Any]] = {}
+        self._info: dict[str, p.ModelInfo] = {}
         self._info_epoch: tuple[int, ...] = ()
         self.backend = "unknown"
         self.blas = "unknown"  # the BLAS the engine core loaded (it runs the matmuls)
@@ -111,9 +111,8 @@ class Runtime:
             await self.stop()  # a failed start leaves no engine core behind
             raise
         try:
-            core = await self.cores.call("status")
-            self.backend = core["backend"]
-            self.blas = core.get("blas", self.blas)
+            core = await self.cores.call(p.Status())
+            self.backend, self.blas = core.backend, core.blas
         except Exception:  # noqa: BLE001 - only informative
             log.exception("could not ask the engine core for its backend")
         await self._warm_processors()
@@ -130,7 +129,7 @@ class Runtime:
         for name in self.catalog.pinned:
             try:
                 info = await self.model_info(name)
-                if info["kind"] not in ("chat", "vision"):
+                if info.kind not in ("chat", "vision"):
                     continue
                 proc = await self.processor(info)
                 if getattr(proc.tokenizer, "has_chat_template", False):
@@ -170,8 +169,8 @@ class Runtime:
         return "draining" if self.draining else "restarting"
 
     async def status(self) -> dict[str, Any]:
-        replies = await self.cores.call_all("status", timeout=5)
-        found = {c.index: r for c, r in replies if isinstance(r, dict)}
+        replies = await self.cores.call_all(p.Status(), timeout=5)
+        found = {c.index: r for c, r in replies if isinstance(r, p.CoreStatus)}
         cores = [health.core_view(c, found.get(c.index), self._restarts_of(c))
                  for c in self.cores.clients]
         merged = health.merge_status(sorted(found.items()))
@@ -196,7 +195,7 @@ class Runtime:
         return client.deaths
 
     async def memory(self) -> dict[str, int]:
-        replies = await self.cores.values_all("status")
+        replies = await self.cores.values_all(p.Status())
         return health.merge_status([(c.index, r) for c, r in replies])["memory"]
 
     def check_serving(self) -> None:
@@ -209,22 +208,21 @@ class Runtime:
 
     # -- models and their tokenizers ---------------------------------------------------------
     async def model_info(self, name: str, keep_alive: Any = None, *, fresh: bool = False
-                         ) -> dict[str, Any]:
+                         ) -> p.ModelInfo:
         """What the core knows of a model, loading it if needed (cached per core)."""
         if self._info_epoch != self.cores.epochs:
             self._info, self._info_epoch = {}, self.cores.epochs
         info = None if fresh else self._info.get(name)
         if info is None:
             if fresh:  # a load without a request (Ollama's empty prompt): every core
-                replies = await self.cores.values_all("touch", model=name,
-                                                      keep_alive=keep_alive)
+                replies = await self.cores.values_all(p.Touch(name, keep_alive))
                 if not replies:
                     raise Unavailable("the engine core is not running (restarting); retry "
                                       "shortly", headers={"Retry-After": "2"})
                 info = replies[0][1]
             else:  # a request's model: on the core its first request will get
-                info = await self.cores.call("touch", model=name, keep_alive=keep_alive)
-            self._info[name] = self._info[info["name"]] = info
+                info = await self.cores.call(p.Touch(name, keep_alive))
+            self._info[name] = self._info[info.name] = info
         return info
 
     def forget_model(self, name: str) -> None:
@@ -232,9 +230,9 @@ class Runtime:
         for key in [k for k in self._processors if k[0] == name]:
             del self._processors[key]
 
-    async def processor(self, info: dict[str, Any]) -> Any:
+    async def processor(self, info: p.ModelInfo) -> Any:
         """The model's TextProcessor (its tokenizer loaded once, off the event loop)."""
-        key = (info["name"], info["path"])
+        key = (info.name, info.path)
         proc = self._processors.get(key)
         if proc is not None:
             return proc
@@ -243,12 +241,12 @@ class Runtime:
             from mlxd.engines.text import TextProcessor, load_tokenizer
 
             def load() -> Any:
-                tok = load_tokenizer(Path(info["path"]),
+                tok = load_tokenizer(Path(info.path),
                                      trust_remote_code=self.settings.models.trust_remote_code,
-                                     defaults=info.get("tokenizer_defaults"))
-                vocab = info["vocab_size"] or len(tok)
-                eos = info["eos_token_ids"] or None
-                proc = TextProcessor(info["name"], tok, vocab, eos)
+                                     defaults=info.tokenizer_defaults)
+                vocab = info.vocab_size or len(tok)
+                eos = info.eos_token_ids or None
+                proc = TextProcessor(info.name, tok, vocab, eos)
                 heap.release_free_memory()  # the parse's temporaries (core/heap.py)
                 return proc
 
@@ -283,9 +281,9 @@ class Runtime:
     async def _submit(self, name: str, req: GenerateRequest) -> Generation:
         t0 = time.perf_counter()
         info = await self.model_info(name, req.keep_alive)
-        name = info["name"]
+        name = info.name
         t_acquired = time.perf_counter()
-        kind = info["kind"]
+        kind = info.kind
         if kind not in ("chat", "vision"):
             raise InvalidRequest(f"model '{name}' is a {kind} model, not a chat model",
                                  param="model")
@@ -295,7 +293,7 @@ class Runtime:
         vision = None
         if kind == "vision" or req.images or req.audio:
             vision = await prompts.vision_input(self.settings, name, kind, req,
-                                                info.get("sample_rate") or 0)
+                                                info.sample_rate)
             tokens: list[int] = list(req.prompt_tokens or [])
             plan = None
             params = prompts.fit_to_context(self.settings, info, req, 0)
@@ -326,62 +324,62 @@ class Runtime:
         its tools; loads the model if it has to."""
         self.check_serving()
         info = await self.model_info(self.catalog.resolve(req.model), req.keep_alive)
-        note(model=info["name"])
-        if info["kind"] == "vision":
-            res = await self.tokenize(info["name"], None, req.messages)
-            return info["name"], len(res.tokens[0])
+        note(model=info.name)
+        if info.kind == "vision":
+            res = await self.tokenize(info.name, None, req.messages)
+            return info.name, len(res.tokens[0])
         proc = await self.processor(info)
         tokens = await self.renderer.run(proc.tokenize, req)
-        return info["name"], len(tokens)
+        return info.name, len(tokens)
 
     def _known_kind(self, name: str) -> str | None:
         """The model's kind without loading it (None: unknown; the load will say)."""
         info = self._info.get(name)
         try:
-            return info["kind"] if info else self.catalog.kind(name)
+            return info.kind if info else self.catalog.kind(name)
         except (InvalidRequest, ModelNotFound, OSError, ValueError):
             return None
 
     # -- encoders (batched in the core) ------------------------------------------------------
-    async def encoder_call(self, method: str, **args: Any) -> Any:
+    async def encoder_call(self, request: p.Request[p.R]) -> p.R:
         self.check_serving()
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly",
                             headers={"Retry-After": "1"})
         self._admitted += 1
         try:
-            return await self.cores.call(method, **args)
+            return await self.cores.call(request)
         finally:
             self._admitted -= 1
 
     async def embed(self, req: EmbedRequest) -> EmbedResult:
         timings = Timings()
-        r = await self.encoder_call(
-            "embed", model=req.model, inputs=req.inputs, truncate=req.truncate,
-            dimensions=req.dimensions, keep_alive=req.keep_alive, request_id=req.request_id)
-        timings.t_acquired = timings.t_submitted + r["load_s"]
+        r = await self.encoder_call(p.Embed(
+            req.model, req.inputs, truncate=req.truncate, dimensions=req.dimensions,
+            keep_alive=req.keep_alive, request_id=req.request_id))
+        timings.t_acquired = timings.t_submitted + r.load_s
         timings.t_done = time.perf_counter()
-        vectors = np.frombuffer(r["vectors"], dtype=np.float32).reshape(r["shape"])
-        note(model=r["model"])
-        add_usage(r["model"], r["prompt_tokens"], 0)
-        return EmbedResult(r["model"], vectors, r["prompt_tokens"], timings)
+        vectors = np.frombuffer(r.vectors, dtype=np.float32).reshape(r.shape)
+        note(model=r.model)
+        add_usage(r.model, r.prompt_tokens, 0)
+        return EmbedResult(r.model, vectors, r.prompt_tokens, timings)
 
     async def rerank(self, req: RerankRequest) -> RerankResult:
         timings = Timings()
-        r = await self.encoder_call(
-            "rerank", model=req.model, query=req.query, documents=req.documents,
-            truncate=req.truncate, instruction=req.instruction, keep_alive=req.keep_alive,
-            request_id=req.request_id)
-        timings.t_acquired = timings.t_submitted + r["load_s"]
+        r = await self.encoder_call(p.Rerank(
+            req.model, req.query, req.documents, truncate=req.truncate,
+            instruction=req.instruction, keep_alive=req.keep_alive, request_id=req.request_id))
+        timings.t_acquired = timings.t_submitted + r.load_s
         timings.t_done = time.perf_counter()
-        note(model=r["model"])
-        add_usage(r["model"], r["prompt_tokens"], 0)
-        return RerankResult(r["model"], r["scores"], r["prompt_tokens"], timings)
+        note(model=r.model)
+        add_usage(r.model, r.prompt_tokens, 0)
+        return RerankResult(r.model, r.scores, r.prompt_tokens, timings)
 
     async def tokenize(self, model: str | None, inputs: list[str] | None,
-                       messages: list[dict] | None = None, **kw: Any) -> TokenizeResult:
-        r = await self.encoder_call("tokenize", model=model, inputs=inputs,
-                                     messages=messages, **kw)
-        note(model=r["model"])
-        return TokenizeResult(r["model"], r["kind"], r["tokens"], r["context_length"],
-                              r["token_strings"])
+                       messages: list[dict] | None = None, *, add_special_tokens: bool = True,
+                       token_strings: bool = False, keep_alive: Any = None
+                       ) -> TokenizeResult:
+        r = await self.encoder_call(p.Tokenize(model, inputs, messages, add_special_tokens,
+                                               token_strings, keep_alive))
+        note(model=r.model)
+        return TokenizeResult(r.model, r.kind, r.tokens, r.context_length, r.token_strings)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.core.errors import InvalidRequest, PayloadTooLarge
+from mlxd.enginecore import protocol as p
 from mlxd.frontend.audio import SpeechEncoder, decode_audio, split_text, window_bounds
 from mlxd.observability.context import note
 
@@ -68,31 +69,32 @@ class SpeechRequests:
             f"configured (audio.default_{kind}); name one in 'model', e.g. after "
             f"'mlxd pull {hint}'", param="model")
 
-    async def _info(self, model: str | None, kind: str, keep_alive: Any) -> dict[str, Any]:
+    async def _info(self, model: str | None, kind: str, keep_alive: Any) -> p.ModelInfo:
         self.rt.check_serving()
         info = await self.rt.model_info(self._model(model, kind), keep_alive)
-        note(model=info["name"])
-        if info["kind"] != kind:
+        note(model=info.name)
+        if info.kind != kind:
             what = "speech-to-text (Whisper)" if kind == "stt" else "text-to-speech"
-            raise InvalidRequest(f"model '{info['name']}' is a {info['kind']} model; this "
+            raise InvalidRequest(f"model '{info.name}' is a {info.kind} model; this "
                                  f"endpoint needs a {what} model", param="model")
         return info
 
-    async def _call(self, method: str, **args: Any) -> Any:
-        return await self.rt.encoder_call(method, **args)  # admission, like encoders
+    async def _call(self, request: p.Request[p.R]) -> p.R:
+        return await self.rt.encoder_call(request)  # admission, like encoders
 
     # -- transcription -------------------------------------------------------------------
-    async def _samples(self, data: bytes, info: dict[str, Any]) -> np.ndarray:
+    async def _samples(self, data: bytes, info: p.ModelInfo) -> np.ndarray:
         a = self.settings.audio
         if len(data) > a.max_upload_bytes:
             raise PayloadTooLarge(f"the audio file has {len(data)} bytes, more than this "
                                   f"server accepts ({a.max_upload_bytes}; "
                                   "audio.max_upload_bytes)", param="file")
-        return await asyncio.to_thread(decode_audio, data, int(info["sample_rate"]),
+        return await asyncio.to_thread(decode_audio, data, info.sample_rate,
                                        max_seconds=a.max_duration_s)
 
     async def _windows(self, model: str | None, data: bytes, keep_alive: Any, **opts: Any
-                       ) -> tuple[dict[str, Any], np.ndarray, AsyncIterator[tuple[float, dict]]]:
+                       ) -> tuple[p.ModelInfo, np.ndarray,
+                                  AsyncIterator[tuple[float, p.TranscriptWindow]]]:
         """(model info, samples, (start in seconds, result) of each window in order).
 
         Each window (at most 30 s) is its own core call, so no message carries more than
@@ -104,15 +106,14 @@ class SpeechRequests:
         """
         info = await self._info(model, "stt", keep_alive)
         samples = await self._samples(data, info)
-        rate, window = int(info["sample_rate"]), int(info["window_seconds"])
+        rate, window = info.sample_rate, info.window_seconds
         bounds = window_bounds(samples, rate, window, self.settings.audio.window_cut_search_s)
         pieces = [samples[a:b] for a, b in bounds]
         ahead = max(int(self.settings.audio.max_batch_size), 1)
 
-        def call(piece: np.ndarray) -> asyncio.Future:
-            return asyncio.ensure_future(self._call(
-                "transcribe", model=info["name"], audio=piece.tobytes(),
-                keep_alive=keep_alive, **opts))
+        def call(piece: np.ndarray) -> asyncio.Future[p.Transcribed]:
+            return asyncio.ensure_future(self._call(p.Transcribe(
+                info.name, piece.tobytes(), keep_alive=keep_alive, **opts)))
 
         calls = [call(p) for p in pieces[:ahead]]
         try:
@@ -123,13 +124,13 @@ class SpeechRequests:
                 c.cancel()
             raise
 
-        async def results() -> AsyncIterator[tuple[float, dict]]:
+        async def results() -> AsyncIterator[tuple[float, p.TranscriptWindow]]:
             try:
                 for i in range(len(pieces)):
                     r = first if i == 0 else await calls[i]
                     if i + ahead < len(pieces):
                         calls.append(call(pieces[i + ahead]))
-                    yield bounds[i][0] / rate, r["window"]
+                    yield bounds[i][0] / rate, r.window
             finally:
                 for c in calls:
                     c.cancel()
@@ -144,8 +145,7 @@ class SpeechRequests:
             model, data, keep_alive, task=task, language=language, prompt=prompt,
             temperature=temperature, words=words)
         windows = [w async for w in results]
-        return _assemble(info["name"], task, samples.size / info["sample_rate"], windows,
-                         words)
+        return _assemble(info.name, task, samples.size / info.sample_rate, windows, words)
 
     async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
                                 language: str | None = None, prompt: str | None = None,
@@ -157,11 +157,11 @@ class SpeechRequests:
             temperature=temperature)
 
         async def gen() -> AsyncIterator[tuple[str, Any]]:
-            windows: list[tuple[float, dict]] = []
+            windows: list[tuple[float, p.TranscriptWindow]] = []
             async for w in results:
                 windows.append(w)
-                yield "delta", w[1]["text"]
-            yield "done", _assemble(info["name"], task, samples.size / info["sample_rate"],
+                yield "delta", w[1].text
+            yield "done", _assemble(info.name, task, samples.size / info.sample_rate,
                                     windows)
 
         return gen()
@@ -181,12 +181,11 @@ class SpeechRequests:
                                  param="input")
         info = await self._info(model, "tts", keep_alive)
         pieces = split_text(text, a.tts_segment_chars)
-        name = info["name"]
+        name = info.name
 
-        def call(piece: str) -> asyncio.Future:
-            return asyncio.ensure_future(self._call("speak", model=name, text=piece,
-                                                    voice=voice, speed=speed,
-                                                    keep_alive=keep_alive))
+        def call(piece: str) -> asyncio.Future[p.Spoken]:
+            return asyncio.ensure_future(self._call(p.Speak(name, piece, voice, speed,
+                                                            keep_alive)))
 
         pending = call(pieces[0])
         try:
@@ -194,19 +193,19 @@ class SpeechRequests:
         except BaseException:
             pending.cancel()
             raise
-        rate = int(first["sample_rate"])
-        encoder = SpeechEncoder(fmt, rate, 1.0 if first["speed_applied"] else speed,
+        rate = first.sample_rate
+        encoder = SpeechEncoder(fmt, rate, 1.0 if first.speed_applied else speed,
                                 whole=len(pieces) == 1)
 
         async def body() -> AsyncIterator[bytes]:
             t0 = time.perf_counter()
-            nxt: asyncio.Future | None = None
+            nxt: asyncio.Future[p.Spoken] | None = None
             r = first
             seconds = 0.0
             try:
                 for i in range(len(pieces)):
                     nxt = call(pieces[i + 1]) if i + 1 < len(pieces) else None
-                    audio = np.frombuffer(r["audio"], dtype=np.float32)
+                    audio = np.frombuffer(r.audio, dtype=np.float32)
                     seconds += audio.size / rate
                     chunk = await asyncio.to_thread(encoder.encode, audio)  # off the loop
                     if chunk:
@@ -226,25 +225,26 @@ class SpeechRequests:
 
 
 def _assemble(model: str, task: str, duration: float,
-              windows: list[tuple[float, dict[str, Any]]], words: bool = False) -> Transcript:
+              windows: list[tuple[float, p.TranscriptWindow]], words: bool = False
+              ) -> Transcript:
     """Windows' results (each with its start in seconds) as one transcript: segments (and
     words) on the file's clock."""
     segments: list[dict[str, Any]] = []
     all_words: list[dict[str, Any]] = []
     for offset, res in windows:
-        for s in res["segments"]:
+        for s in res.segments:
             all_words.extend({"word": x["word"], "start": round(offset + x["start"], 2),
                               "end": round(offset + x["end"], 2)} for x in s.get("words", []))
             segments.append({
                 "id": len(segments), "seek": round(offset * 100),
                 "start": round(offset + s["start"], 2), "end": round(offset + s["end"], 2),
-                "text": s["text"], "tokens": s["tokens"], "temperature": res["temperature"],
-                "avg_logprob": res["avg_logprob"], "compression_ratio": res["compression_ratio"],
-                "no_speech_prob": res["no_speech_prob"]})
-    first = windows[0][1] if windows else {}
-    language = first.get("language_name") or first.get("language", "")
+                "text": s["text"], "tokens": s["tokens"], "temperature": res.temperature,
+                "avg_logprob": res.avg_logprob, "compression_ratio": res.compression_ratio,
+                "no_speech_prob": res.no_speech_prob})
+    first = windows[0][1] if windows else None
+    language = (first.language_name or first.language or "") if first else ""
     if task == "translate":
         language = "english"
-    text = "".join(res["text"] for _, res in windows).strip()
+    text = "".join(res.text for _, res in windows).strip()
     return Transcript(model, task, language, round(duration, 3), text, segments,
                       all_words if words else None)
