@@ -71,3 +71,16 @@ def test_engine_kv_bits_refuses_a_text_model_and_says_where_it_was_set(tmp_path,
     with pytest.raises(ModelLoadError, match=r"engine\.kv_bits is set, but 'tiny-llama' is "
                                              r"a text model"):
         create_engine("chat", "tiny-llama", tiny_llama, settings)
+
+
+def test_per_model_options_apply_to_that_model_only(start_server, tmp_path, tiny_llama,
+                                                    tiny_qwen2):
+    """models.options.<name> over engine.*, for that model alone (engines/options.py)."""
+    install_into_store(tmp_path / "models", "tiny-qwen2", tiny_qwen2)
+    srv = start_server(tiny_llama, engine={"max_kv_size": 256},
+                       models={"options": {"tiny-qwen2": {"max_kv_size": BOUND}}})
+    with srv.client() as c:
+        r = c.post(CHAT, json=_body("Hi", 4, model="tiny-qwen2"))
+    assert r.status_code == 200, r.text
+    assert _loaded(srv, "tiny-qwen2")["options"]["max_kv_size"] == BOUND
+    assert _loaded(srv, "tiny-llama")["options"]["max_kv_size"] == 256

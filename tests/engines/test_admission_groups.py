@@ -12,6 +12,7 @@ import pytest
 
 from mlxd.core.types import SamplingParams
 from mlxd.engines.llm import LLMEngine
+from mlxd.engines.options import TextEngineOptions
 
 
 def _bound(engine: LLMEngine, prompt_end: bool = True) -> LLMEngine:
@@ -26,8 +27,8 @@ def _bound(engine: LLMEngine, prompt_end: bool = True) -> LLMEngine:
 
 @pytest.fixture()
 def engine(tiny_llama) -> LLMEngine:
-    return _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
-                            clean_prefill_groups=True))
+    return _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
+        max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True)))
 
 
 @pytest.fixture()
@@ -94,8 +95,8 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(tin
     """mlx-lm's path: the step after a group's prefill moves that group into the decode
     batch; a newcomer arriving then stays out of mlx-lm's prompt batch for that step and
     is prefilled in the next one, alone in a clean group."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=0,
-                              clean_prefill_groups=True), prompt_end=False)
+    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
+        max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True)), prompt_end=False)
     seen: dict[int, list[int]] = {}
     first = [_seq(engine, "the river runs"), _seq(engine, "a city of music")]
     _step(engine, seen)  # admitted and prefilled up to their last tokens
@@ -121,8 +122,9 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(tin
 @pytest.mark.parametrize("prompt_end", [True, False])
 def test_a_prompt_mid_prefill_holds_nobody(tiny_llama, prompt_end):
     """A prompt longer than a prefill chunk is still being prefilled: newcomers join it."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefill_step_size=16,
-                              prefix_cache_bytes=0, clean_prefill_groups=True), prompt_end)
+    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
+        max_num_seqs=8, prefill_step_size=16, prefix_cache_bytes=0,
+        clean_prefill_groups=True)), prompt_end)
     long = _seq(engine, " ".join(["ocean garden market"] * 20))
     seen: dict[int, list[int]] = {}
     _step(engine, seen)  # the first 16-token chunk
@@ -140,8 +142,8 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama, groups
     (not in mlx-lm's own queue, whence they would be merged into the first group's
     joining step), and go in as the next clean group once the first has joined: in the
     next step when the group joined in its prefill step, the one after on mlx-lm's path."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0,
-                              clean_prefill_groups=True), prompt_end)
+    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
+        max_num_seqs=16, prefix_cache_bytes=0, clean_prefill_groups=True)), prompt_end)
     seen: dict[int, list[int]] = {}
     seqs = [_seq(engine, f"story {i} of the ocean") for i in range(12)]
     _step(engine, seen)
@@ -161,7 +163,7 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama, groups
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")
 def test_on_the_cpu_mlx_lm_groups_newcomers_itself(tiny_llama):
     """The CPU default: every newcomer goes to mlx-lm at once, as before clean groups."""
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefix_cache_bytes=0)
+    engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=16, prefix_cache_bytes=0))
     engine.bind()
     assert not engine._clean_groups  # the tests run on the CPU
     seen: dict[int, list[int]] = {}
@@ -226,8 +228,9 @@ def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, gr
 
     from mlxd.engines import llm
 
-    engine = _bound(LLMEngine("tiny", tiny_llama, max_num_seqs=16, prefill_batch_size=16,
-                              prefix_cache_bytes=0, clean_prefill_groups=True))
+    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
+        max_num_seqs=16, prefill_batch_size=16, prefix_cache_bytes=0,
+        clean_prefill_groups=True)))
     now = [1000.0]
     monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
                                                      perf_counter=time.perf_counter))
@@ -249,7 +252,7 @@ def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, gr
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's defaults")
 def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
     """The CPU default (no clean groups): no burst wait, as before."""
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
+    engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
     engine.bind()
     seq = engine.new_sequence(engine.encode_prompt("now"), SamplingParams(max_tokens=2))
     engine.add(seq)

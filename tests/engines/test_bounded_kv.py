@@ -8,6 +8,7 @@ import pytest
 
 from mlxd.core.types import SamplingParams
 from mlxd.engines.llm import LLMEngine
+from mlxd.engines.options import TextEngineOptions
 
 BOUND = 64
 
@@ -40,8 +41,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    bounded = LLMEngine("b", tiny_llama, max_kv_size=BOUND, max_num_seqs=8)
-    plain = LLMEngine("p", tiny_llama, max_num_seqs=8)
+    bounded = LLMEngine("b", tiny_llama, TextEngineOptions(max_kv_size=BOUND, max_num_seqs=8))
+    plain = LLMEngine("p", tiny_llama, TextEngineOptions(max_num_seqs=8))
     bounded.bind()  # the batch, as the device thread builds it at load
     plain.bind()
     yield bounded, plain

@@ -9,11 +9,12 @@ import pytest
 from mlxd.core.types import SamplingParams
 from mlxd.engines import llm as llm_module
 from mlxd.engines.llm import LLMEngine
+from mlxd.engines.options import TextEngineOptions
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama) -> LLMEngine:
-    e = LLMEngine("tiny", tiny_llama, max_num_seqs=8)
+    e = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=8))
     e.bind()  # the batch (on this thread's stream, as the device thread does)
     return e
 

@@ -10,6 +10,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache
 
+from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint, read_header
 
 
@@ -190,9 +191,10 @@ def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama
     from mlxd.engines.llm import LLMEngine
 
     def engine() -> LLMEngine:
-        e = LLMEngine("m", tiny_llama, prefix_cache_bytes=1 << 26, prefix_cache_dir=tmp_path,
-                      prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32,
-                      prefix_cache_disk_writes="all")  # the first, one-off request too
+        e = LLMEngine("m", tiny_llama, TextEngineOptions(
+            prefix_cache_bytes=1 << 26, prefix_cache_dir=tmp_path,
+            prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32,
+            prefix_cache_disk_writes="all"))  # the first, one-off request too
         e.bind()
         return e
 

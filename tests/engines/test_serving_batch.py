@@ -9,6 +9,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load
 
 from mlxd.engines import serving_batch
+from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.serving_batch import ServingBatchGenerator
 
 
@@ -87,7 +88,7 @@ def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
     from mlxd.core.types import SamplingParams
     from mlxd.engines.llm import LLMEngine
 
-    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
+    engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
     engine.bind()
     seq = engine.new_sequence(engine.encode_prompt("the river runs to the sea"),
                               SamplingParams(max_tokens=6, temperature=0.0))
@@ -203,8 +204,9 @@ def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_al
     from mlxd.engines.llm import LLMEngine
 
     def run(defer: bool) -> list[list[int]]:
-        engine = LLMEngine("tiny", tiny_llama, max_num_seqs=8, prefix_cache_bytes=1 << 26,
-                           prefix_cache_min_tokens=4, defer_leaves=defer)
+        engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(
+            max_num_seqs=8, prefix_cache_bytes=1 << 26, prefix_cache_min_tokens=4,
+            defer_leaves=defer))
         engine.bind()
         texts = ["the river runs to the sea", "a city of music", "winter morning",
                  "ocean garden market", "a story of light and stone"]

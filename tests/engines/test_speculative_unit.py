@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlxd.core.types import SamplingParams
+from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.sampling import build_sampler, sampling_probs
 from mlxd.engines.speculative import (
     Speculator,
@@ -166,7 +167,7 @@ def tiny(tmp_path_factory):
 def test_a_rotating_cache_serves_without_speculation_and_says_why(tiny):
     from mlxd.engines.llm import LLMEngine
 
-    engine = LLMEngine("t", tiny, speculative="prompt-lookup", max_kv_size=64)
+    engine = LLMEngine("t", tiny, TextEngineOptions(speculative="prompt-lookup", max_kv_size=64))
     try:
         assert engine.speculator is None
         assert "max_kv_size" in engine.stats()["speculative"]["reason"]
@@ -240,7 +241,8 @@ def test_warm_up_drafts_every_length_in_turn_whatever_the_row_did():
 def test_loading_with_speculation_runs_verify_steps_in_the_warm_up(tiny):
     from mlxd.engines.llm import LLMEngine
 
-    engine = LLMEngine("t", tiny, speculative="prompt-lookup", speculative_max_batch=4)
+    engine = LLMEngine("t", tiny, TextEngineOptions(speculative="prompt-lookup",
+                                                    speculative_max_batch=4))
     try:
         engine.bind()
         seen = []
@@ -283,7 +285,7 @@ def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny
         return tokens, steps
 
     plain = LLMEngine("p", tiny)
-    drafted = LLMEngine("d", tiny, speculative="draft", draft_path=tiny)
+    drafted = LLMEngine("d", tiny, TextEngineOptions(speculative="draft", draft_path=tiny))
     try:
         plain.bind()
         drafted.bind()
@@ -336,8 +338,8 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
     import mlxd.engines.llm as llm
 
     monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
-    engine = llm.LLMEngine("d", tiny, speculative="draft", draft_path=tiny,
-                           max_num_seqs=4, prefill_step_size=200)
+    engine = llm.LLMEngine("d", tiny, TextEngineOptions(
+        speculative="draft", draft_path=tiny, max_num_seqs=4, prefill_step_size=200))
     try:
         engine.bind()
         prompts, fed, dtypes = [], [], []

@@ -15,6 +15,7 @@ require("mlx_vlm")  # the [vision] extra
 from fixtures.tiny_vlm import make_tiny_qwen2_vl  # noqa: E402
 
 from mlxd.core.types import SamplingParams  # noqa: E402
+from mlxd.engines.options import VisionEngineOptions  # noqa: E402
 from mlxd.engines.vlm import VisionEngine  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def test_each_scheme_builds_its_cache_and_shrinks_the_kv(vlm_dir):
                         "turboquant-3.5": {"kv_bits": 3.5},
                         "turboquant-4": {"kv_bits": 4, "kv_quant_scheme": "turboquant"},
                         }.items():
-        engine = VisionEngine("v", vlm_dir, **opts)
+        engine = VisionEngine("v", vlm_dir, VisionEngineOptions(**opts))
         try:
             assert engine.batching
             t0 = time.monotonic()

@@ -16,6 +16,7 @@ from fixtures.tiny_vlm import make_tiny_qwen2_vl  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from mlxd.core.types import SamplingParams  # noqa: E402
+from mlxd.engines.options import VisionEngineOptions  # noqa: E402
 from mlxd.engines.vlm import LoadedImage, VisionEngine  # noqa: E402
 from mlxd.engines.vlm_features import FeatureCache  # noqa: E402
 
@@ -72,7 +73,7 @@ def test_feature_cache_is_lru_by_entries_and_bytes():
 
 
 def test_cache_modes_agree_and_count_encoder_runs(vlm_path):
-    engine = VisionEngine("tiny", vlm_path, max_num_seqs=8)
+    engine = VisionEngine("tiny", vlm_path, VisionEngineOptions(max_num_seqs=8))
     i1, i2 = _image(1), _image(2, (90, 40))
     prompts = [engine.encode_vision(messages=_msgs(2), images=[i1, i2]),
                engine.encode_vision(messages=_msgs(1), images=[i2])]
@@ -101,8 +102,8 @@ def test_cache_modes_agree_and_count_encoder_runs(vlm_path):
 
 
 def test_one_at_a_time_matches_the_batch(vlm_path):
-    batched = VisionEngine("tiny", vlm_path, max_num_seqs=8)
-    single = VisionEngine("tiny", vlm_path, batching=False)
+    batched = VisionEngine("tiny", vlm_path, VisionEngineOptions(max_num_seqs=8))
+    single = VisionEngine("tiny", vlm_path, VisionEngineOptions(batching=False))
     imgs = [_image(10 + i) for i in range(3)]
 
     def prompts(e):
@@ -118,7 +119,7 @@ def test_one_at_a_time_matches_the_batch(vlm_path):
 
 def test_cancel_leaves_no_work(vlm_path):
     for batching in (True, False):
-        engine = VisionEngine("tiny", vlm_path, batching=batching)
+        engine = VisionEngine("tiny", vlm_path, VisionEngineOptions(batching=batching))
         p = [engine.encode_vision(messages=_msgs(1), images=[_image(i)]) for i in range(3)]
         seqs = [engine.new_sequence(x, SamplingParams(max_tokens=50)) for x in p]
         for s in seqs:

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.grammar_mask import GrammarProcessor
+from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.prompt_end import supports_prompt_end
@@ -58,50 +60,28 @@ class LLMEngine(DecodeEngine):
 
     kind = "chat"
 
-    def __init__(
-        self,
-        name: str,
-        path: Path,
-        *,
-        max_num_seqs: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 512,
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
-        prefix_cache_bytes: int = 0,
-        prefix_cache_min_tokens: int = 0,
-        prefix_cache_disk_bytes: int = 0,
-        prefix_cache_disk_min_tokens: int = 256,
-        prefix_cache_disk_writes: str = "reused",
-        prefix_cache_dir: str | Path | None = None,
-        adapter_path: str | Path | None = None,
-        max_kv_size: int | None = None,
-        speculative: str = "off",
-        draft_path: str | Path | None = None,
-        num_draft_tokens: int = 6,
-        speculative_max_batch: int = 8,
-        speculative_min_acceptance: float = 0.3,
-        clean_prefill_groups: bool | None = None,
-        defer_leaves: bool | None = None,
-    ) -> None:
+    def __init__(self, name: str, path: Path, options: TextEngineOptions | None = None
+                 ) -> None:
+        """Load ``path`` as ``name`` with ``options`` (engines/options.py; None: a bare
+        engine's defaults)."""
         super().__init__()
+        o = options if options is not None else TextEngineOptions()
         self.name = name
         self.path = Path(path)
-        if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
+        adapter_path = o.adapter_path
+        if adapter_path is not None and not adapter_path.expanduser().is_dir():
             raise ModelLoadError(f"adapter for '{name}' not found: {adapter_path}")
         sharded = tensor_parallel.active()
         self.tp_id = 0
         if sharded:
             # every rank loads its shard of the same model with the same options; the
             # prefix cache stays off (engines/tensor_parallel.py says why)
-            prefix_cache_bytes = 0
+            o = replace(o, prefix_cache_bytes=0)
             self.tp_id = tensor_parallel.new_engine_id()
-            tensor_parallel.publish(("load", self.tp_id, name, str(self.path), dict(
-                max_num_seqs=max_num_seqs, prefill_batch_size=prefill_batch_size,
-                prefill_step_size=prefill_step_size, dtype=dtype,
-                trust_remote_code=trust_remote_code, adapter_path=(
-                    str(adapter_path) if adapter_path is not None else None),
-                max_kv_size=max_kv_size)))
+            tensor_parallel.publish(("load", self.tp_id, name, str(self.path),
+                                     o.for_followers()))
+        self.options = o
+        trust_remote_code = o.trust_remote_code
         # a load that fails here after the followers were told: they drop their shard
         with tensor_parallel.loading(self.tp_id):
             try:
@@ -109,7 +89,7 @@ class LLMEngine(DecodeEngine):
                 model, tokenizer, config = mlx_lm_load(
                     str(self.path), return_config=True, trust_remote_code=trust_remote_code,
                     tokenizer_config={"trust_remote_code": trust_remote_code},
-                    adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
+                    adapter_path=str(adapter_path.expanduser()) if adapter_path else None,
                     lazy=sharded,
                 )
             except Exception as exc:  # noqa: BLE001 - ValueError, FileNotFoundError, KeyError...
@@ -120,36 +100,36 @@ class LLMEngine(DecodeEngine):
             self.tokenizer = tokenizer
             self.config = config
             self.adapter_path = adapter_path
-            self.dtype = apply_dtype(self.model, self.config, dtype)
+            self.dtype = apply_dtype(self.model, self.config, o.dtype)
             self.vocab_size = int(config.get("vocab_size") or len(tokenizer))
             self.context_length = _context_length(config, tokenizer)
             self.eos_token_ids = sorted(tokenizer.eos_token_ids)
             self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
             self._settings = dict(
-                max_num_seqs=max_num_seqs,
-                prefill_batch_size=prefill_batch_size,
-                prefill_step_size=prefill_step_size,
-                max_kv_size=max_kv_size,  # engines/bounded_kv.py
+                max_num_seqs=o.max_num_seqs,
+                prefill_batch_size=o.prefill_batch_size,
+                prefill_step_size=o.prefill_step_size,
+                max_kv_size=o.max_kv_size,  # engines/bounded_kv.py
             )
-            if max_kv_size is not None and not can_bound(self.model):
+            if o.max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
                                      "keeps a plain KV cache that a bound could rotate")
             # None: on a GPU only (see _admit, and engines/serving_batch.py for leaves)
             on_gpu = mx.default_device() != mx.cpu
-            self._clean_groups = on_gpu if clean_prefill_groups is None \
-                else clean_prefill_groups
-            self._defer_leaves = on_gpu if defer_leaves is None else defer_leaves
+            self._clean_groups = on_gpu if o.clean_prefill_groups is None \
+                else o.clean_prefill_groups
+            self._defer_leaves = on_gpu if o.defer_leaves is None else o.defer_leaves
             self._gen: Any = None  # built by bind(), on the device thread
             self._seqs: dict[int, Sequence] = {}
             self._pending: list[Sequence] = []
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_min_tokens)
+            self.prefix_cache = PrefixCache(o.prefix_cache_bytes, o.prefix_cache_min_tokens)
             self.disk: DiskPrefixCache | None = None
-            self._disk_writes_all = prefix_cache_disk_writes == "all"
-            if prefix_cache_bytes > 0 and prefix_cache_disk_bytes > 0 and prefix_cache_dir:
-                self.disk = self._open_disk_tier(Path(prefix_cache_dir),
-                                                 prefix_cache_disk_bytes,
-                                                 prefix_cache_disk_min_tokens)
+            self._disk_writes_all = o.prefix_cache_disk_writes == "all"
+            if o.prefix_cache_bytes > 0 and o.prefix_cache_disk_bytes > 0 \
+                    and o.prefix_cache_dir:
+                self.disk = self._open_disk_tier(o.prefix_cache_dir, o.prefix_cache_disk_bytes,
+                                                 o.prefix_cache_disk_min_tokens)
             self._loading: list[tuple[Sequence, Future]] = []  # waiting for a disk-tier read
             # Reads not yet taken into the memory tier, by entry: a newcomer arriving after a
             # read finished but before this thread inserted its prefix shares that read
@@ -159,18 +139,18 @@ class LLMEngine(DecodeEngine):
             self._warm_live: list[Sequence] = []
             self.speculator: Speculator | None = None
             self.speculative_off_reason: str | None = None
-            if speculative != "off" and sharded:
+            if o.speculative != "off" and sharded:
                 # the followers replay plain batch steps only (engines/tensor_parallel.py)
                 self.speculative_off_reason = (f"{tensor_parallel.mode()} parallel: ranks "
                                                "replay plain steps only")
                 log.warning("speculative decoding is off for '%s': %s", name,
                             self.speculative_off_reason)
-            elif speculative != "off":
+            elif o.speculative != "off":
                 self.speculator = self._speculator(
-                    speculative, draft_path, dtype, trust_remote_code,
-                    Speculator(speculative, num_draft=num_draft_tokens,
-                               max_batch=speculative_max_batch,
-                               min_acceptance=speculative_min_acceptance))
+                    o.speculative, o.draft_path, o.dtype, trust_remote_code,
+                    Speculator(o.speculative, num_draft=o.num_draft_tokens,
+                               max_batch=o.speculative_max_batch,
+                               min_acceptance=o.speculative_min_acceptance))
             self._spec_reported = (0, 0, 0, 0)
             mx.eval(self.model.parameters())
             # a first token from the prefill pass (engines/prompt_end.py); rank groups keep

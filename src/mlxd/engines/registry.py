@@ -6,9 +6,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from mlxd.config import Settings, resolve_kv_quant_scheme
-from mlxd.core.devices import core_folder_tag
+from mlxd.config import Settings
 from mlxd.core.errors import ModelLoadError
+from mlxd.engines.options import TextEngineOptions, VisionEngineOptions
 
 
 def loads_off_device(kind: str) -> bool:
@@ -38,41 +38,8 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
-        e = settings.engine
-        opts = _model_options(name, settings)
-        if opts["kv_bits"] is not None:
-            # mlx-lm 0.32's BatchGenerator merges per-sequence caches into a batch through
-            # each cache class's ``merge``; QuantizedKVCache has none (and there is no
-            # batched quantized cache in mlx-lm), so a quantized KV cache cannot join a batch.
-            raise ModelLoadError(
-                f"{_option_key(name, settings, 'kv_bits')} is set, but '{name}' is a text "
-                "model: mlx-lm's BatchGenerator cannot batch a quantized KV cache, so text "
-                "models do not take kv_bits (max_kv_size bounds their KV cache instead). "
-                "Set kv_bits per vision model under models.options.<name>.kv_bits.")
-        engine = LLMEngine(
-            name,
-            path,
-            max_num_seqs=e.max_num_seqs,
-            prefill_batch_size=e.prefill_batch_size,
-            prefill_step_size=opts["prefill_step_size"],
-            dtype=settings.models.dtype,
-            trust_remote_code=settings.models.trust_remote_code,
-            prefix_cache_bytes=e.prefix_cache_bytes,
-            prefix_cache_min_tokens=e.prefix_cache_min_tokens,
-            prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
-            prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
-            prefix_cache_disk_writes=e.prefix_cache_disk_writes,
-            prefix_cache_dir=(e.prefix_cache_dir or settings.home / "prefix-cache")
-            / core_folder_tag(),  # one folder per engine core when there are several
-            adapter_path=opts["adapter_path"],
-            max_kv_size=opts["max_kv_size"],
-            speculative=e.speculative,
-            draft_path=draft_path,
-            num_draft_tokens=e.num_draft_tokens,
-            speculative_max_batch=e.speculative_max_batch,
-            speculative_min_acceptance=e.speculative_min_acceptance,
-        )
-        return engine
+        return LLMEngine(name, path, TextEngineOptions.from_settings(settings, name,
+                                                                     draft_path=draft_path))
     if kind in ("embedding", "reranker"):
         return _create_encoder(kind, name, path, settings)
     if kind == "vision":
@@ -134,43 +101,10 @@ def _create_audio(kind: str, name: str, path: Path, settings: Settings) -> Any:
     return engine
 
 
-def _model_options(name: str, settings: Settings) -> dict[str, Any]:
-    """The engine's KV options and adapter for ``name``: models.options.<name> over engine.*;
-    models.adapter_path belongs to the default model."""
-    e, m = settings.engine, settings.models
-    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_quant_scheme": e.kv_quant_scheme,
-                           "kv_group_size": e.kv_group_size, "max_kv_size": e.max_kv_size,
-                           "prefill_step_size": e.prefill_step_size, "adapter_path": None}
-    default = Path(m.default).expanduser()
-    default_name = default.resolve().name if (
-        ("/" in m.default or m.default.startswith(".")) and default.is_dir()) else m.default
-    if name == default_name and m.adapter_path is not None:
-        out["adapter_path"] = m.adapter_path
-    opts = m.options.get(name)
-    if opts is not None:
-        out.update({k: v for k, v in opts.model_dump().items() if v is not None})
-    out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
-    return out
-
-
-def _option_key(name: str, settings: Settings, key: str) -> str:
-    """Where the operator set ``key`` for ``name``: its models.options entry, else engine."""
-    opts = settings.models.options.get(name)
-    if opts is not None and getattr(opts, key, None) is not None:
-        return f"models.options.{name}.{key}"
-    return f"engine.{key}"
-
-
 def _create_vision(name: str, path: Path, settings: Settings) -> Any:
     from mlxd.engines.vlm import VisionEngine
 
-    e, v = settings.engine, settings.vision
-    engine = VisionEngine(
-        name, path, max_num_seqs=e.max_num_seqs, prefill_batch_size=e.prefill_batch_size,
-        dtype=settings.models.dtype, trust_remote_code=settings.models.trust_remote_code,
-        batching=v.batching, feature_cache_entries=v.feature_cache_entries,
-        feature_cache_bytes=v.feature_cache_bytes, **_model_options(name, settings),
-    )
-    if e.warmup:
+    engine = VisionEngine(name, path, VisionEngineOptions.from_settings(settings, name))
+    if settings.engine.warmup:
         engine.warmup()
     return engine

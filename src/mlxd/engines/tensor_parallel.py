@@ -302,9 +302,10 @@ class Replayer:
 
     def _load(self, eid: int, name: str, path: str, options: dict) -> None:
         from mlxd.engines.llm import LLMEngine
+        from mlxd.engines.options import TextEngineOptions
 
         try:
-            self.engines[eid] = LLMEngine(name, Path(path), **options)
+            self.engines[eid] = LLMEngine(name, Path(path), TextEngineOptions(**options))
         except Exception:  # noqa: BLE001 - rank 0 learns it at "check", or failed too
             log.exception("follower could not load '%s'", name)
             self.failed.add(eid)

@@ -34,12 +34,12 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxd.config import resolve_kv_quant_scheme
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
 from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import SamplingParams
 from mlxd.engines.backend import apply_dtype
 from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
+from mlxd.engines.options import VisionEngineOptions
 from mlxd.engines.sampling import build_logits_processors, build_sampler
 from mlxd.engines.vlm_features import FeatureCache, FeatureEncoder
 
@@ -126,41 +126,29 @@ class VisionEngine(DecodeEngine):
 
     kind = "vision"
 
-    def __init__(
-        self,
-        name: str,
-        path: Path,
-        *,
-        max_num_seqs: int = 32,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = 512,
-        kv_bits: float | None = None,
-        kv_quant_scheme: str | None = None,
-        kv_group_size: int = 64,
-        max_kv_size: int | None = None,
-        adapter_path: str | Path | None = None,
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
-        batching: bool = True,
-        feature_cache_entries: int = 64,
-        feature_cache_bytes: int = 512 << 20,
-    ) -> None:
+    def __init__(self, name: str, path: Path, options: VisionEngineOptions | None = None
+                 ) -> None:
+        """Load ``path`` as ``name`` with ``options`` (engines/options.py; None: a bare
+        engine's defaults)."""
         super().__init__()
+        o = options if options is not None else VisionEngineOptions()
+        self.options = o
         self.name = name
         self.path = Path(path)
+        adapter_path = o.adapter_path
         try:
             from mlx_vlm.utils import load as vlm_load
         except ImportError as exc:  # the optional [vision] extra is not installed
             raise ModelLoadError(
                 f"model '{name}' is a vision model, and serving vision models needs mlx-vlm "
                 "(pip install 'mlxd[vision]')") from exc
-        if adapter_path is not None and not Path(adapter_path).expanduser().is_dir():
+        if adapter_path is not None and not adapter_path.expanduser().is_dir():
             raise ModelLoadError(f"adapter for '{name}' not found: {adapter_path}")
         try:
             model, processor = vlm_load(
                 str(self.path),
-                adapter_path=str(Path(adapter_path).expanduser()) if adapter_path else None,
-                trust_remote_code=trust_remote_code,
+                adapter_path=str(adapter_path.expanduser()) if adapter_path else None,
+                trust_remote_code=o.trust_remote_code,
             )
         except Exception as exc:  # ValueError, FileNotFoundError, KeyError...
             raise ModelLoadError(f"could not load vision model '{name}' from {path}: {exc}"
@@ -176,24 +164,24 @@ class VisionEngine(DecodeEngine):
 
         self.config = read_config(self.path)  # config.json, as text engines keep it
         self.model_type = str(getattr(model.config, "model_type", ""))
-        self.dtype = self._apply_dtype(dtype)
+        self.dtype = self._apply_dtype(o.dtype)
         self.vocab_size = self._vocab_size()
         self.context_length = self._context_length()
         criteria = getattr(self.tokenizer, "stopping_criteria", None)
         self.eos_token_ids = sorted(set(getattr(criteria, "eos_token_ids", None) or []))
         self._settings = dict(
-            max_num_seqs=max_num_seqs,
-            prefill_batch_size=min(prefill_batch_size, max_num_seqs),
-            prefill_step_size=prefill_step_size,
-            kv_bits=kv_bits,
-            kv_quant_scheme=resolve_kv_quant_scheme(kv_bits, kv_quant_scheme),
-            kv_group_size=kv_group_size,
-            max_kv_size=max_kv_size,
+            max_num_seqs=o.max_num_seqs,
+            prefill_batch_size=min(o.prefill_batch_size, o.max_num_seqs),
+            prefill_step_size=o.prefill_step_size,
+            kv_bits=o.kv_bits,
+            kv_quant_scheme=o.kv_quant_scheme,  # resolved (VisionEngineOptions)
+            kv_group_size=o.kv_group_size,
+            max_kv_size=o.max_kv_size,
         )
         # mlx-vlm's batch cannot rotate a bounded cache: max_kv_size means one at a time.
-        self.batching = batching and max_kv_size is None
-        self.features = FeatureEncoder(model, FeatureCache(feature_cache_entries,
-                                                           feature_cache_bytes))
+        self.batching = o.batching and o.max_kv_size is None
+        self.features = FeatureEncoder(model, FeatureCache(o.feature_cache_entries,
+                                                           o.feature_cache_bytes))
         self._prep_lock = threading.Lock()
         self._pending: deque[VisionSequence] = deque()  # admitted, not yet in the batch
         self._active: dict[int, VisionSequence] = {}  # in the batch (batch mode)

@@ -1,0 +1,167 @@
+"""How one model is served, read from Settings in one place: engine.* with the model's own
+models.options.<name>.* over it (and models.adapter_path for the default model).
+
+The decode engines take one of these instead of a keyword argument per setting, so a new
+setting is added here and in config.py only; tests build them directly with the fields they
+vary. No MLX here: the registry, the tensor-parallel followers and tests import it freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.config import Settings, resolve_kv_quant_scheme
+from mlxd.core.devices import core_folder_tag
+from mlxd.core.errors import ModelLoadError
+
+
+def model_options(name: str, settings: Settings) -> dict[str, Any]:
+    """The KV options, prefill chunk and adapter for ``name``: models.options.<name> over
+    engine.*; models.adapter_path belongs to the default model."""
+    e, m = settings.engine, settings.models
+    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_quant_scheme": e.kv_quant_scheme,
+                           "kv_group_size": e.kv_group_size, "max_kv_size": e.max_kv_size,
+                           "prefill_step_size": e.prefill_step_size, "adapter_path": None}
+    default = Path(m.default).expanduser()
+    default_name = default.resolve().name if (
+        ("/" in m.default or m.default.startswith(".")) and default.is_dir()) else m.default
+    if name == default_name and m.adapter_path is not None:
+        out["adapter_path"] = m.adapter_path
+    opts = m.options.get(name)
+    if opts is not None:
+        out.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
+    return out
+
+
+def option_key(name: str, settings: Settings, key: str) -> str:
+    """Where the operator set ``key`` for ``name``: its models.options entry, else engine."""
+    opts = settings.models.options.get(name)
+    if opts is not None and getattr(opts, key, None) is not None:
+        return f"models.options.{name}.{key}"
+    return f"engine.{key}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextEngineOptions:
+    """A text model's engine (engines/llm.py): batch, prefix cache tiers, KV bound, adapter
+    and speculative decoding. The defaults are a bare engine's (tests); a server's come from
+    :meth:`from_settings`."""
+
+    max_num_seqs: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    prefix_cache_bytes: int = 0
+    prefix_cache_min_tokens: int = 0
+    prefix_cache_disk_bytes: int = 0
+    prefix_cache_disk_min_tokens: int = 256
+    prefix_cache_disk_writes: str = "reused"
+    prefix_cache_dir: Path | None = None
+    adapter_path: Path | None = None
+    max_kv_size: int | None = None
+    speculative: str = "off"
+    draft_path: Path | None = None
+    num_draft_tokens: int = 6
+    speculative_max_batch: int = 8
+    speculative_min_acceptance: float = 0.3
+    clean_prefill_groups: bool | None = None  # None: on a GPU only (LLMEngine._admit)
+    defer_leaves: bool | None = None  # None: on a GPU only (engines/serving_batch.py)
+
+    def __post_init__(self) -> None:
+        for key in ("prefix_cache_dir", "adapter_path", "draft_path"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, key, Path(value))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, name: str, *, draft_path: Path | None = None
+                      ) -> TextEngineOptions:
+        """``name``'s options on this server (``draft_path``: its draft model, with
+        engine.speculative: draft). A quantized KV cache is refused here: mlx-lm's
+        BatchGenerator merges per-sequence caches through each cache class's ``merge``,
+        which QuantizedKVCache lacks (and mlx-lm has no batched quantized cache)."""
+        e = settings.engine
+        opts = model_options(name, settings)
+        if opts["kv_bits"] is not None:
+            raise ModelLoadError(
+                f"{option_key(name, settings, 'kv_bits')} is set, but '{name}' is a text "
+                "model: mlx-lm's BatchGenerator cannot batch a quantized KV cache, so text "
+                "models do not take kv_bits (max_kv_size bounds their KV cache instead). "
+                "Set kv_bits per vision model under models.options.<name>.kv_bits.")
+        return cls(
+            max_num_seqs=e.max_num_seqs,
+            prefill_batch_size=e.prefill_batch_size,
+            prefill_step_size=opts["prefill_step_size"],
+            dtype=settings.models.dtype,
+            trust_remote_code=settings.models.trust_remote_code,
+            prefix_cache_bytes=e.prefix_cache_bytes,
+            prefix_cache_min_tokens=e.prefix_cache_min_tokens,
+            prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
+            prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
+            prefix_cache_disk_writes=e.prefix_cache_disk_writes,
+            # one folder per engine core when there are several
+            prefix_cache_dir=(e.prefix_cache_dir or settings.home / "prefix-cache")
+            / core_folder_tag(),
+            adapter_path=opts["adapter_path"],
+            max_kv_size=opts["max_kv_size"],
+            speculative=e.speculative,
+            draft_path=draft_path,
+            num_draft_tokens=e.num_draft_tokens,
+            speculative_max_batch=e.speculative_max_batch,
+            speculative_min_acceptance=e.speculative_min_acceptance,
+        )
+
+    def for_followers(self) -> dict[str, Any]:
+        """What a tensor-parallel follower loads its shard with, as plain data for the
+        command link (``TextEngineOptions(**it)`` there): the same batch and weights, no
+        prefix cache and no speculation (engines/tensor_parallel.py says why)."""
+        return dict(
+            max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=self.prefill_step_size, dtype=self.dtype,
+            trust_remote_code=self.trust_remote_code,
+            adapter_path=str(self.adapter_path) if self.adapter_path is not None else None,
+            max_kv_size=self.max_kv_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionEngineOptions:
+    """A vision model's engine (engines/vlm.py): batch, KV cache (quantized or bounded),
+    adapter and the image feature cache."""
+
+    max_num_seqs: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+    kv_bits: float | None = None
+    kv_quant_scheme: str | None = None
+    kv_group_size: int = 64
+    max_kv_size: int | None = None
+    adapter_path: Path | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    batching: bool = True
+    feature_cache_entries: int = 64
+    feature_cache_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.adapter_path is not None and not isinstance(self.adapter_path, Path):
+            object.__setattr__(self, "adapter_path", Path(self.adapter_path))
+        # the scheme mlx-vlm will use, so that /health shows it (config.py's rule)
+        object.__setattr__(self, "kv_quant_scheme",
+                           resolve_kv_quant_scheme(self.kv_bits, self.kv_quant_scheme))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, name: str) -> VisionEngineOptions:
+        e, v = settings.engine, settings.vision
+        opts = model_options(name, settings)
+        return cls(
+            max_num_seqs=e.max_num_seqs, prefill_batch_size=e.prefill_batch_size,
+            prefill_step_size=opts["prefill_step_size"], kv_bits=opts["kv_bits"],
+            kv_quant_scheme=opts["kv_quant_scheme"], kv_group_size=opts["kv_group_size"],
+            max_kv_size=opts["max_kv_size"], adapter_path=opts["adapter_path"],
+            dtype=settings.models.dtype, trust_remote_code=settings.models.trust_remote_code,
+            batching=v.batching, feature_cache_entries=v.feature_cache_entries,
+            feature_cache_bytes=v.feature_cache_bytes)
