@@ -22,7 +22,7 @@ def test_defaults(tmp_path):
     assert s.server.host == "127.0.0.1" and s.server.port == 8000
     assert s.models.default == "smollm2-135m-instruct"
     assert s.models_dir == tmp_path / "home" / "models"
-    assert s.engine.max_num_seqs >= 16 and s.engine.max_queued_requests > 0
+    assert s.engine.max_num_seqs == "auto" and s.engine.max_queued_requests > 0
     assert s.log.level == "info" and s.log.format == "text"
 
 

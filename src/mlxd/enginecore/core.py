@@ -135,8 +135,9 @@ class EngineCore:
 
     @property
     def admission_limit(self) -> int:
-        e = self.settings.engine
-        return e.max_num_seqs + e.max_queued_requests
+        """Batch slots plus queue: the loaded models' largest batch (per model, resolved at
+        load: runtime/slots.py) and engine.max_queued_requests."""
+        return self.models.max_num_seqs() + self.settings.engine.max_queued_requests
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -379,7 +380,7 @@ class EngineCore:
 
     def _heartbeat(self) -> p.Heartbeat:
         return p.Heartbeat(self.epoch, os.getpid(), self.ready, self.startup_error,
-                           self._inflight)
+                           self._inflight, self.admission_limit)
 
 
 def _freeze_heap() -> None:

@@ -170,6 +170,7 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
     ready: bool
     error: str | None = None  # the pinned models could not be loaded at start
     load: int = 0  # requests in flight in this core (all front ends'): routing reads it
+    limit: int = 0  # requests this core admits (its batch slots + queue); 0: not known yet
 
 
 ToFrontend = Outputs | Reply | Heartbeat

@@ -53,6 +53,7 @@ class CoreClient:
         self.deaths = 0
         self._last_beat = 0.0
         self.core_load = 0  # the core's requests in flight, all front ends', per heartbeat
+        self.core_limit = 0  # the requests the core admits, per heartbeat (0: not heard yet)
         self._streams: dict[str, asyncio.Queue] = {}
         self._orphans: list[str] = []  # failed on a stall; aborted if the same core returns
         self._calls: dict[int, asyncio.Future] = {}
@@ -204,6 +205,7 @@ class CoreClient:
         self.ready = hb.ready
         self.startup_error = hb.error
         self.core_load = hb.load
+        self.core_limit = hb.limit
         if hb.ready:
             self._ready_event.set()
 

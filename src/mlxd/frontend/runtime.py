@@ -54,6 +54,7 @@ from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
 from mlxd.observability.context import add_usage, note
+from mlxd.runtime.slots import provisional
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,12 @@ class Runtime:
 
     @property
     def admission_limit(self) -> int:
-        e = self.settings.engine
-        return (e.max_num_seqs + e.max_queued_requests) * len(self.cores)
+        """What the cores admit together: each core's own limit from its heartbeat (it
+        follows the batch sizes of the models it loaded); before one came, the most the
+        setting allows (runtime/slots.py)."""
+        first = provisional(self.settings, on_cpu=False) + \
+            self.settings.engine.max_queued_requests
+        return sum(c.core_limit or first for c in self.cores.clients)
 
     @property
     def state(self) -> str:
