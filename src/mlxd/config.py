@@ -430,9 +430,10 @@ class EngineSettings(_Section):
             "(layers x KV heads x head dim x 2 x dtype bytes, within max_kv_size and "
             "sliding windows), clamped to 8..256 on a GPU and 8..32 on the CPU (compute, "
             "not memory, bounds a CPU batch: 2 cores gave 61.7 tok/s at 16 clients, 68.8 "
-            "at 32). E.g. the Qwen2.5-0.5B shape (bfloat16, 12 KiB a token) with a budget "
-            "of 100 GiB fits ~1,900: 256. /health shows each model's value and why; "
-            "models.options.<name>.max_num_seqs sets one model's."
+            "at 32). E.g. the Qwen2.5-0.5B shape (bfloat16, 12 KiB a token) on an H200 "
+            "(budget 75% of 141 GB: 98.5 GiB) fits 1,853 sequences: 256. /health shows "
+            "each model's value and why; models.options.<name>.max_num_seqs sets one "
+            "model's."
         ),
     )
     auto_seq_context: int = Field(
