@@ -334,7 +334,7 @@ class ModelSettings(_Section):
         default_factory=dict,
         description=(
             "Per-model overrides by model name: adapter_path, kv_bits, kv_quant_scheme, "
-            "kv_group_size, max_kv_size, prefill_step_size."
+            "kv_group_size, max_kv_size, prefill_step_size, max_num_seqs."
         ),
         examples=[{"qwen2-vl-2b": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
                    "qwen2.5-7b-instruct": {"max_kv_size": 8192}}],
