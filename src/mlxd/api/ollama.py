@@ -26,6 +26,7 @@ from mlxd.api.tooling import apply_tools, arguments_dict, json_schema_constraint
 from mlxd.api.wire import (
     KeepAlive,
     MinP,
+    ModelName,
     Penalty,
     RepetitionPenalty,
     Seed,
@@ -74,7 +75,7 @@ class Options(_Body):
 
 
 class _GenBase(_Body):
-    model: str = Field(min_length=1)
+    model: ModelName
     stream: bool = True
     options: Options | None = None
     format: Any = None
@@ -153,8 +154,8 @@ class ModelBody(_Body):
 
     @property
     def target(self) -> str:
-        name = self.model or self.name
-        if not name:
+        name = self.model or self.name  # older clients send only "name"
+        if not name or not name.strip():
             raise InvalidRequest("model is required", param="model")
         return name
 

@@ -37,7 +37,7 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
-from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
+from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
@@ -53,7 +53,7 @@ class ResponseNotFound(MlxdError):
 
 
 class ResponsesRequest(WireModel):
-    model: str = "default"
+    model: ModelName = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None

@@ -12,6 +12,7 @@ from mlxd.api.wire import (
     LogitBias,
     MaxTokens,
     MinP,
+    ModelName,
     Penalty,
     RepetitionPenalty,
     Seed,
@@ -35,7 +36,7 @@ class StreamOptions(_Req):
 
 
 class SamplingFields(_Req):
-    model: str = "default"
+    model: ModelName = "default"
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -261,7 +262,7 @@ class GenerateBody(_Req):
     """The simple dialect: prompt in, text out."""
 
     prompt: str = Field(min_length=1)
-    model: str = "default"
+    model: ModelName = "default"
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 0.7
     top_p: TopP = 1.0

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
@@ -87,3 +94,16 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as O
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
+
+
+def _named(v: str) -> str:
+    if not v.strip():
+        raise PydanticCustomError(
+            "model_name_blank", "a model name must not be empty or blank (leave the field out "
+            "for the server's default model)")
+    return v
+
+
+# A model field: "" or blanks are a 400, never silently the default model (an empty name in
+# /unload unloaded the default one); leaving the field out still means the default.
+ModelName = Annotated[str, AfterValidator(_named)]
