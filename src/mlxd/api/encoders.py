@@ -47,6 +47,9 @@ def f32_base64(v: np.ndarray) -> str:
 
 
 class EmbeddingsBody(_Req):
+    # the openai client sends encoding_format: null when its caller passes None
+    NULL_IS_DEFAULT = frozenset({"encoding_format"})
+
     input: str | list[str] | list[int] | list[list[int]]
     model: ModelName | None = None
     encoding_format: Literal["float", "base64"] = "float"

@@ -53,6 +53,8 @@ class ResponseNotFound(MlxdError):
 
 
 class ResponsesRequest(WireModel):
+    NULL_IS_DEFAULT = frozenset({"stream", "store"})  # nullable in OpenAI's reference
+
     model: ModelName = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -36,6 +36,9 @@ class StreamOptions(_Req):
 
 
 class SamplingFields(_Req):
+    # OpenAI documents these nullable (null: the default); the rest default to None anyway
+    NULL_IS_DEFAULT = frozenset({"n", "stream"})
+
     model: ModelName = "default"
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
@@ -149,6 +152,8 @@ class ChatMessage(WireModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"logprobs"}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -226,6 +231,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"echo"}
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

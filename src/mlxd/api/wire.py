@@ -20,7 +20,7 @@ engine failure that takes the batch's other sequences down with it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     AfterValidator,
@@ -47,6 +47,19 @@ class WireModel(BaseModel):
     (as OpenAI-compatible servers do, for forward compatibility)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    # Fields whose JSON ``null`` means "the default", as the dialect documents them
+    # nullable (OpenAI's ``"n": null``); the official clients send nulls for unset values.
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if cls.NULL_IS_DEFAULT and isinstance(data, dict) and any(
+                data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if v is not None or k not in
+                    cls.NULL_IS_DEFAULT}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
