@@ -391,9 +391,23 @@ async def pull(body: PullBody, request: Request):
     queue: asyncio.Queue = asyncio.Queue()
     task = asyncio.ensure_future(rt.catalog_ops.pull(name, progress=queue.put_nowait))
     task.add_done_callback(lambda _: queue.put_nowait(None))
+    # The stream starts at the pull's second event: a pull that fails before it (a bad
+    # name, a missing repository, a hub switched off or out of reach) answers with its
+    # error's status; later failures are the stream's last line, as in Ollama.
+    held: list[dict] = []
+    ended = False
+    while len(held) < 2 and not ended:
+        item = await queue.get()
+        ended = item is None
+        if item is not None:
+            held.append(item)
+    if ended and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
 
     async def events() -> AsyncIterator[dict]:
-        while True:
+        for item in held:
+            yield item
+        while not ended:
             item = await queue.get()
             if item is None:
                 break
