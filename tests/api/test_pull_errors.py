@@ -108,7 +108,7 @@ def _tags(srv: Any) -> list[str]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_hub_switched_off_is_503(server, stream):
-    """The test session's own server: HF_HUB_OFFLINE is set (tests/conftest.py)."""
+    """The shared test server: HF_HUB_OFFLINE is set (tests/conftest.py)."""
     for name in ("acme/nope", "qwen3-0.6b"):  # a repository id, and an alias of one
         _assert_ollama_error(_pull(server, name, stream), 503, "HF_HUB_OFFLINE")
     with pytest.raises(ollama.ResponseError) as info:
