@@ -15,7 +15,7 @@ from mlxd.api.errors import error_payload
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
-from mlxd.api.wire import WireModel
+from mlxd.api.wire import ModelName, WireModel
 from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest
 from mlxd.frontend.generation import Generation
@@ -84,7 +84,7 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
 
 class UnloadBody(WireModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName | None = None
 
 
 @router.post("/unload")
