@@ -255,6 +255,17 @@ class CoreClient:
         self._ready_event = asyncio.Event()
         self._fail_all(_died())
 
+    def cut(self, err: p.WireError) -> int:
+        """End every stream and call of this front end here with ``err`` (the server's
+        shutdown grace ran out) and have the core drop the streams. Returns how many."""
+        rids = list(self._streams)
+        n = len(rids) + sum(not f.done() for f in self._calls.values())
+        if rids and self.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(p.Abort(self.epoch, rids))
+        self._fail_all(err)
+        return n
+
     def _fail_all(self, err: p.WireError) -> None:
         for rid, q in list(self._streams.items()):
             q.put_nowait(p.SeqOut(rid, [], "error", error=err, accepted=True))
