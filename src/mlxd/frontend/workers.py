@@ -24,15 +24,19 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
 from uvicorn.config import STARTUP_FAILURE, Config
 from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
 from mlxd.drain import CUT_WAIT_S, DrainingServer
-from mlxd.frontend import tokenizer_side
-from mlxd.frontend.runtime import CORE_DIR_ENV, Runtime
-from mlxd.observability.metrics import MULTIPROC_ENV, front_end_exited
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+# A spawned worker imports this module before its health-check thread runs: what it
+# imports at the top stays light (the app's imports come with app_factory), or the
+# supervisor takes a slow start for a hung worker.
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +67,11 @@ class FrontEndShared:
 
 
 def app_factory(shared: FrontEndShared | None = None) -> FastAPI:
+    from mlxd.frontend import tokenizer_side
+
     tokenizer_side.register_without_init()  # before anything imports mlx-lm
     from mlxd.api.app import create_app
+    from mlxd.frontend.runtime import CORE_DIR_ENV, Runtime
     from mlxd.observability.logs import setup_logging
 
     run_dirs = [Path(d) for d in os.environ[CORE_DIR_ENV].split(os.pathsep)]
@@ -99,6 +106,8 @@ class FrontEndProcess(Process):
         super().target(sockets)
 
     def join(self) -> None:
+        from mlxd.observability.metrics import MULTIPROC_ENV, front_end_exited
+
         super().join()
         if self.pid is not None and os.environ.get(MULTIPROC_ENV):
             front_end_exited(self.pid)
