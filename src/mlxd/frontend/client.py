@@ -42,7 +42,7 @@ class CoreClient:
         self.run_dir = Path(run_dir)
         self.index = index  # among this host's engine cores
         self.device = device  # as the supervisor placed it (None: ask the core's status)
-        self.frontend = os.getpid() * 1000 + next(_instances) % 1000
+        self.frontend = p.frontend_id(os.getpid(), next(_instances))
         self.address = f"ipc://{self.run_dir / f'fe-{self.frontend}'}"
         self.dead_after = dead_after
         self.epoch = 0  # of the core we talk to; 0: none yet
