@@ -212,3 +212,51 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
     over = [line for line in text.splitlines() if "grace period" in line]
     assert len(over) == workers and all("ending 3 request(s) with an error" in line
                                         for line in over), over
+
+
+def _gauge(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama):
+    """kill -9 of one of two front ends with requests running and waiting there: the
+    engine core drops its requests, its gauges leave /metrics, another front end takes its
+    place and /health counts that restart apart from the engine core's."""
+    p, url, _ = _serve(tmp_path, tiny_llama, 2, MLXD_ENGINE__MAX_NUM_SEQS="2")
+    try:
+        victim, _other = sorted(_front_ends(url, 2))
+        # 0.3 s a step: the victim's requests would hold the core for minutes
+        _core_call(url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.3)
+        threads = []
+        for _, c in _clients_on(url, {victim}, 5):
+            t = threading.Thread(target=_stream, args=(c, "openai", 200, {},
+                                                       threading.Event()))
+            t.start()
+            threads.append(t)
+        assert _wait(lambda: (_gauge(url, "mlxd:num_requests_running"),
+                              _gauge(url, "mlxd:num_requests_waiting")) == (2, 3))
+        os.kill(victim, signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert _wait(lambda: httpx.get(url + "/health", timeout=10).json()[
+            "requests_in_flight"] == 0, 20)
+
+        def replaced() -> bool:
+            h = httpx.get(url + "/health", timeout=10)
+            return h.status_code == 200 and h.json()["front_ends"] == {
+                "workers": 2, "restarts": 1}
+
+        assert _wait(replaced)
+        assert victim not in _front_ends(url, 2)
+        assert _gauge(url, "mlxd:num_requests_running") == 0
+        assert _gauge(url, "mlxd:num_requests_waiting") == 0
+        assert httpx.get(url + "/health", timeout=10).json()["worker_restarts"] == 0
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"messages": CHAT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        _stop(p)
