@@ -149,10 +149,12 @@ def _finished(dialect: str, lines: list[str]) -> bool:
                                               separators=(",", ":"))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers,group", [(1, False), (2, False), (2, True)],
+                         ids=["one-front-end", "two-front-ends", "ctrl-c-to-the-group"])
 def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
-        tmp_path, tiny_llama, workers):
-    """SIGTERM: at once /health is 503 "draining" and a new request 503 + Retry-After in
+        tmp_path, tiny_llama, workers, group):
+    """SIGTERM to the server (or SIGINT to its whole process group, as a terminal's Ctrl-C
+    sends it): at once /health is 503 "draining" and a new request 503 + Retry-After in
     its dialect while the socket stays open; short streams finish; streams the grace
     (3 s here) cuts end with an error event in their dialect; no traceback; exit."""
     p, url, log = _serve(tmp_path, tiny_llama, workers, MLXD_SERVER__SHUTDOWN_GRACE_S="3")
@@ -171,7 +173,10 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
             t.start()
             jobs.append((pid, dialect, tokens, out, started, t))
         assert all(j[4].wait(60) for j in jobs)
-        p.send_signal(signal.SIGTERM)
+        if group:  # each front end gets it too, besides the supervisor's drain event
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGTERM)
         refusals = {}
         for path, body in [(STREAMS["openai"][0], {"messages": CHAT, "max_tokens": 1}),
                            ("/api/chat", {"model": "tiny-llama", "messages": CHAT,
@@ -203,7 +208,7 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
                 assert _finished(dialect, out["lines"]), (dialect, out["lines"][-3:])
             else:
                 assert _ended_with_error(dialect, out["lines"]), (dialect, out["lines"][-3:])
-        p.wait(60)
+        assert p.wait(60) in (0, -signal.SIGTERM, -signal.SIGINT)
     finally:
         _stop(p)
     text = log.read_text()
