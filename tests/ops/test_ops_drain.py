@@ -4,7 +4,6 @@ and /health while the engine core dies and comes back."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_healthy
+from conftest import core_call, free_port, wait_healthy
 
 CHAT = [{"role": "user", "content": "go"}]
 
@@ -50,26 +49,6 @@ def _wait(pred, timeout: float = 60.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _core_call(url: str, method: str, **args):
-    """A call to the server's engine core, as a front end makes it (its run directory is
-    the core's command-line argument)."""
-    from mlxd.frontend.client import CoreClient
-
-    pid = httpx.get(url + "/health", timeout=10).json()["engine_core"]["pid"]
-    run_dir = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3].decode()
-
-    async def call():
-        c = CoreClient(run_dir)
-        await c.start()
-        try:
-            await c.wait_ready(30)
-            return await c.call(method, **args)
-        finally:
-            await c.close()
-
-    return asyncio.run(call())
 
 
 def _clients_on(url: str, pids: set[int], per_pid: int) -> list[tuple[int, httpx.Client]]:
@@ -160,7 +139,7 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
     p, url, log = _serve(tmp_path, tiny_llama, workers, MLXD_SERVER__SHUTDOWN_GRACE_S="3")
     try:
         pids = _front_ends(url, workers)
-        _core_call(url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.05)
+        core_call(url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.05)
         # per front end: a short stream and a long one in each dialect
         jobs = []
         for pid, c in _clients_on(url, pids, 1 + len(STREAMS)):
@@ -235,7 +214,7 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
     try:
         victim, _other = sorted(_front_ends(url, 2))
         # 0.3 s a step: the victim's requests would hold the core for minutes
-        _core_call(url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.3)
+        core_call(url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.3)
         threads = []
         for _, c in _clients_on(url, {victim}, 5):
             t = threading.Thread(target=_stream, args=(c, "openai", 200, {},
