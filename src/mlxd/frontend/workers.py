@@ -95,7 +95,7 @@ class FrontEndProcess(Process):
                                           drain_event=self.shared.drain)
         return self._server  # type: ignore[return-value]
 
-    def target(self, sockets: list[socket.socket] | None = None) -> None:  # pragma: no cover
+    def target(self, sockets: list[socket.socket] | None = None) -> None:
         server, shared = self.server, self.shared
 
         def build() -> FastAPI:
