@@ -1,7 +1,7 @@
 """The graceful drain every front end runs before it exits (one front end, or each of N).
 
-On the first SIGTERM/SIGINT, or when the process that supervises several front ends sets
-their drain event (frontend/workers.py): stop admitting (every new request gets 503 while
+On the first SIGTERM/SIGINT, or when the process that supervises several front ends says
+so (frontend/workers.py): stop admitting (every new request gets 503 while
 the listening socket stays open, ``/health`` says "draining"), wait up to
 ``server.shutdown_grace_s`` for the requests in flight, then end what still runs with an
 error in its dialect (a stream gets an error event, then its end) and exit. A second
@@ -32,25 +32,27 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's Server with a drain phase before its own shutdown.
 
     ``app``: the FastAPI app (its ``state.lifecycle`` and ``state.runtime``); it may be set
-    after construction, before the server starts. ``drain_event``: a multiprocessing Event
-    that starts the drain as a first signal would (a front end among several)."""
+    after construction, before the server starts. ``drain_when``: blocks (on a thread of
+    its own) until the drain should start as a first signal would start it (a front end
+    among several: its supervisor says when)."""
 
     def __init__(self, config: uvicorn.Config, app: Any, grace: float,
-                 on_exit: Callable[[], None] | None = None, drain_event: Any = None) -> None:
+                 on_exit: Callable[[], None] | None = None,
+                 drain_when: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.app = app
         self.grace = grace
         self.on_exit = on_exit
-        self.drain_event = drain_event
+        self.drain_when = drain_when
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_started = False
         self._drain_task: asyncio.Task | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.drain_event is not None:
-            threading.Thread(target=self._await_drain_event, daemon=True,
-                             name="mlxd-drain-event").start()
+        if self.drain_when is not None:
+            threading.Thread(target=self._await_drain, daemon=True,
+                             name="mlxd-drain-when").start()
         with self.capture_signals():
             try:
                 await self._serve(sockets)
@@ -67,8 +69,9 @@ class DrainingServer(uvicorn.Server):
             return
         super().handle_exit(sig, frame)  # a second signal, or not serving yet: uvicorn's way
 
-    def _await_drain_event(self) -> None:
-        self.drain_event.wait()
+    def _await_drain(self) -> None:
+        assert self.drain_when is not None
+        self.drain_when()
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to drain

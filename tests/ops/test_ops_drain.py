@@ -242,5 +242,31 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"messages": CHAT, "max_tokens": 2})
         assert r.status_code == 200, r.text
+        p.send_signal(signal.SIGTERM)  # the dead front end does not hold up the stop
+        assert p.wait(60) == 0
+    finally:
+        _stop(p)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def test_no_front_end_outlives_its_supervisor(tmp_path, tiny_llama):
+    """kill -9 of the `mlxd serve` process of two front ends: the front ends and the
+    engine core exit (none keeps the port answering 503 for no one)."""
+    p, url, _ = _serve(tmp_path, tiny_llama, 2)
+    try:
+        pids = _front_ends(url, 2)
+        pids.add(httpx.get(url + "/health", timeout=10).json()["engine_core"]["pid"])
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+        assert _wait(lambda: all(_gone(pid) for pid in pids), 60), pids
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=10)
     finally:
         _stop(p)

@@ -5,13 +5,15 @@ manager); each worker runs the drain a single front end runs (drain.py), builds 
 here from the settings the cores were started with and connects to every core
 (``MLXD_CORE_DIR``: their run directories) instead of starting its own.
 
-On SIGTERM/SIGINT the supervisor sets the front ends' drain event rather than signalling
-them: a signal sent to the whole process group (systemd, a terminal's Ctrl-C) reaches them
-too, and a second signal would cut their drain short. It then waits for them to exit; a
-second signal to it forwards SIGTERM, which skips their wait. Whenever a front end has
-ended (exited, crashed or killed) the supervisor drops its live gauges from the shared
-metric files; one that died while serving is replaced and counted (``/health``'s
-``front_ends``).
+On SIGTERM/SIGINT the supervisor starts the front ends' drain by closing the write end
+of a pipe they all read (a multiprocessing Event would hang its setter on a waiter that
+died), rather than by a signal: one sent to the whole process group (a terminal's Ctrl-C)
+reaches them too, and a second signal would cut their drain short. The pipe closes when
+the supervisor dies as well (kill -9), so no front end outlives it. It then waits for
+them to exit; a second signal to it forwards SIGTERM, which skips their wait. Whenever a
+front end has ended (exited, crashed or killed) the supervisor drops its live gauges from
+the shared metric files; one that died while serving is replaced and counted
+(``/health``'s ``front_ends``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pickle
 import signal
 import socket
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,14 +49,27 @@ _EXIT_SLACK_S = 15.0
 
 
 class FrontEndShared:
-    """What the supervisor shares with its front ends; each gets it when it is spawned."""
+    """What the supervisor shares with its front ends; each gets it when it is spawned.
+    ``drain``: the read end of the supervisor's drain pipe (it keeps the write end)."""
 
-    def __init__(self, workers: int, grace: float) -> None:
+    def __init__(self, workers: int, grace: float, drain: Connection) -> None:
         ctx = multiprocessing.get_context("spawn")  # uvicorn's workers are spawned
-        self.drain = ctx.Event()
+        self.drain = drain
         self.grace = grace
         self._workers = ctx.RawValue("i", workers)  # written by the supervisor only
         self._restarts = ctx.RawValue("i", 0)
+
+    def wait_for_drain(self) -> None:
+        """Returns once the supervisor has started the drain, or is gone."""
+        supervisor = os.getppid()
+        try:
+            while True:
+                self.drain.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        if os.getppid() != supervisor:
+            log.warning("the front ends' supervisor (pid %d) is gone; this front end drains "
+                        "and exits", supervisor)
 
     def count_restart(self) -> None:
         self._restarts.value += 1
@@ -92,7 +108,7 @@ class FrontEndProcess(Process):
     def server(self) -> DrainingServer:  # type: ignore[override]
         if self._server is None:
             self._server = DrainingServer(self.config, None, self.shared.grace,
-                                          drain_event=self.shared.drain)
+                                          drain_when=self.shared.wait_for_drain)
         return self._server  # type: ignore[return-value]
 
     def target(self, sockets: list[socket.socket] | None = None) -> None:
@@ -119,7 +135,8 @@ class FrontEnds(Multiprocess):
 
     def __init__(self, config: Config, sockets: list[socket.socket], grace: float) -> None:
         super().__init__(config, sockets)
-        self.shared = FrontEndShared(config.workers, grace)
+        drain, self._drain_w = multiprocessing.get_context("spawn").Pipe(duplex=False)
+        self.shared = FrontEndShared(config.workers, grace, drain)
 
     def _spawn(self) -> FrontEndProcess:
         process = FrontEndProcess(self.config, self.sockets, self.shared)
@@ -146,7 +163,7 @@ class FrontEnds(Multiprocess):
     def _drain(self) -> None:
         """The front ends drain at once and exit on their own; a second SIGINT/SIGTERM
         skips their wait, and one still there long after its grace is killed."""
-        self.shared.drain.set()
+        self._drain_w.close()  # every front end reads its end of the pipe
         deadline = time.monotonic() + self.shared.grace + CUT_WAIT_S + _EXIT_SLACK_S
         forwarded = False
         while any(p.process.is_alive() for p in self.processes):
@@ -212,3 +229,4 @@ class FrontEnds(Multiprocess):
     def handle_ttou(self) -> None:
         super().handle_ttou()
         self.shared.set_workers(self.processes_num)
+
