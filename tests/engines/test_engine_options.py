@@ -35,6 +35,8 @@ def test_text_options_take_the_engine_settings_and_the_models_own(tmp_path):
     other = TextEngineOptions.from_settings(settings, "other")
     assert (other.prefill_step_size, other.max_kv_size) == (32, 64)
     assert other.adapter_path is None and other.max_num_seqs == 12
+    # the batch size the model manager resolved (runtime/slots.py) wins
+    assert TextEngineOptions.from_settings(settings, "other", max_num_seqs=5).max_num_seqs == 5
 
 
 @pytest.mark.parametrize("where", ["engine", "model"])

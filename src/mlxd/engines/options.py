@@ -30,10 +30,20 @@ def model_options(name: str, settings: Settings) -> dict[str, Any]:
     if name == default_name and m.adapter_path is not None:
         out["adapter_path"] = m.adapter_path
     opts = m.options.get(name)
-    if opts is not None:
-        out.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    if opts is not None:  # the batch size is the model manager's (runtime/slots.py)
+        out.update({k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items()
+                    if v is not None})
     out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
     return out
+
+
+def fixed_max_num_seqs(name: str, settings: Settings) -> int:
+    """The batch size without a memory budget to size it by: a set number as it is, and
+    for 'auto' the floor that auto never goes below."""
+    opts = settings.models.options.get(name)
+    value = opts.max_num_seqs if opts is not None and opts.max_num_seqs is not None \
+        else settings.engine.max_num_seqs
+    return value if isinstance(value, int) else 8  # runtime/slots.py's AUTO_FLOOR
 
 
 def option_key(name: str, settings: Settings, key: str) -> str:
@@ -78,12 +88,14 @@ class TextEngineOptions:
                 object.__setattr__(self, key, Path(value))
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str, *, draft_path: Path | None = None
-                      ) -> TextEngineOptions:
+    def from_settings(cls, settings: Settings, name: str, *, draft_path: Path | None = None,
+                      max_num_seqs: int | None = None) -> TextEngineOptions:
         """``name``'s options on this server (``draft_path``: its draft model, with
-        engine.speculative: draft). A quantized KV cache is refused here: mlx-lm's
-        BatchGenerator merges per-sequence caches through each cache class's ``merge``,
-        which QuantizedKVCache lacks (and mlx-lm has no batched quantized cache)."""
+        engine.speculative: draft; ``max_num_seqs``: the batch size the model manager
+        resolved, None: :func:`fixed_max_num_seqs`). A quantized KV cache is refused here:
+        mlx-lm's BatchGenerator merges per-sequence caches through each cache class's
+        ``merge``, which QuantizedKVCache lacks (and mlx-lm has no batched quantized
+        cache)."""
         e = settings.engine
         opts = model_options(name, settings)
         if opts["kv_bits"] is not None:
@@ -93,7 +105,8 @@ class TextEngineOptions:
                 "models do not take kv_bits (max_kv_size bounds their KV cache instead). "
                 "Set kv_bits per vision model under models.options.<name>.kv_bits.")
         return cls(
-            max_num_seqs=e.max_num_seqs,
+            max_num_seqs=max_num_seqs if max_num_seqs is not None
+            else fixed_max_num_seqs(name, settings),
             prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"],
             dtype=settings.models.dtype,
@@ -154,11 +167,15 @@ class VisionEngineOptions:
                            resolve_kv_quant_scheme(self.kv_bits, self.kv_quant_scheme))
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str) -> VisionEngineOptions:
+    def from_settings(cls, settings: Settings, name: str, *, max_num_seqs: int | None = None
+                      ) -> VisionEngineOptions:
+        """``name``'s options on this server (``max_num_seqs`` as for text models)."""
         e, v = settings.engine, settings.vision
         opts = model_options(name, settings)
         return cls(
-            max_num_seqs=e.max_num_seqs, prefill_batch_size=e.prefill_batch_size,
+            max_num_seqs=max_num_seqs if max_num_seqs is not None
+            else fixed_max_num_seqs(name, settings),
+            prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"], kv_bits=opts["kv_bits"],
             kv_quant_scheme=opts["kv_quant_scheme"], kv_group_size=opts["kv_group_size"],
             max_kv_size=opts["max_kv_size"], adapter_path=opts["adapter_path"],

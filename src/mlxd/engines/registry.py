@@ -31,19 +31,20 @@ def finish_on_device(engine: Any, settings: Settings) -> Future:
 
 
 def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
-                  draft_path: Path | None = None) -> Any:
+                  draft_path: Path | None = None, max_num_seqs: int | None = None) -> Any:
     """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
     :func:`finish_on_device`); every other kind comes back warmed up, built on the device
-    thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft)."""
+    thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft);
+    ``max_num_seqs``: the batch size the model manager resolved (runtime/slots.py)."""
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
-        return LLMEngine(name, path, TextEngineOptions.from_settings(settings, name,
-                                                                     draft_path=draft_path))
+        return LLMEngine(name, path, TextEngineOptions.from_settings(
+            settings, name, draft_path=draft_path, max_num_seqs=max_num_seqs))
     if kind in ("embedding", "reranker"):
         return _create_encoder(kind, name, path, settings)
     if kind == "vision":
-        return _create_vision(name, path, settings)
+        return _create_vision(name, path, settings, max_num_seqs)
     if kind in ("stt", "tts"):
         return _create_audio(kind, name, path, settings)
     raise ModelLoadError(f"model '{name}' is a {kind} model; this server does not serve "
@@ -101,10 +102,12 @@ def _create_audio(kind: str, name: str, path: Path, settings: Settings) -> Any:
     return engine
 
 
-def _create_vision(name: str, path: Path, settings: Settings) -> Any:
+def _create_vision(name: str, path: Path, settings: Settings, max_num_seqs: int | None
+                   ) -> Any:
     from mlxd.engines.vlm import VisionEngine
 
-    engine = VisionEngine(name, path, VisionEngineOptions.from_settings(settings, name))
+    engine = VisionEngine(name, path, VisionEngineOptions.from_settings(
+        settings, name, max_num_seqs=max_num_seqs))
     if settings.engine.warmup:
         engine.warmup()
     return engine
