@@ -14,6 +14,10 @@ Topology (every socket ``ipc://`` under one run directory):
   front end (after its :class:`Hello`) and sends :data:`ToFrontend` messages: per engine
   step ONE :class:`Outputs` batch holding the new tokens of all that front end's requests.
 
+Calls (model management, status, encoders, audio) are a tagged request struct per call,
+``Request[ItsResult]``, answered by that result struct in a :class:`Reply`: dispatch and
+callers' types follow the struct, not a method name.
+
 Nothing here is HTTP or a dialect: requests are token ids plus sampling parameters.
 Every message the core sends carries its ``epoch`` (a counter the supervisor raises at each
 core start) and every request a front end sends names the epoch it was meant for: a
@@ -22,7 +26,7 @@ message queued for a core that has since died is dropped, never run by its succe
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Generic, TypeVar, Union, get_args
+from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 
@@ -434,12 +438,11 @@ class Fault(Request[Done], tag="fault"):
     value: bool = True
 
 
-CallRequest = Union[  # noqa: UP007 - a runtime alias msgspec decodes (a tagged union)
-    Touch, Unload, Loaded, Forget, Status, Metrics, Embed, Rerank, Tokenize, Transcribe,
-    Speak, Scorers, Fault]
-CallResult = Union[  # noqa: UP007
-    ModelInfo, Unloaded, LoadedModels, CoreStatus, MetricsText, Embedded, Reranked,
-    Tokenized, Transcribed, Spoken, ScorerCount, Done]
+# tagged unions: the first element of a call's array names its struct
+CallRequest = (Touch | Unload | Loaded | Forget | Status | Metrics | Embed | Rerank | Tokenize
+               | Transcribe | Speak | Scorers | Fault)
+CallResult = (ModelInfo | Unloaded | LoadedModels | CoreStatus | MetricsText | Embedded
+              | Reranked | Tokenized | Transcribed | Spoken | ScorerCount | Done)
 
 
 def encoder() -> msgspec.msgpack.Encoder:
