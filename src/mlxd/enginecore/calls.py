@@ -231,7 +231,7 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
 
 
 # Each call's handler, by its request's type (every member of protocol.CallRequest).
-HANDLERS: dict[type[p.Request], Callable[[Any, Any], Awaitable[p.Result]]] = {
+HANDLERS: dict[type[p.Request], Callable[[Any, Any], Awaitable[p.CallResult]]] = {
     p.Touch: touch, p.Unload: unload, p.Loaded: loaded, p.Forget: forget, p.Status: status,
     p.Metrics: metrics_text, p.Embed: embed, p.Rerank: rerank, p.Tokenize: tokenize,
     p.Transcribe: transcribe, p.Speak: speak, p.Scorers: scorers, p.Fault: fault,
