@@ -941,6 +941,19 @@ class SecuritySettings(_Section):
                     "server.allowed_origins, which says more.",
         examples=[["http://localhost:3000"]],
     )
+    prefix_cache_isolation: Literal["shared", "per_key"] = Field(
+        "per_key",
+        description=(
+            "Who shares the prefix cache (both tiers, and prefix-affinity routing): "
+            "'per_key', each API key its own (its owner id salts the cache, with any "
+            "request's cache_salt), or 'shared', every caller (only equal cache_salt values "
+            "then separate). A shared cache tells one key, through cached_tokens and time "
+            "to first token, whether another key sent the same prompt prefix; per_key "
+            "closes that, at the cost of one prefill per key of a prefix the keys have in "
+            "common (a shared system prompt). Without keys every caller is the one local "
+            "operator, so there per_key shares everything as shared does."
+        ),
+    )
 
     @field_validator("cors_origins")
     @classmethod

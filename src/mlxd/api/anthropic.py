@@ -80,7 +80,7 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
     SSE, "message_start, content_block_start/delta/stop, message_delta, message_stop")))
 async def messages(body: MessagesRequest, request: Request):
     req = _request(body, request, body.sampling())
-    req.user = body.user
+    req.user, req.cache_salt = body.user, body.cache_salt
     (gen,) = await submit_n(request, req, 1)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

@@ -30,6 +30,7 @@ from mlxd.api.tooling import (
     openai_tools,
 )
 from mlxd.api.wire import (
+    CacheSalt,
     KeepAlive,
     MinP,
     ModelName,
@@ -86,6 +87,7 @@ class _GenBase(_Body):
     options: Options | None = None
     format: Any = None
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None  # vLLM's, as on the OpenAI routes (Ollama has none)
 
     def constraint(self) -> OutputConstraint | None:
         """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""
@@ -236,6 +238,7 @@ async def generate(body: GenerateBody, request: Request):
         req = GenerateRequest(model=body.model, sampling=params, messages=msgs,
                               images=images or None)
     req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
+    req.cache_salt = body.cache_salt
     req.constraint = body.constraint()
     gen = await until_disconnect(request, runtime(request).submit(req))
 
@@ -265,7 +268,7 @@ async def chat(body: ChatBody, request: Request):
                    **m.tool_fields(f"messages[{i}]")}
                   for i, m in enumerate(body.messages)],
         keep_alive=body.keep_alive, request_id=request.state.request_id,
-        images=images or None,
+        images=images or None, cache_salt=body.cache_salt,
     )
     req.constraint = body.constraint()
     tools = openai_tools(body.tools)

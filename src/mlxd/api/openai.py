@@ -107,6 +107,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         keep_alive=body.keep_alive,
         images=body.images(),
         audio=body.audio(),
+        cache_salt=body.cache_salt,
     )
     _chat_extras(req, body)
     gens = await submit_n(request, req, body.n)
@@ -211,6 +212,7 @@ async def completions(body: CompletionRequest, request: Request):
         prompt_tokens=tokens,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
+        cache_salt=body.cache_salt,
     )
     req.user = body.user
     gens = await submit_n(request, req, body.n)

@@ -40,7 +40,7 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
-from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
@@ -75,6 +75,7 @@ class ResponsesRequest(WireModel):
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None
 
     def function_tools(self) -> list[dict] | None:
         if not self.tools:
@@ -286,7 +287,7 @@ class _Turn:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p),
             messages=messages, request_id=request.state.request_id,
-            keep_alive=body.keep_alive, user=body.user)
+            keep_alive=body.keep_alive, user=body.user, cache_salt=body.cache_salt)
         # images of this turn only (earlier turns' images are not resent to the model)
         self.req.images = images or None
         tools = body.function_tools()

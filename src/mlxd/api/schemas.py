@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from mlxd.api.tooling import check_tool_calls
 from mlxd.api.wire import (
+    CacheSalt,
     KeepAlive,
     LogitBias,
     MaxTokens,
@@ -59,6 +60,7 @@ class SamplingFields(_Req):
     keep_alive: KeepAlive = Field(
         None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
     )
+    cache_salt: CacheSalt = None
     return_tokens_as_token_ids: bool = Field(
         False,
         description=(
@@ -288,6 +290,7 @@ class GenerateBody(_Req):
     raw: bool = Field(
         False, description="Send the prompt to the model as is, without the chat template.")
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None
 
     def templated(self, model_has_template: bool) -> bool:
         """Whether the prompt goes through the chat template.

@@ -61,6 +61,7 @@ async def generate(body: GenerateBody, request: Request):
         messages=[{"role": "user", "content": body.prompt}] if chat else None,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
+        cache_salt=body.cache_salt,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     if body.stream:

@@ -107,6 +107,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as O
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
+CacheSalt = Annotated[str, Field(
+    min_length=1, max_length=1024,
+    description="vLLM extension: requests share cached prompt prefixes (the prefix cache) "
+                "only when their cache_salt is equal; with security.prefix_cache_isolation "
+                "'per_key' only within one API key besides.")] | None
 
 
 def _named(v: str) -> str:

@@ -118,6 +118,7 @@ class GenerateRequest:
     user: str | None = None  # the caller's end-user id, logged
     images: list[ImageInput] | None = None  # only vision models accept them
     audio: list[AudioInput] | None = None  # only vision models with an audio tower
+    cache_salt: str | None = None  # vLLM's: only requests with equal salts share cached KV
 
 
 @dataclass

@@ -302,6 +302,7 @@ class EngineCore:
                 grammar = await asyncio.to_thread(engine.text.matcher, m.grammar)
             seq = engine.new_sequence(prompt, params, grammar=grammar,
                                       arm_after=tuple(m.arm_after) if m.arm_after else None)
+            seq.cache_salt = m.cache_salt
         except BaseException as exc:
             self._inflight -= 1
             if lease is not None:

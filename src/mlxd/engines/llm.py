@@ -318,8 +318,8 @@ class LLMEngine(DecodeEngine):
         seq.t_added = time.monotonic()
         disk = self.disk
         if disk is not None and len(seq.prompt_tokens) > disk.min_tokens:
-            in_memory = self.prefix_cache.peek(seq.prompt_tokens)
-            entry, n = disk.match(seq.prompt_tokens)
+            in_memory = self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt)
+            entry, n = disk.match(seq.prompt_tokens, seq.cache_salt)
             if entry is not None and n > in_memory:
                 fut = self._reads.get(entry.key)
                 if fut is None:
@@ -347,10 +347,13 @@ class LLMEngine(DecodeEngine):
                 got = None
             if got is not None and id(fut) not in inserted:
                 tokens, cache = got
-                self.prefix_cache.insert(tokens.tolist(), cache, reused=True)
+                # the entry matched this sequence's salt: the file and the request share it
+                self.prefix_cache.insert(tokens.tolist(), cache, reused=True,
+                                         salt=seq.cache_salt)
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
-                if got is not None and self.prefix_cache.peek(seq.prompt_tokens) > 0:
+                if got is not None and \
+                        self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt) > 0:
                     self.disk.count_hit()
                 else:
                     self.disk.count_miss()
@@ -462,7 +465,8 @@ class LLMEngine(DecodeEngine):
         """The prefix cache's KV for the start of ``seq``'s prompt (sets cached_tokens)."""
         cache, seq.cached_tokens = None, 0
         if self.prefix_cache.enabled:
-            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens)
+            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens,
+                                                                seq.cache_salt)
         return cache
 
     def _processors(self, seq: Sequence) -> list:
@@ -556,10 +560,11 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
-        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0)
+        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0,
+                                 salt=seq.cache_salt)
         if self.disk is not None and self._warm_phases is None and (
                 self._disk_writes_all or seq.cached_tokens > 0):
-            self.disk.spill(tokens, cache)
+            self.disk.spill(tokens, cache, seq.cache_salt)
 
     def has_work(self) -> bool:
         self._poll_loads()

@@ -26,6 +26,7 @@ import numpy as np
 
 from mlxd.config import Settings
 from mlxd.core import heap
+from mlxd.core.blocks import cache_salt
 from mlxd.core.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -53,7 +54,7 @@ from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
-from mlxd.observability.context import add_usage, note
+from mlxd.observability.context import add_usage, current, note
 from mlxd.runtime.slots import provisional
 from mlxd.store.catalog import ModelCatalog
 
@@ -331,13 +332,24 @@ class Runtime:
             sampling=p.sampling_to_wire(params),
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
-            vision=vision)
-        core = self.cores.pick(name, tokens)
+            vision=vision, cache_salt=self._cache_salt(req))
+        core = self.cores.pick(name, tokens, add.cache_salt)
         gen = Generation(self, core, name, proc, tokens if vision is None else None, params,
                          plan, add)
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         await gen.start()
         return gen
+
+    def _cache_salt(self, req: GenerateRequest) -> str | None:
+        """The prefix-cache partition of ``req``: its ``cache_salt``, joined under
+        ``security.prefix_cache_isolation: per_key`` by the owner of the API key it came
+        with (the principal the security middleware put in the request's state; one that
+        came without: an owner of its own, never the shared partition)."""
+        owner = None
+        if self.settings.security.prefix_cache_isolation == "per_key":
+            principal = (current() or {}).get("principal")
+            owner = getattr(principal, "owner", None) or ""
+        return cache_salt(owner, req.cache_salt)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         gen = await self.submit(req)
