@@ -268,3 +268,92 @@ def test_a_finished_row_held_in_the_batch_runs_no_processors_and_shares_a_sample
                     assert len(batch) == 2 and batch.logits_processors[i] == []
                     assert batch.samplers[i] is shared
     assert calls["short"] == at_finish and calls["long"] > at_finish
+
+
+def _budgeted(gen, prompts: list[list[int]], late: list[int], n: int = 8):
+    """Greedy tokens per uid, ``late`` inserted once the first prompts decode, and the
+    tokens each step fed: (decode rows, prefill rows x longest chunk)."""
+    steps: list[tuple[int, int]] = []
+    real = gen.step_stats.record
+    gen.step_stats.record = lambda decode, prefill: (steps.append((decode, prefill)),
+                                                      real(decode, prefill))
+    uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    inserted = False
+    for _ in range(300):
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append(r.token)
+        if not inserted and responses:
+            out[gen.insert([late], max_tokens=[n])[0]] = []
+            inserted = True
+        if inserted and all(len(v) == n for v in out.values()):
+            break
+    return list(out.values()), steps
+
+
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_greedy_tokens_are_the_same_under_any_step_budget(model_and_tokenizer, prompt_end):
+    """Prompts of many lengths and a newcomer arriving while they decode: the same greedy
+    tokens with no budget (mlx-lm's chunks), a large one and a tiny one, and every step
+    of the budgeted runs within its budget, padding counted."""
+    model, tok = model_and_tokenizer
+    prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
+               tok.encode(" ".join(["ocean garden market"] * 12)),
+               tok.encode(" ".join(["winter morning"] * 20))]
+    late = tok.encode(" ".join(["a library of quiet rooms"] * 6))
+    kw = dict(max_tokens=8, prefill_step_size=64, completion_batch_size=8,
+              prefill_batch_size=4, prompt_end=prompt_end)
+    free, _ = _budgeted(ServingBatchGenerator(model, **kw), prompts, late)
+    theirs = _run(BatchGenerator(model, max_tokens=8, prefill_step_size=64,
+                                 completion_batch_size=8, prefill_batch_size=4),
+                  prompts, late)
+    assert free == list(theirs.values())
+    for budget in (4096, 40, 20):
+        got, steps = _budgeted(ServingBatchGenerator(model, max_step_tokens=budget, **kw),
+                               prompts, late)
+        assert got == free, budget
+        assert all(len(v) == 8 for v in got)
+        # decode rows first: a step's prefill fills what is left, and never less than
+        # the least chunk a prompt gets
+        over = [(d, p) for d, p in steps
+                if d + p > max(budget, d + serving_batch.MIN_PREFILL_TOKENS)]
+        assert over == [], (budget, over)
+        if budget == 20:  # the long prompts took many steps, prefill beside decode
+            assert sum(1 for d, p in steps if p) > 2 * len(free[3]) // 20
+            assert any(d and p for d, p in steps)
+
+
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_the_budget_shares_a_step_among_the_prompts_being_prefilled(model_and_tokenizer,
+                                                                   prompt_end):
+    """Four long prompts at once under a budget of 64: each gets 16 tokens a step (one
+    chunk length for all, the pass being padded to its longest), none waits for another."""
+    model, tok = model_and_tokenizer
+    gen = ServingBatchGenerator(model, max_tokens=4, prefill_step_size=512,
+                                prefill_batch_size=4, prompt_end=prompt_end,
+                                max_step_tokens=64)
+    gen.insert([tok.encode(" ".join([w] * 30)) for w in ("ocean", "river", "sea", "lake")],
+               max_tokens=[4] * 4)
+    prompt_responses, _ = gen.next()
+    assert [r.progress[0] for r in prompt_responses] == [16, 16, 16, 16]
+    assert gen.step_stats.largest_prefill_tokens == 64
+
+
+def test_a_full_decode_batch_leaves_the_least_chunk_to_a_prompt(model_and_tokenizer):
+    """Decode rows as many as the budget: a waiting prompt still gets its least chunk
+    each step, and the prompt batch takes in no more newcomers than that feeds."""
+    model, tok = model_and_tokenizer
+    gen = ServingBatchGenerator(model, max_tokens=40, prefill_step_size=512,
+                                prefill_batch_size=8, completion_batch_size=16,
+                                prompt_end=True)
+    gen.insert([tok.encode(f"story {i}") for i in range(8)], max_tokens=[40] * 8)
+    gen.next()
+    assert len(gen._generation_batch) == 8
+    gen.max_step_tokens = 8
+    gen.insert([tok.encode(" ".join(["ocean"] * 40)), tok.encode("a second one")],
+               max_tokens=[4, 4])
+    prompt_responses, responses = gen.next()
+    assert len(responses) == 8
+    assert [r.progress[0] for r in prompt_responses] == [serving_batch.MIN_PREFILL_TOKENS]
+    assert len(gen._unprocessed_sequences) == 1  # waits for room in the budget
