@@ -413,7 +413,7 @@ class EngineSettings(_Section):
     prefill_step_size: int = Field(
         512, ge=16, description="Prompt tokens processed per prefill step."
     )
-    max_step_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+    max_step_tokens: int | Literal["auto"] = Field(
         "auto",
         description=(
             "Tokens one engine step feeds a text model: the running batch's decode rows "
@@ -567,6 +567,13 @@ class EngineSettings(_Section):
         return _kv_bits_value(v)
 
     _speculative_off = field_validator("speculative", mode="before")(_yaml_off)
+
+    @field_validator("max_step_tokens")
+    @classmethod
+    def _max_step_tokens(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be 'auto', 0 (no budget) or a number of tokens")
+        return v
 
     @field_validator("devices")
     @classmethod

@@ -357,3 +357,24 @@ def test_a_full_decode_batch_leaves_the_least_chunk_to_a_prompt(model_and_tokeni
     assert len(responses) == 8
     assert [r.progress[0] for r in prompt_responses] == [serving_batch.MIN_PREFILL_TOKENS]
     assert len(gen._unprocessed_sequences) == 1  # waits for room in the budget
+
+
+def test_auto_is_a_number_per_backend_and_the_engine_shows_its_steps(tiny_llama):
+    """engine.max_step_tokens 'auto' resolves per backend (here the CPU's); the engine's
+    stats (/health, /api/ps) show the budget beside the largest step it fed."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0)
+    engine.bind()
+    seq = engine.new_sequence(engine.encode_prompt(" ".join(["ocean garden"] * 60)),
+                              SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add(seq)
+    while not seq.finished:
+        engine.step()
+    stats = engine.stats()["step_budget"]
+    assert stats["budget"] == serving_batch.AUTO_STEP_TOKENS["cpu"]
+    assert 0 < stats["largest_step_tokens"] <= stats["budget"]
+    off = LLMEngine("tiny", tiny_llama, max_num_seqs=4, max_step_tokens=0)
+    off.bind()
+    assert off.stats()["step_budget"]["budget"] == 0
