@@ -130,8 +130,9 @@ def summarise(trials: list[dict]) -> dict:
     return out
 
 
-def model_id(url: str) -> str:
-    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+def loaded_model(url: str) -> dict:
+    """mlxd's one loaded model, as /health lists it."""
+    return httpx.get(url + "/health", timeout=30).json()["models"][0]
 
 
 def start_mlx_lm(model_dir: str, streams: int) -> tuple[subprocess.Popen, str] | None:
@@ -189,10 +190,11 @@ def main() -> None:
             started = start_mlx_lm(model_dir, args.streams)
             if started is not None:
                 procs["mlx_lm"], urls["mlx_lm"] = started
-        models = {side: model_id(url) for side, url in urls.items()}
-        budgets = {side: httpx.get(url + "/health", timeout=30).json()["models"][0]
-                   .get("step_budget", {}).get("budget")
-                   for side, url in urls.items() if side != "mlx_lm"}
+        mlxd_sides = [s for s in urls if s != "mlx_lm"]
+        models = {side: loaded_model(urls[side])["name"] for side in mlxd_sides}
+        models["mlx_lm"] = model_dir  # mlx_lm.server names its model by its path
+        budgets = {side: loaded_model(urls[side])["step_budget"]["budget"]
+                   for side in mlxd_sides}
         sides = list(urls)
         rng = random.Random(0)
         trials: dict[str, list[dict]] = {s: [] for s in sides}
