@@ -30,11 +30,12 @@ async def health(request: Request):
     balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
     memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
     rt = runtime(request)
-    code = 200 if rt.healthy else 503
+    # the code comes from the same snapshot as the status word (a core may die meanwhile)
     if getattr(request.state, "anonymous", False):
-        return JSONResponse({"status": rt.state}, status_code=code)
+        state = rt.state
+        return JSONResponse({"status": state}, status_code=rt.health_code(state))
     status = await rt.status()
-    return JSONResponse(status, status_code=code)
+    return JSONResponse(status, status_code=rt.health_code(status["status"]))
 
 
 async def _has_chat_template(request: Request, model: str) -> bool:
