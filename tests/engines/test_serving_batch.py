@@ -378,3 +378,44 @@ def test_auto_is_a_number_per_backend_and_the_engine_shows_its_steps(tiny_llama)
     off = LLMEngine("tiny", tiny_llama, max_num_seqs=4, max_step_tokens=0)
     off.bind()
     assert off.stats()["step_budget"]["budget"] == 0
+
+
+def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(tiny_llama):
+    """Prompt lookup verifies drafts in the decode pass: those tokens count against the
+    step's budget, and greedy output is what it is without one."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    texts = [" ".join(["ocean garden market"] * 8), "the river runs to the sea " * 3,
+             " ".join(["winter morning library"] * 14)]
+    got, stats = [], []
+    for budget in (0, 24):
+        engine = LLMEngine("tiny", tiny_llama, max_num_seqs=4, prefix_cache_bytes=0,
+                           speculative="prompt-lookup", max_step_tokens=budget)
+        engine.bind()
+        steps: list[tuple[int, int]] = []
+        real = engine._gen.step_stats.record
+        engine._gen.step_stats.record = lambda d, p, real=real, steps=steps: (
+            steps.append((d, p)), real(d, p))
+        seqs = [engine.new_sequence(engine.encode_prompt(t),
+                                    SamplingParams(max_tokens=24, temperature=0.0))
+                for t in texts]
+        out: dict[int, list[int]] = {id(s): [] for s in seqs}
+        for s in seqs:
+            engine.add(s)
+            s.t_added = 0.0
+        for _ in range(400):
+            if all(s.finished for s in seqs):
+                break
+            for seq, ev in engine.step():
+                assert ev.error is None
+                if ev.token is not None:
+                    out[id(seq)].append(ev.token)
+        got.append([out[id(s)] for s in seqs])
+        stats.append((steps, engine.speculator.stats.verify_steps))
+    assert got[0] == got[1] and all(len(t) == 24 for t in got[1])
+    steps, verify_steps = stats[1]
+    assert verify_steps > 0
+    assert any(d > len(texts) for d, _ in steps)  # a verify step's drafts were counted
+    assert all(d + p <= max(24, d + serving_batch.MIN_PREFILL_TOKENS) for d, p in steps)
+    assert any(d and p for d, p in steps)
