@@ -452,6 +452,22 @@ class EngineSettings(_Section):
     prefill_step_size: int = Field(
         512, ge=16, description="Prompt tokens processed per prefill step."
     )
+    max_step_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Tokens one engine step feeds a text model: the running batch's decode rows "
+            "first (with speculative decoding, its drafts too), the rest shared equally by "
+            "the prompts being prefilled (padding counted, at least 16 tokens each), so a "
+            "long prompt arriving beside running streams delays their next token by one "
+            "such step at most, where each prompt's prefill_step_size chunk (up to "
+            "prefill_batch_size of them) went in one step before. 'auto': 2048 on a GPU, "
+            "where a pass of that many tokens still runs near full prefill throughput and "
+            "costs a few decode steps; 256 on the CPU, where prefill costs its arithmetic "
+            "from small chunks on, so a smaller step loses little throughput and keeps "
+            "streams moving. 0: no budget (mlx-lm's chunks). Never raises "
+            "prefill_step_size."
+        ),
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,
@@ -591,6 +607,13 @@ class EngineSettings(_Section):
 
     _speculative_off = field_validator("speculative", mode="before")(_yaml_off)
     _max_num_seqs = field_validator("max_num_seqs", mode="before")(_max_num_seqs_value)
+
+    @field_validator("max_step_tokens")
+    @classmethod
+    def _max_step_tokens(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be 'auto', 0 (no budget) or a number of tokens")
+        return v
 
     @field_validator("devices")
     @classmethod

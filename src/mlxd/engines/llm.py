@@ -40,7 +40,7 @@ from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.prompt_end import supports_prompt_end
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
-from mlxd.engines.serving_batch import ServingBatchGenerator
+from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
 from mlxd.engines.text import TextProcessor
@@ -66,6 +66,7 @@ class LLMEngine(DecodeEngine):
         max_num_seqs: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 512,
+        max_step_tokens: int | str = "auto",
         dtype: str = "auto",
         trust_remote_code: bool = False,
         prefix_cache_bytes: int = 0,
@@ -98,7 +99,8 @@ class LLMEngine(DecodeEngine):
             self.tp_id = tensor_parallel.new_engine_id()
             tensor_parallel.publish(("load", self.tp_id, name, str(self.path), dict(
                 max_num_seqs=max_num_seqs, prefill_batch_size=prefill_batch_size,
-                prefill_step_size=prefill_step_size, dtype=dtype,
+                prefill_step_size=prefill_step_size, max_step_tokens=max_step_tokens,
+                dtype=dtype,
                 trust_remote_code=trust_remote_code, adapter_path=(
                     str(adapter_path) if adapter_path is not None else None),
                 max_kv_size=max_kv_size)))
@@ -129,6 +131,8 @@ class LLMEngine(DecodeEngine):
                 max_num_seqs=max_num_seqs,
                 prefill_batch_size=prefill_batch_size,
                 prefill_step_size=prefill_step_size,
+                # tokens per step, decode rows first (engines/serving_batch.py)
+                max_step_tokens=step_budget(max_step_tokens, mx.default_device() != mx.cpu),
                 max_kv_size=max_kv_size,  # engines/bounded_kv.py
             )
             if max_kv_size is not None and not can_bound(self.model):
@@ -292,6 +296,7 @@ class LLMEngine(DecodeEngine):
             prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
             prefill_step_size=s["prefill_step_size"],
             prompt_end=self._prompt_end,
+            max_step_tokens=s["max_step_tokens"],
         )
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
@@ -483,6 +488,9 @@ class LLMEngine(DecodeEngine):
         prefix: dict[str, Any] = self.prefix_cache.stats()
         prefix["disk"] = self.disk.stats() if self.disk is not None else None
         out: dict[str, Any] = {"prefix_cache": prefix}
+        step_stats = getattr(self._gen, "step_stats", None)
+        if step_stats is not None:
+            out["step_budget"] = step_stats.as_dict()
         if self.speculator is not None:
             out["speculative"] = {"mode": self.speculator.mode,
                                   **self.speculator.stats.as_dict()}
