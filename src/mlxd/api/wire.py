@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeIs
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
 # (engines/sampling.py), so every accepted seed is a valid PRNG key.
@@ -87,3 +88,8 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as O
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
+
+
+def is_token_ids(x: object) -> TypeIs[list[int]]:
+    """A list of token ids, which the OpenAI-shaped fields take in place of text."""
+    return isinstance(x, list) and all(isinstance(t, int) for t in x)
