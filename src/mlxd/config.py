@@ -107,7 +107,8 @@ class ServerSettings(_Section):
         ge=0,
         description=(
             "On SIGTERM (mlxd stop, systemd, launchd): stop admitting new requests (503) and "
-            "wait up to this long for the ones in flight before cancelling them."
+            "wait up to this long for the ones in flight, then end them with an error "
+            "(a stream gets an error event in its dialect)."
         ),
     )
     api_workers: int = Field(

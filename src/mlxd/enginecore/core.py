@@ -152,7 +152,8 @@ class EngineCore:
         self.worker.start()
         tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
                  asyncio.create_task(self._watch_worker()),
-                 asyncio.create_task(self._watch_parent(os.getppid()))]
+                 asyncio.create_task(self._watch_parent(os.getppid())),
+                 asyncio.create_task(self._watch_frontends())]
         decode = p.core_decoder().decode
         log.info("engine core %d ready for requests (pid %d)", self.epoch, os.getpid())
         try:
@@ -219,6 +220,20 @@ class EngineCore:
             await asyncio.sleep(0.5)
         log.warning("the mlxd server process (pid %d) is gone; the engine core exits", parent)
         os._exit(0)
+
+    async def _watch_frontends(self, every: float = 0.5) -> None:
+        """A front end's process ended without its Bye (kill -9, a crash): its requests
+        and calls end here too, rather than hold batch slots for no one."""
+        from mlxd.process import pid_alive
+
+        while True:
+            await asyncio.sleep(every)
+            for fe in list(self._channels):
+                if not pid_alive(p.frontend_pid(fe)):
+                    n = sum(1 for live in self._live.values() if live.frontend == fe)
+                    log.warning("front end %d (pid %d) is gone; dropping its %d request(s)",
+                                fe, p.frontend_pid(fe), n)
+                    self._drop_frontend(fe)
 
     # -- requests ----------------------------------------------------------------------------
     def _dispatch(self, msg: Any) -> None:
@@ -351,6 +366,7 @@ class EngineCore:
         return True
 
     def _drop_frontend(self, fe: int) -> None:
+        self._channels.pop(fe, None)
         for rid, live in list(self._live.items()):
             if live.frontend == fe:
                 self._end(rid, cancel=True)

@@ -65,8 +65,10 @@ CORE_DIR_ENV = "MLXD_CORE_DIR"
 
 class Runtime:
     def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
-                 startup_timeout: float = 3600.0) -> None:
+                 startup_timeout: float = 3600.0, front_ends: Any = None) -> None:
         self.settings = settings
+        # with --api-workers N: their supervisor's shared counts (frontend/workers.py)
+        self.front_ends = front_ends
         self.catalog = ModelCatalog.from_settings(settings)
         # this process supervises the cores, or (core_dirs given) another process does
         self.supervisors = supervisors_for(settings) if core_dirs is None else []
@@ -169,6 +171,11 @@ class Runtime:
             return "ok" if len(self.cores.serving) == len(self.cores) else "degraded"
         return "draining" if self.draining else "restarting"
 
+    @staticmethod
+    def health_code(state: str) -> int:
+        """/health's status code for a :attr:`state`: 200 only while some core serves."""
+        return 200 if state in ("ok", "degraded") else 503
+
     async def status(self) -> dict[str, Any]:
         replies = await self.cores.call_all("status", timeout=5)
         found = {c.index: r for c, r in replies if isinstance(r, dict)}
@@ -180,6 +187,8 @@ class Runtime:
             "status": self.state,
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
+            "front_ends": (self.front_ends.view() if self.front_ends is not None
+                           else {"workers": 1, "restarts": 0}),
             "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")}
             | health.rank_group_view(found.get(0)),
             "engine_cores": cores,
@@ -198,6 +207,15 @@ class Runtime:
     async def memory(self) -> dict[str, int]:
         replies = await self.cores.values_all("status")
         return health.merge_status([(c.index, r) for c, r in replies])["memory"]
+
+    def cut_streams(self) -> int:
+        """The shutdown grace is over: every generation and core call of this front end
+        ends now with ShuttingDown (a stream with an error event in its dialect, a request
+        still waiting with a 503), and the cores drop them. Returns how many were cut."""
+        err = p.WireError("ShuttingDown", "the server shut down before this request "
+                          "finished (server.shutdown_grace_s ran out); retry on another "
+                          "instance")
+        return sum(c.cut(err) for c in self.cores.clients)
 
     def check_serving(self) -> None:
         """Some core serves (a core that died fails only its own requests)."""
