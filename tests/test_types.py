@@ -61,8 +61,11 @@ def read_baseline() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(request: pytest.FixtureRequest) -> Path:
-    return request.config.cache.mkdir("mypy")
+def cache_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> Path:
+    """pytest's cache folder, kept between runs; a fresh one when that cache is off."""
+    cache = getattr(request.config, "cache", None)
+    return cache.mkdir("mypy") if cache is not None else tmp_path_factory.mktemp("mypy")
 
 
 @pytest.fixture(scope="module")
