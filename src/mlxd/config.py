@@ -1156,7 +1156,7 @@ def load_settings(
     """
     global _yaml_data
     explicit = config_file is not None
-    path = Path(config_file).expanduser() if explicit else default_config_path()
+    path = Path(config_file).expanduser() if config_file is not None else default_config_path()
     if explicit and not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     data = read_yaml(path) if path.is_file() else {}

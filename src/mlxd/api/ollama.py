@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
@@ -173,7 +173,8 @@ class PullBody(ModelBody):
     insecure: bool = False
 
 
-def _ndjson(events: AsyncIterator[dict], on_close=None) -> DisconnectAwareStream:
+def _ndjson(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None] | None = None
+            ) -> DisconnectAwareStream:
     async def lines() -> AsyncIterator[str]:
         async for e in events:
             yield json.dumps(e, separators=(",", ":")) + "\n"
@@ -220,7 +221,7 @@ def _with_images(content: str, images: list[str] | None, where: str,
 
 @router.post("/generate", responses=ok(
     OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")))
-async def generate(body: GenerateBody, request: Request):
+async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     params = body.sampling()
@@ -232,7 +233,8 @@ async def generate(body: GenerateBody, request: Request):
             raise InvalidRequest("a raw prompt cannot carry images", param="images")
         req = GenerateRequest(model=body.model, sampling=params, prompt=body.prompt)
     else:
-        msgs = ([{"role": "system", "content": body.system}] if body.system else [])
+        msgs: list[dict[str, Any]] = (
+            [{"role": "system", "content": body.system}] if body.system else [])
         msgs.append({"role": "user",
                      "content": _with_images(body.prompt, body.images, "images", images)})
         req = GenerateRequest(model=body.model, sampling=params, messages=msgs,
@@ -256,7 +258,7 @@ async def generate(body: GenerateBody, request: Request):
 
 @router.post("/chat", responses=ok(
     OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")))
-async def chat(body: ChatBody, request: Request):
+async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
     params = body.sampling()
     if not body.messages:
         return await _load_or_unload(request, body.model, body.keep_alive, "message")
@@ -292,7 +294,9 @@ async def chat(body: ChatBody, request: Request):
     return await _respond(request, gen, body.stream, part, last, "message")
 
 
-async def _respond(request: Request, gen: Generation, stream: bool, part, last, key: str):
+async def _respond(request: Request, gen: Generation, stream: bool,
+                   part: Callable[..., dict[str, Any]],
+                   last: Callable[[Usage, str | None], dict[str, Any]], key: str) -> Response:
     if stream:
         async def events() -> AsyncIterator[dict]:
             try:
@@ -348,12 +352,12 @@ def _param_size(manifest: dict, config: dict) -> str:
 
 
 @router.get("/version")
-async def version():
+async def version() -> dict[str, str]:
     return {"version": OLLAMA_COMPAT_VERSION, "mlxd_version": __version__}
 
 
 @router.get("/tags")
-async def tags(request: Request):
+async def tags(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     models = []
     for m in rt.models.installed():
@@ -368,7 +372,7 @@ async def tags(request: Request):
 
 
 @router.post("/show")
-async def show(body: ModelBody, request: Request):
+async def show(body: ModelBody, request: Request) -> dict[str, Any]:
     info = runtime(request).catalog_ops.describe(body.target)
     m, cfg = info["manifest"], info["config"]
     model_info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
@@ -390,7 +394,7 @@ async def show(body: ModelBody, request: Request):
 
 
 @router.post("/pull", responses={200: streamed(NDJSON, "progress objects (the default)")})
-async def pull(body: PullBody, request: Request):
+async def pull(body: PullBody, request: Request) -> Response | dict[str, Any]:
     rt = runtime(request)
     name = body.target
     if not body.stream:
@@ -432,13 +436,13 @@ async def pull(body: PullBody, request: Request):
 
 
 @router.delete("/delete")
-async def delete(body: ModelBody, request: Request):
+async def delete(body: ModelBody, request: Request) -> Response:
     await runtime(request).catalog_ops.delete(body.target)
     return JSONResponse({})
 
 
 @router.get("/ps")
-async def ps(request: Request):
+async def ps(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     out = []
     for lm in await rt.models.loaded():

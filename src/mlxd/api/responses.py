@@ -24,14 +24,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from mlxd.api.common import Collected, collect, submit_n
 from mlxd.api.docs import SSE, streamed
 from mlxd.api.owner import Principal, principal
-from mlxd.api.routing import ApiRoute
+from mlxd.api.routing import ApiRoute, RouteOptions
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
     apply_tools,
@@ -46,7 +46,8 @@ from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
 
 router = APIRouter(route_class=ApiRoute)
-ALIAS = {"include_in_schema": False}  # mlx-vlm's paths, without /v1 (see api/openai.py)
+# mlx-vlm's paths, without /v1 (see api/openai.py)
+ALIAS: RouteOptions = {"include_in_schema": False}
 
 
 class ResponseNotFound(MlxdError):
@@ -85,7 +86,8 @@ class ResponsesRequest(WireModel):
             if t.get("type") != "function":
                 raise InvalidRequest(f"tools[{i}]: only function tools are supported",
                                      param=f"tools[{i}]")
-            fn = t.get("function") if isinstance(t.get("function"), dict) else t
+            inner = t.get("function")
+            fn: dict[str, Any] = inner if isinstance(inner, dict) else t
             out.append(function_tool(fn.get("name"), fn.get("description"),
                                      fn.get("parameters"), param=f"tools[{i}]"))
         return out
@@ -323,7 +325,7 @@ class _Turn:
 @router.post("/v1/responses", responses={200: streamed(
     SSE, "response.created ... response.output_text.delta ... response.completed")})
 @router.post("/responses", **ALIAS)
-async def create_response(body: ResponsesRequest, request: Request):
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
     turn = _Turn(body, request)
     (gen,) = await submit_n(request, turn.req, 1)
     store = _store(request)
@@ -449,13 +451,13 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Princ
 
 @router.get("/v1/responses/{response_id}")
 @router.get("/responses/{response_id}", **ALIAS)
-async def get_response(response_id: str, request: Request):
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     obj, _ = _store(request).get(principal(request), response_id)
     return obj
 
 
 @router.delete("/v1/responses/{response_id}")
 @router.delete("/responses/{response_id}", **ALIAS)
-async def delete_response(response_id: str, request: Request):
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     _store(request).delete(principal(request), response_id)
     return {"id": response_id, "object": "response", "deleted": True}

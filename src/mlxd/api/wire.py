@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeIs
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
 # (engines/sampling.py), so every accepted seed is a valid PRNG key.
@@ -125,3 +126,8 @@ def _named(v: str) -> str:
 # A model field: "" or blanks are a 400, never silently the default model (an empty name in
 # /unload unloaded the default one); leaving the field out still means the default.
 ModelName = Annotated[str, AfterValidator(_named)]
+
+
+def is_token_ids(x: object) -> TypeIs[list[int]]:
+    """A list of token ids, which the OpenAI-shaped fields take in place of text."""
+    return isinstance(x, list) and all(isinstance(t, int) for t in x)

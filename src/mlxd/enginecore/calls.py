@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -221,7 +222,7 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
     engine.step = step
 
 
-METHODS = {
+METHODS: dict[str, Callable[..., Awaitable[Any]]] = {
     "touch": touch, "unload": unload, "loaded": loaded, "forget": forget, "status": status,
     "metrics": metrics_text, "embed": embed, "rerank": rerank, "tokenize": tokenize,
     "transcribe": transcribe, "speak": speak,

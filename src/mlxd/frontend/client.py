@@ -62,6 +62,8 @@ class CoreClient:
         self._enc = p.encoder()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket[bytes]
+        self._pull: zmq.asyncio.Socket
         self._pidfd: int | None = None  # the core's process, watched by the event loop
 
     async def start(self) -> None:

@@ -225,8 +225,8 @@ class ModelManager:
             self._loading.pop(name, None)
             if t.cancelled():
                 fut.set_exception(Unavailable(f"loading '{name}' was interrupted; retry"))
-            elif t.exception() is not None:
-                fut.set_exception(t.exception())
+            elif (exc := t.exception()) is not None:
+                fut.set_exception(exc)
             else:
                 fut.set_result(t.result())
                 return
