@@ -160,9 +160,6 @@ class AccessMiddleware:
             self.recent.add(fields, line, who.owner if who is not None else None)
 
 
-RequestIdMiddleware = AccessMiddleware  # the name this class had before it did more
-
-
 def install_middleware(app: Any, settings: Any) -> Lifecycle:
     """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
     from mlxd.api.origin import OriginMiddleware, allowed_origins

@@ -427,7 +427,7 @@ def main(run_dir: str, epoch: int) -> None:
     # group, and the front end's drain must not lose its core before it is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    # The device thread shares the GIL with the output thread and the event loop. At the
+    # The device thread shares the GIL with the heartbeat thread and the event loop. At the
     # default 5 ms switch interval a step that needs the GIL back can wait up to 5 ms per
     # hand-off (a decode step of a 0.5B model on an H200 is ~10 ms); at 0.5 ms the device
     # loop got 12% (C=16) and 25% (C=64) more tokens/s through the server in an A/B on the

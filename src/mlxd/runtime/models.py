@@ -158,12 +158,6 @@ class ModelManager:
     def installed(self) -> list[dict[str, Any]]:
         return self.catalog.installed()
 
-    def model_path(self, name: str) -> Path | None:
-        name = self.resolve(name)
-        if name in self._loaded:
-            return self._loaded[name].path
-        return self.catalog.path(name)
-
     # -- acquire / release ---------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: str | int | float | None = None
                       ) -> Lease:
@@ -420,26 +414,6 @@ class ModelManager:
         gone = [e for e in self._loaded.values() if not e.pinned and e.expires_at <= now]
         for e in gone:
             self._unload_entry(e, evicted=True, reason="idle")
-        return [e.name for e in gone]
-
-    async def unload_all(self) -> None:
-        for entry in list(self._loaded.values()):
-            self._unload_entry(entry)
-        if self.worker.alive:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(self.worker.call(lambda: None)), 30)
-            except Exception:  # noqa: BLE001 - shutting down
-                pass
-
-    def reset_after_worker_restart(self) -> list[str]:
-        """The device worker died: its engines died with it. Forget them all (requests that
-        still hold a lease release into nothing); the caller loads what it needs again."""
-        gone = list(self._loaded.values())
-        self._loaded.clear()
-        for entry in gone:
-            metrics.model_unloaded(entry.name, entry.kind, "worker_restart")
-            entry.engine = None
-        gc.collect()
         return [e.name for e in gone]
 
     def forget_store_entry(self, name: str) -> None:
