@@ -16,7 +16,7 @@ from mlxd.core.devices import DEVICE_ENV
 from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 from mlxd.enginecore import group
-from mlxd.engines.text import tokenizer_defaults
+from mlxd.text.processor import tokenizer_defaults
 
 
 def model_info(entry: Any) -> dict[str, Any]:

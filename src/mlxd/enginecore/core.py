@@ -49,10 +49,6 @@ SWITCH_INTERVAL_S = 0.0005  # the GIL hand-off bound (see main)
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1": the "fault" call exists (tests and failure drills)
 
 
-def core_address(run_dir: str | Path) -> str:
-    return f"ipc://{Path(run_dir) / 'core-in'}"
-
-
 @dataclass(eq=False)
 class _Live:
     """A request admitted into an engine: what its end must release."""
@@ -144,7 +140,7 @@ class EngineCore:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(core_address(self.run_dir))
+        sock.bind(p.core_address(self.run_dir))
         stop_beats = threading.Event()
         threading.Thread(target=self.outlet.run_heartbeat, args=(HEARTBEAT_S, stop_beats),
                          name="mlxd-core-heartbeat", daemon=True).start()
@@ -312,8 +308,8 @@ class EngineCore:
         """Decode and process a vision request's images (in a thread, off the loop)."""
         import numpy as np
 
+        from mlxd.core.images import decode_image
         from mlxd.engines.vlm import LoadedAudio, LoadedImage
-        from mlxd.runtime.images import decode_image
 
         v = m.vision
         if engine.kind != "vision":

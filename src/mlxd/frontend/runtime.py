@@ -240,7 +240,7 @@ class Runtime:
             return proc
         fut = self._loading.get(key)
         if fut is None:
-            from mlxd.engines.text import TextProcessor, load_tokenizer
+            from mlxd.text.processor import TextProcessor, load_tokenizer
 
             def load() -> Any:
                 tok = load_tokenizer(Path(info["path"]),

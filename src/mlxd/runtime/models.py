@@ -28,8 +28,8 @@ from mlxd.core.errors import (
     OutOfMemory,
     Unavailable,
 )
+from mlxd.core.keepalive import FOREVER, parse_keep_alive
 from mlxd.observability import metrics
-from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
 from mlxd.store.catalog import ModelCatalog
