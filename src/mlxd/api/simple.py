@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
+from mlxd import __version__
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.docs import SSE, GenerateResponse, Health, ok
 from mlxd.api.errors import error_payload
@@ -28,12 +29,14 @@ router = APIRouter(route_class=ApiRoute)
 async def health(request: Request):
     """The server's state. With API keys configured, a caller without a valid key (a load
     balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
-    memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
+    memory, load and the version are for key holders (api/security.py marks the request
+    ``anonymous``)."""
     rt = runtime(request)
     code = 200 if rt.healthy else 503
     if getattr(request.state, "anonymous", False):
         return JSONResponse({"status": rt.state}, status_code=code)
     status = await rt.status()
+    status["version"] = __version__
     return JSONResponse(status, status_code=code)
 
 
