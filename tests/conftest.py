@@ -58,6 +58,29 @@ def wait_healthy(url: str, proc, timeout: float, why) -> dict:
         time.sleep(0.2)
 
 
+def core_call(url: str, method: str, **args):
+    """A call to the engine core of the `mlxd serve` subprocess at ``url``, made as its
+    front ends make it (the core's run directory is its command-line argument); a fault
+    drill needs MLXD_TEST_FAULTS=1 in that server's environment."""
+    import asyncio
+
+    from mlxd.frontend.client import CoreClient
+
+    pid = httpx.get(url + "/health", timeout=10).json()["engine_core"]["pid"]
+    run_dir = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3].decode()
+
+    async def call():
+        c = CoreClient(run_dir)
+        await c.start()
+        try:
+            await c.wait_ready(30)
+            return await c.call(method, **args)
+        finally:
+            await c.close()
+
+    return asyncio.run(call())
+
+
 class LiveServer:
     """mlxd's real app under uvicorn in a background thread, reached over real HTTP."""
 

@@ -22,7 +22,7 @@ def test_defaults(tmp_path):
     assert s.server.host == "127.0.0.1" and s.server.port == 8000
     assert s.models.default == "smollm2-135m-instruct"
     assert s.models_dir == tmp_path / "home" / "models"
-    assert s.engine.max_num_seqs >= 16 and s.engine.max_queued_requests > 0
+    assert s.engine.max_num_seqs == "auto" and s.engine.max_queued_requests > 0
     assert s.log.level == "info" and s.log.format == "text"
 
 
@@ -80,6 +80,30 @@ def test_bad_env_is_a_clear_error(monkeypatch):
 def test_missing_explicit_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_settings(Path(tmp_path / "nope.yaml"))
+
+
+def test_max_num_seqs_auto_or_a_number_from_yaml_env_and_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine:\n  max_num_seqs: auto\n  auto_seq_context: 2048\nmodels:\n"
+                   "  options:\n    big:\n      max_num_seqs: 12\n"
+                   "    small:\n      max_num_seqs: auto\n")
+    s = load_settings(cfg)
+    assert (s.engine.max_num_seqs, s.engine.auto_seq_context) == ("auto", 2048)
+    assert s.models.options["big"].max_num_seqs == 12
+    assert s.models.options["small"].max_num_seqs == "auto"
+    assert s.models.options.get("other") is None
+    monkeypatch.setenv("MLXD_ENGINE__MAX_NUM_SEQS", "64")
+    assert load_settings(cfg).engine.max_num_seqs == 64
+    monkeypatch.setenv("MLXD_ENGINE__MAX_NUM_SEQS", "auto")
+    assert load_settings().engine.max_num_seqs == "auto"
+    assert load_settings(None, {"engine": {"max_num_seqs": "48"}}).engine.max_num_seqs == 48
+    for bad in ("lots", "0", "-3", "2.5"):
+        monkeypatch.setenv("MLXD_ENGINE__MAX_NUM_SEQS", bad)
+        with pytest.raises(ConfigError, match=r"engine\.max_num_seqs.*'auto' or an integer"):
+            load_settings()
+    cfg.write_text("models:\n  options:\n    big:\n      max_num_seqs: 0\n")
+    with pytest.raises(ConfigError, match=r"models\.options\.big\.max_num_seqs"):
+        load_settings(cfg)
 
 
 def test_flat_preload_env(monkeypatch):

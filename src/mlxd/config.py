@@ -57,6 +57,17 @@ def _kv_bits_value(v: Any) -> Any:
     return v
 
 
+def _max_num_seqs_value(v: Any) -> Any:
+    """'auto', or a batch of at least one sequence (a number as YAML, env or a flag gave it)."""
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("must be 'auto' or an integer >= 1")
+    return v
+
+
 def _yaml_off(v: Any) -> Any:
     """YAML 1.1 reads a bare ``off`` (or ``no``, ``false``) as the boolean false; for a key
     whose values include 'off', that is what the user meant."""
@@ -107,7 +118,8 @@ class ServerSettings(_Section):
         ge=0,
         description=(
             "On SIGTERM (mlxd stop, systemd, launchd): stop admitting new requests (503) and "
-            "wait up to this long for the ones in flight before cancelling them."
+            "wait up to this long for the ones in flight, then end them with an error "
+            "(a stream gets an error event in its dialect)."
         ),
     )
     api_workers: int = Field(
@@ -213,6 +225,10 @@ class ModelOptions(_Section):
     kv_group_size: Literal[32, 64, 128] | None = Field(None, description="KV quantization group.")
     max_kv_size: int | None = Field(None, ge=16, description="Bound the KV cache (tokens).")
     prefill_step_size: int | None = Field(None, ge=16, description="Prefill chunk size.")
+    max_num_seqs: int | Literal["auto"] | None = Field(
+        None, description="Batch size of this model: an int >= 1 or 'auto' (engine.max_num_seqs).")
+
+    _max_num_seqs = field_validator("max_num_seqs", mode="before")(_max_num_seqs_value)
 
     @field_validator("kv_bits")
     @classmethod
@@ -319,7 +335,7 @@ class ModelSettings(_Section):
         default_factory=dict,
         description=(
             "Per-model overrides by model name: adapter_path, kv_bits, kv_quant_scheme, "
-            "kv_group_size, max_kv_size, prefill_step_size."
+            "kv_group_size, max_kv_size, prefill_step_size, max_num_seqs."
         ),
         examples=[{"qwen2-vl-2b": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
                    "qwen2.5-7b-instruct": {"max_kv_size": 8192}}],
@@ -406,8 +422,31 @@ class EngineSettings(_Section):
         ),
     )
     distributed: DistributedSettings = Field(default_factory=DistributedSettings)
-    max_num_seqs: int = Field(
-        32, ge=1, description="Sequences decoded together in one batch (per model)."
+    max_num_seqs: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Sequences decoded together in one batch, per model (an int >= 1), or 'auto': "
+            "sized per model at load, (memory budget - weights - prefix_cache_bytes) less "
+            "10% for activations, over the KV cache of one auto_seq_context-token sequence "
+            "(layers x KV heads x head dim x 2 x dtype bytes, within max_kv_size and "
+            "sliding windows), clamped to 8..256 on a GPU and 8..32 on the CPU (compute, "
+            "not memory, bounds a CPU batch: 2 cores gave 61.7 tok/s at 16 clients, 68.8 "
+            "at 32). E.g. the Qwen2.5-0.5B shape (bfloat16, 12 KiB a token) on an H200 "
+            "(budget 75% of 141 GB: 98.5 GiB) fits 1,853 sequences: 256. /health shows "
+            "each model's value and why; models.options.<name>.max_num_seqs sets one "
+            "model's."
+        ),
+    )
+    auto_seq_context: int = Field(
+        4096,
+        ge=16,
+        description=(
+            "Tokens (prompt + reply) each sequence must be able to hold when max_num_seqs "
+            "is 'auto' (the model's context if shorter). 4096 covers chat turns and an "
+            "agent's system prompt with room to answer; sizing every slot for a 32k-128k "
+            "context would give few slots for rare long requests. Longer sequences still "
+            "run: KV caches grow as they need, and the memory budget sheds load past it."
+        ),
     )
     prefill_batch_size: int = Field(8, ge=1, description="Prompts prefilled together.")
     prefill_step_size: int = Field(
@@ -551,6 +590,7 @@ class EngineSettings(_Section):
         return _kv_bits_value(v)
 
     _speculative_off = field_validator("speculative", mode="before")(_yaml_off)
+    _max_num_seqs = field_validator("max_num_seqs", mode="before")(_max_num_seqs_value)
 
     @field_validator("devices")
     @classmethod

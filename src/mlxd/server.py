@@ -4,91 +4,31 @@ Process duties besides serving:
 
 * a pid file per port (``$MLXD_HOME/run/mlxd-<port>.pid``, see process.py), written at
   start and removed at exit; a second server on the same port is refused;
-* a graceful drain on SIGTERM/SIGINT: stop admitting (every new request gets 503 while the
-  listening socket stays open, ``/health`` says "draining"), wait up to
-  ``server.shutdown_grace_s`` for the requests in flight, then cancel what is left and
-  exit. A second signal skips the rest of the wait;
+* a graceful drain on SIGTERM/SIGINT (drain.py), in every front end: stop admitting
+  (every new request gets 503 while the listening socket stays open, ``/health`` says
+  "draining"), wait up to ``server.shutdown_grace_s`` for the requests in flight, then end
+  what is left with an error in its dialect and exit. A second signal skips the rest of
+  the wait;
 * the metrics port (``metrics.port``), when set.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
-import socket
 import tempfile
-import time
-from collections.abc import Callable
-from typing import Any
 
 import uvicorn
 
 from mlxd.config import ConfigError, Settings
+from mlxd.drain import DrainingServer
 from mlxd.frontend import tokenizer_side
 from mlxd.observability.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
 LOG_FILE_ENV = "MLXD_LOG_FILE"  # set by `mlxd start` for the child: recorded in the pid file
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn's Server with a drain phase before its own shutdown."""
-
-    def __init__(self, config: uvicorn.Config, app: Any, grace: float,
-                 on_exit: Callable[[], None] | None = None) -> None:
-        super().__init__(config)
-        self.app = app
-        self.grace = grace
-        self.on_exit = on_exit
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_started = False
-        self._drain_task: asyncio.Task | None = None
-
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        with self.capture_signals():
-            try:
-                await self._serve(sockets)
-            finally:
-                # before capture_signals re-raises the signal (which ends the process)
-                if self.on_exit is not None:
-                    self.on_exit()
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if (not self._drain_started and self.started and not self.should_exit
-                and self._loop is not None and self.grace > 0):
-            self._drain_started = True
-            self._loop.call_soon_threadsafe(self._begin_drain, sig)
-            return
-        super().handle_exit(sig, frame)  # a second signal, or not serving yet: uvicorn's way
-
-    def _begin_drain(self, sig: int) -> None:
-        self._drain_task = asyncio.get_running_loop().create_task(self.drain(sig))
-
-    async def drain(self, sig: int | None = None) -> None:
-        state = self.app.state
-        lifecycle, runtime = state.lifecycle, state.runtime
-        lifecycle.draining = True
-        runtime.draining = True
-        log.info("shutting down: new requests get 503; waiting up to %.0fs for %d in flight",
-                 self.grace, lifecycle.inflight)
-        deadline = time.monotonic() + self.grace
-        while lifecycle.inflight > 0 and time.monotonic() < deadline and not self.should_exit:
-            await asyncio.sleep(0.05)
-        if lifecycle.inflight > 0:
-            log.warning("grace period (server.shutdown_grace_s=%.0f) over: cancelling %d "
-                        "request(s)", self.grace, lifecycle.inflight)
-        else:
-            log.info("all requests finished")
-        if self.should_exit:  # a second signal already ended the wait
-            return
-        if sig is not None:
-            super().handle_exit(sig, None)  # uvicorn re-raises it at exit: status says so
-        else:
-            self.should_exit = True
 
 
 def run(settings: Settings) -> int:
@@ -158,12 +98,11 @@ def run(settings: Settings) -> int:
 
 def _run_workers(settings: Settings, host: str, port: int) -> int:
     """``--api-workers N``: the engine cores (one per device), N front-end processes on one
-    listening socket (uvicorn's process manager), each connected to every core; each front
-    end drains on SIGTERM as uvicorn does."""
-    from uvicorn.supervisors import Multiprocess
-
+    listening socket (frontend/workers.py), each connected to every core; on SIGTERM they
+    drain together, each as a single front end does."""
     from mlxd.enginecore.supervisor import supervisors_for
     from mlxd.frontend.runtime import CORE_DIR_ENV
+    from mlxd.frontend.workers import FrontEnds
     from mlxd.observability.metrics import MULTIPROC_ENV
 
     if settings.metrics.enabled and settings.metrics.port:
@@ -178,19 +117,22 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
     # scrape with the sum over all (observability/metrics.py); empty at every start
     metrics_dir = tempfile.mkdtemp(prefix="mlxd-metrics-")
     os.environ[MULTIPROC_ENV] = metrics_dir
+    sock = None
     try:
         config = uvicorn.Config(
             "mlxd.frontend.workers:app_factory", factory=True, host=host, port=port,
             workers=settings.server.api_workers, log_config=None,
             log_level=settings.log.level, access_log=False,
-            timeout_graceful_shutdown=int(settings.server.shutdown_grace_s) or None,
+            timeout_graceful_shutdown=2,  # after each front end's own drain (drain.py)
         )
         sock = config.bind_socket()
         log.info("mlxd starting on http://%s:%d with %d front ends (pid %d)", host, port,
                  settings.server.api_workers, os.getpid())
-        Multiprocess(config, sockets=[sock]).run()
+        FrontEnds(config, [sock], settings.server.shutdown_grace_s).run()
         return 0
     finally:
+        if sock is not None:
+            sock.close()  # refused from now on, rather than queued while the cores stop
         for sup in supervisors:
             sup.stop()
         os.environ.pop(MULTIPROC_ENV, None)

@@ -58,6 +58,8 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
             assert time.time() < deadline
             time.sleep(0.2)
         assert {m["name"] for m in r.json()["models"]} == {"tiny-llama", "tiny-qwen2"}
+        assert {(m["max_num_seqs"], m["max_num_seqs_reason"]) for m in r.json()["models"]} \
+            == {(4, "engine.max_num_seqs: 4")}
         assert [c["device"] for c in r.json()["engine_cores"]] == ["cpu:0"]
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
@@ -181,6 +183,30 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
     assert core_pid is None or not _alive(core_pid)
     # the front ends' shared metric files go with the server
     assert set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*")) <= metric_dirs
+
+
+def test_max_num_seqs_flag_takes_auto_or_a_number(tmp_path, tiny_llama):
+    """``--max-num-seqs auto`` sizes the model's batch at load (the log line and /health say
+    how); a value that is neither is a configuration error naming the key."""
+    bad = _mlxd("serve", "--model", str(tiny_llama), "--max-num-seqs", "many",
+                env=_env(tmp_path))
+    out, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "'engine.max_num_seqs'" in out, out
+    assert "'auto' or an integer >= 1" in out and "Traceback" not in out
+    port = free_port()
+    env = _env(tmp_path)
+    env["MLXD_ENGINE__MAX_NUM_SEQS"] = "4"  # the flag wins over the environment
+    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--max-num-seqs",
+              "auto", env=env)
+    try:
+        health = _wait_healthy(f"http://127.0.0.1:{port}", p)
+        model = health["models"][0]
+        assert model["max_num_seqs_reason"].startswith("auto: ")
+        assert model["max_num_seqs"] == 32  # the CPU cap: a tiny model fits far more
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    assert "model tiny-llama: max_num_seqs 32 (auto: " in out
 
 
 def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
-from conftest import free_port
+from conftest import core_call, free_port
 
 
 def _env(tmp_path: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
-    env.update(MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
+    env.update(MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", MLXD_TEST_FAULTS="1")
     return env
 
 
@@ -64,10 +64,9 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
         assert m.status_code == 403 and "mlxd:" not in m.text
 
         # Drain: a request in flight when SIGTERM arrives completes; a new one gets 503.
-        # It must outlast `mlxd stop`'s start-up: size it from this machine's speed (~3s).
-        t0 = time.perf_counter()
-        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 50}, timeout=60)
-        n_tokens = int(min(max(3.0 * 50 / (time.perf_counter() - t0), 200), 4000))
+        # It must outlast `mlxd stop`'s start-up: 0.03 s a step, 300 tokens (9 s and more)
+        core_call(url, "fault", kind="slow_steps", model="long-llama", seconds=0.03)
+        n_tokens = 300
         got: dict = {"lines": []}
         first = threading.Event()
 

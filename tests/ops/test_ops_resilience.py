@@ -241,3 +241,36 @@ def test_a_client_leaving_during_a_shared_load_does_not_cancel_it(start_server, 
     t.join(60)
     assert out["r"].status_code == 200, out["r"].text
     assert srv.health()["model_loads"].get("big") == 1
+
+
+def test_health_code_and_status_agree_while_the_core_dies_and_returns(start_server, tiny_llama):
+    """/health polled without pause while the engine core is killed and restarted: every
+    answer is 200 with ok/degraded or 503 with another status, never a mix."""
+    import os
+    import signal
+
+    srv = start_server(tiny_llama)
+    pid = srv.core_pid
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                r = c.get(srv.url + "/health")
+                answers.append((r.status_code, r.json()["status"]))
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        assert _wait(lambda: len(answers) > 5, 30)
+        os.kill(pid, signal.SIGKILL)
+        assert _wait(lambda: any(code == 503 for code, _ in answers), 30)
+        assert _wait(lambda: srv.health()["engine_core"]["pid"] not in (None, pid)
+                     and answers[-1] == (200, "ok"), 60)
+    finally:
+        stop.set()
+        t.join(60)
+    mixed = [a for a in answers if (a[0] == 200) != (a[1] in ("ok", "degraded"))]
+    assert not mixed, mixed
+    assert {a[1] for a in answers if a[0] == 503} == {"restarting"}

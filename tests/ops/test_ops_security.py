@@ -184,6 +184,51 @@ def test_body_limit_is_413_in_the_callers_dialect(secured):
         assert "max_body_bytes" in r.json()["error"]["message"]
 
 
+def _chunked(prefix: bytes, size: int, suffix: bytes):
+    """A body sent without Content-Length (chunked), ``size`` filler bytes long."""
+    def chunks():
+        yield prefix
+        for _ in range(size // 1000):
+            yield b"y" * 1000
+        yield suffix
+    return chunks()
+
+
+def test_a_chunked_body_over_the_limit_is_the_same_413_in_every_dialect(start_server,
+                                                                         tiny_llama):
+    """Counted as it arrives, a body without Content-Length gets the very answer a declared
+    one does: 413, code request_too_large, the setting that limits it named."""
+    srv = start_server(tiny_llama, security={"max_body_bytes": 4096},
+                       audio={"max_upload_bytes": 1024})
+    with srv.client() as c:
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate"):
+            r = c.post(path, content=_chunked(b'{"prompt": "', 10_000, b'"}'))
+            assert r.status_code == 413, (path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "request_too_large", (path, err)
+            assert "security.max_body_bytes" in err["message"]
+        for path in ("/api/chat", "/api/generate"):
+            r = c.post(path, content=_chunked(b'{"prompt": "', 10_000, b'"}'))
+            assert r.status_code == 413 and set(r.json()) == {"error"}, (path, r.text)
+            assert "security.max_body_bytes" in r.json()["error"]
+        r = c.post("/v1/messages", content=_chunked(b'{"system": "', 10_000, b'"}'))
+        assert r.status_code == 413 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "request_too_large"
+        # an upload's limit is audio.max_upload_bytes plus room for the form around it
+        boundary = b"mlxdboundary"
+        head = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
+                b'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n')
+        r = c.post("/v1/audio/transcriptions",
+                   headers={"content-type": "multipart/form-data; boundary=mlxdboundary"},
+                   content=_chunked(head, 400_000, b"\r\n--" + boundary + b"--\r\n"))
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "audio.max_upload_bytes" in err["message"]
+        # the same server still serves a body within the limit
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
 def test_max_tokens_and_max_inputs_limits_are_400(secured):
     msgs = [{"role": "user", "content": "hi"}]
     with secured.client(headers=_auth(ALICE)) as c:

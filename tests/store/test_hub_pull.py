@@ -82,6 +82,20 @@ def test_missing_repo_is_one_clear_line(tmp_path, hub):
         "(a private one needs HF_TOKEN)")
 
 
+def test_an_unreachable_hub_is_one_clear_line(tmp_path):
+    """HF_HUB_OFFLINE unset, HF_ENDPOINT at a port where nothing listens."""
+    from conftest import free_port
+
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"),
+               HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"))
+    env.pop("HF_HUB_OFFLINE", None)
+    p = _mlxd(env, "pull", "acme/anything")
+    assert p.returncode == 1
+    assert p.stderr.splitlines()[-1].startswith(
+        "mlxd: could not pull 'acme/anything': hf:acme/anything: hub unreachable: ConnectError")
+    assert _listed(env) == []
+
+
 def test_corrupt_download_is_rejected_and_leaves_nothing(tmp_path, hub, tiny):
     # the hub lists one sha256 and serves other bytes
     files = {f.name: f.read_bytes() for f in tiny.iterdir()}

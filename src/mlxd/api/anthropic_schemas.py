@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from mlxd.api.tooling import check_call, function_tool, tool_names
-from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
+from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
 
@@ -31,7 +31,7 @@ class AnthropicTool(_Req):
 
 
 class MessagesBase(_Req):
-    model: str = "default"
+    model: ModelName = "default"
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None

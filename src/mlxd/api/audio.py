@@ -32,6 +32,7 @@ from mlxd.api.docs import SSE, ok
 from mlxd.api.errors import error_payload
 from mlxd.api.routing import ApiRoute, UploadRoute
 from mlxd.api.streaming import DisconnectAwareStream, sse, sse_response, until_disconnect
+from mlxd.api.wire import ModelName
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.frontend.audio import MEDIA_TYPES
 from mlxd.frontend.speech import Transcript
@@ -110,7 +111,7 @@ Granularities = Annotated[list[str] | None, Form(alias="timestamp_granularities[
 async def transcriptions(
     request: Request,
     file: Annotated[UploadFile, File(description="The audio (wav, mp3, flac, ogg, m4a, webm...)")],
-    model: Annotated[str | None, Form()] = None,
+    model: Annotated[ModelName | None, Form()] = None,
     language: Annotated[str | None, Form()] = None,
     prompt: Annotated[str | None, Form()] = None,
     response_format: Annotated[TranscriptFormat, Form()] = "json",
@@ -129,7 +130,7 @@ async def transcriptions(
 async def translations(
     request: Request,
     file: Annotated[UploadFile, File(description="The audio (wav, mp3, flac, ogg, m4a, webm...)")],
-    model: Annotated[str | None, Form()] = None,
+    model: Annotated[ModelName | None, Form()] = None,
     prompt: Annotated[str | None, Form()] = None,
     response_format: Annotated[TranscriptFormat, Form()] = "json",
     temperature: Annotated[float, Form()] = 0.0,

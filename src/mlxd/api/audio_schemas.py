@@ -7,14 +7,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from mlxd.api.wire import KeepAlive, WireModel
+from mlxd.api.wire import KeepAlive, ModelName, WireModel
 
 TranscriptFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
 class SpeechBody(WireModel):
-    model: str | None = Field(None, description="A text-to-speech model; 'tts-1', 'tts-1-hd' "
+    model: ModelName | None = Field(None, description="A text-to-speech model; 'tts-1', 'tts-1-hd' "
                               "or none: audio.default_tts.")
     input: str = Field(description="The text to speak (at most audio.max_speech_chars).")
     voice: str | None = Field(None, description="A voice of the model (passed to it; models "

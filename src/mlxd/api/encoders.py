@@ -27,7 +27,7 @@ from mlxd.api.docs import EmbeddingList, RerankResponse, TokenizeResponse, ok
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
-from mlxd.api.wire import KeepAlive, WireModel
+from mlxd.api.wire import KeepAlive, ModelName, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
@@ -47,8 +47,11 @@ def f32_base64(v: np.ndarray) -> str:
 
 
 class EmbeddingsBody(_Req):
+    # the openai client sends encoding_format: null when its caller passes None
+    NULL_IS_DEFAULT = frozenset({"encoding_format"})
+
     input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
+    model: ModelName | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
@@ -85,7 +88,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
 
 
 class RerankBody(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     query: str
     documents: list[str | dict[str, Any]]
     top_n: int | None = Field(None, ge=1)
@@ -173,7 +176,7 @@ async def rerank_v2(request: Request, body: RerankBody):
 
 
 class TokenizeBody(_Req):
-    model: str | None = None
+    model: ModelName | None = None
     input: str | list[str] | None = None
     prompt: str | list[str] | None = Field(None, description="Alias of input (vLLM's name).")
     messages: list[ChatMessage] | None = None

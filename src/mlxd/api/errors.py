@@ -118,7 +118,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return ollama_error(exc.status_code, detail, getattr(exc, "headers", None))
         if is_anthropic(request):
             return anthropic_error(exc.status_code, detail, getattr(exc, "headers", None))
-        return openai_error(exc.status_code, detail, type_, None, None,
+        # an HTTPException of ours may name its code (api/security.py's 413)
+        return openai_error(exc.status_code, detail, type_, None, getattr(exc, "code", None),
                             getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

@@ -12,6 +12,7 @@ Order, outermost first (:func:`install_middleware`):
    set, on the same list; outside the key check so that preflights pass and refusals carry
    CORS headers.
 4. :class:`mlxd.api.security.SecurityMiddleware`: API keys, rate limits, body limit.
+5. :class:`MethodMiddleware`: HEAD for every GET route, ``Allow`` on every 405.
 """
 
 from __future__ import annotations
@@ -160,6 +161,71 @@ class AccessMiddleware:
             self.recent.add(fields, line, who.owner if who is not None else None)
 
 
+def allowed_methods(router: Any, scope: Scope) -> set[str]:
+    """Every method the routes at ``scope``'s path take (HEAD wherever GET is)."""
+    out: set[str] = set()
+    for r in iter_routes(getattr(router, "routes", ())):
+        methods = getattr(r, "methods", None)
+        if not methods:
+            continue
+        try:
+            match, _ = r.matches(scope)
+        except Exception:  # noqa: BLE001 - a route that cannot judge this scope
+            continue
+        if match != Match.NONE:
+            out |= set(methods)
+    if "GET" in out:
+        out.add("HEAD")
+    return out
+
+
+class MethodMiddleware:
+    """HEAD on every GET route, and an ``Allow`` header on every 405 (RFC 9110 9.3.2 and
+    15.5.6). FastAPI's routes take no HEAD of their own, and Starlette's 405 names only the
+    first route whose path matched (``POST /v1/responses/x``: GET, not DELETE).
+
+    A HEAD that no route takes runs as the GET, and its body is dropped: status and headers,
+    Content-Length included, are the GET's. The 405's body is the app's own, in the dialect.
+    """
+
+    def __init__(self, app: ASGIApp, router: Any) -> None:
+        self.app = app
+        self.router = router
+
+    def _takes(self, scope: Scope) -> bool:
+        for r in iter_routes(getattr(self.router, "routes", ())):
+            try:
+                if r.matches(scope)[0] == Match.FULL:
+                    return True
+            except Exception:  # noqa: BLE001 - a route that cannot judge this scope
+                continue
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = scope["method"] == "HEAD" and not self._takes(scope) and \
+            "GET" in allowed_methods(self.router, scope)
+        ended = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal ended
+            if message["type"] == "http.response.start":
+                if message["status"] == 405:
+                    allow = ", ".join(sorted(allowed_methods(self.router, scope)))
+                    MutableHeaders(scope=message)["Allow"] = allow
+            elif head and message["type"] == "http.response.body":
+                if ended or message.get("more_body", False):
+                    return  # the GET's body: a HEAD answer has none
+                ended = True
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        # a copy: the server keeps its own scope, whose method (HEAD) tells it to send no body
+        await self.app(dict(scope, method="GET") if head else scope, receive, send_wrapper)
+
+
 def install_middleware(app: Any, settings: Any) -> Lifecycle:
     """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
     from mlxd.api.origin import OriginMiddleware, allowed_origins
@@ -168,6 +234,7 @@ def install_middleware(app: Any, settings: Any) -> Lifecycle:
 
     lifecycle = Lifecycle()
     app.state.lifecycle = lifecycle
+    app.add_middleware(MethodMiddleware, router=app.router)  # innermost: next to the routes
     keys = KeyRing(settings)  # now, so that a missing key file fails the start
     SecurityMiddleware.warn_if_open(settings, keys)
     # now too: a Redis store without its client fails the start; closed in the lifespan

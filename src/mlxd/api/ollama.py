@@ -32,6 +32,7 @@ from mlxd.api.tooling import (
 from mlxd.api.wire import (
     KeepAlive,
     MinP,
+    ModelName,
     Penalty,
     RepetitionPenalty,
     Seed,
@@ -80,7 +81,7 @@ class Options(_Body):
 
 
 class _GenBase(_Body):
-    model: str = Field(min_length=1)
+    model: ModelName
     stream: bool = True
     options: Options | None = None
     format: Any = None
@@ -159,8 +160,8 @@ class ModelBody(_Body):
 
     @property
     def target(self) -> str:
-        name = self.model or self.name
-        if not name:
+        name = self.model or self.name  # older clients send only "name"
+        if not name or not name.strip():
             raise InvalidRequest("model is required", param="model")
         return name
 
@@ -396,9 +397,23 @@ async def pull(body: PullBody, request: Request):
     queue: asyncio.Queue = asyncio.Queue()
     task = asyncio.ensure_future(rt.catalog_ops.pull(name, progress=queue.put_nowait))
     task.add_done_callback(lambda _: queue.put_nowait(None))
+    # The stream starts at the pull's second event: a pull that fails before it (a bad
+    # name, a missing repository, a hub switched off or out of reach) answers with its
+    # error's status; later failures are the stream's last line, as in Ollama.
+    held: list[dict] = []
+    ended = False
+    while len(held) < 2 and not ended:
+        item = await queue.get()
+        ended = item is None
+        if item is not None:
+            held.append(item)
+    if ended and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
 
     async def events() -> AsyncIterator[dict]:
-        while True:
+        for item in held:
+            yield item
+        while not ended:
             item = await queue.get()
             if item is None:
                 break

@@ -18,7 +18,7 @@ from mlxd.api.common import runtime
 from mlxd.api.docs import OllamaEmbed, ok
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import until_disconnect
-from mlxd.api.wire import KeepAlive, WireModel
+from mlxd.api.wire import KeepAlive, ModelName, WireModel
 from mlxd.core.types import EmbedRequest
 
 router = APIRouter(prefix="/api", route_class=ApiRoute)
@@ -29,7 +29,7 @@ class _Body(WireModel):
 
 
 class EmbedBody(_Body):
-    model: str | None = None
+    model: ModelName | None = None
     input: str | list[str] | None = None
     truncate: bool = True
     keep_alive: KeepAlive = None
@@ -38,7 +38,7 @@ class EmbedBody(_Body):
 
 
 class EmbeddingsBody(_Body):
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str = ""
     keep_alive: KeepAlive = None
     options: dict[str, Any] | None = None

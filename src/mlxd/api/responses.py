@@ -40,7 +40,7 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
-from mlxd.api.wire import KeepAlive, MaxTokens, Temperature, TopP, WireModel
+from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
@@ -56,7 +56,9 @@ class ResponseNotFound(MlxdError):
 
 
 class ResponsesRequest(WireModel):
-    model: str = "default"
+    NULL_IS_DEFAULT = frozenset({"stream", "store"})  # nullable in OpenAI's reference
+
+    model: ModelName = "default"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None

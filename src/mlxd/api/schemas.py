@@ -13,6 +13,7 @@ from mlxd.api.wire import (
     LogitBias,
     MaxTokens,
     MinP,
+    ModelName,
     Penalty,
     RepetitionPenalty,
     Seed,
@@ -36,7 +37,10 @@ class StreamOptions(_Req):
 
 
 class SamplingFields(_Req):
-    model: str = "default"
+    # OpenAI documents these nullable (null: the default); the rest default to None anyway
+    NULL_IS_DEFAULT = frozenset({"n", "stream"})
+
+    model: ModelName = "default"
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -149,6 +153,8 @@ class ChatMessage(WireModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"logprobs"}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
@@ -228,6 +234,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    NULL_IS_DEFAULT = SamplingFields.NULL_IS_DEFAULT | {"echo"}
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -264,7 +272,7 @@ class GenerateBody(_Req):
     """The simple dialect: prompt in, text out."""
 
     prompt: str = Field(min_length=1)
-    model: str = "default"
+    model: ModelName = "default"
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 0.7
     top_p: TopP = 1.0

@@ -210,10 +210,13 @@ class _BodyTooLarge(HTTPException):
     """Raised from ``receive`` while a handler reads a body without Content-Length.
 
     An HTTPException because FastAPI turns any other error raised while it reads a body
-    into a 400; this one it re-raises, and the app's handler renders it in the dialect."""
+    into a 400; this one it re-raises, and the app's handler renders it in the dialect,
+    with ``code`` (the same one a refused Content-Length gets)."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _too_large_message(limit))
+    code = "request_too_large"
+
+    def __init__(self, limit: int, upload: bool = False) -> None:
+        super().__init__(413, _too_large_message(limit, upload))
 
 
 # Routes that take file uploads (multipart): their body limit is audio.max_upload_bytes.
@@ -355,7 +358,7 @@ class SecurityMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > max_body:
-                    raise _BodyTooLarge(max_body)
+                    raise _BodyTooLarge(max_body, path in UPLOAD_PATHS)
             return message
 
         started = False

@@ -16,7 +16,7 @@ from mlxd.api.errors import error_payload
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import GenerateBody
 from mlxd.api.streaming import sse, sse_response, until_disconnect
-from mlxd.api.wire import WireModel
+from mlxd.api.wire import ModelName, WireModel
 from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.types import GenerateRequest
 from mlxd.frontend.generation import Generation
@@ -32,12 +32,13 @@ async def health(request: Request):
     memory, load and the version are for key holders (api/security.py marks the request
     ``anonymous``)."""
     rt = runtime(request)
-    code = 200 if rt.healthy else 503
+    # the code comes from the same snapshot as the status word (a core may die meanwhile)
     if getattr(request.state, "anonymous", False):
-        return JSONResponse({"status": rt.state}, status_code=code)
+        state = rt.state
+        return JSONResponse({"status": state}, status_code=rt.health_code(state))
     status = await rt.status()
     status["version"] = __version__
-    return JSONResponse(status, status_code=code)
+    return JSONResponse(status, status_code=rt.health_code(status["status"]))
 
 
 async def _has_chat_template(request: Request, model: str) -> bool:
@@ -87,7 +88,7 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
 
 class UnloadBody(WireModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: ModelName | None = None
 
 
 @router.post("/unload")

@@ -20,9 +20,16 @@ engine failure that takes the batch's other sequences down with it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
@@ -40,6 +47,19 @@ class WireModel(BaseModel):
     (as OpenAI-compatible servers do, for forward compatibility)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    # Fields whose JSON ``null`` means "the default", as the dialect documents them
+    # nullable (OpenAI's ``"n": null``); the official clients send nulls for unset values.
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if cls.NULL_IS_DEFAULT and isinstance(data, dict) and any(
+                data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if v is not None or k not in
+                    cls.NULL_IS_DEFAULT}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -87,3 +107,16 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as O
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
+
+
+def _named(v: str) -> str:
+    if not v.strip():
+        raise PydanticCustomError(
+            "model_name_blank", "a model name must not be empty or blank (leave the field out "
+            "for the server's default model)")
+    return v
+
+
+# A model field: "" or blanks are a 400, never silently the default model (an empty name in
+# /unload unloaded the default one); leaving the field out still means the default.
+ModelName = Annotated[str, AfterValidator(_named)]

@@ -30,7 +30,9 @@ def serve(
     preload: Annotated[
         Optional[list[str]], typer.Option(help="Also load this model at start (repeatable).")
     ] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option(help="Batch size per model.")] = None,
+    max_num_seqs: Annotated[Optional[str], typer.Option(
+        help="Batch size per model: a number, or auto (sized from the memory budget).",
+    )] = None,
     prefill_step_size: Annotated[Optional[int], typer.Option()] = None,
     max_queued_requests: Annotated[Optional[int], typer.Option()] = None,
     dtype: Annotated[

@@ -59,6 +59,35 @@ class Unavailable(MlxdError):
     type = "server_error"
 
 
+class ModelUnusable(InvalidRequest):
+    """The name exists where it points (a hub repository), but holds no model this server
+    can serve (no config.json, no safetensors weights)."""
+
+    code = "model_unusable"
+
+
+class UpstreamUnavailable(MlxdError):
+    """A source this server fetches from (the model hub, a package index) could not be
+    reached or answered wrongly: a bad gateway, neither the caller's fault nor this
+    server's."""
+
+    status = 502
+    code = "upstream_unavailable"
+    type = "server_error"
+
+
+class UpstreamTimeout(UpstreamUnavailable):
+    status = 504
+    code = "upstream_timeout"
+
+
+class HubOffline(Unavailable):
+    """This server is set not to reach the hub (``HF_HUB_OFFLINE``): what is not on this
+    machine cannot be fetched."""
+
+    code = "hub_offline"
+
+
 class NotInstalled(MlxdError):
     """The request is fine, but this server lacks the optional part that serves it (an
     extra such as ``mlxd[audio]``): the operator's to fix, not the caller's."""

@@ -48,6 +48,9 @@ def loaded_view(entry: Any) -> dict[str, Any]:
         "max_batch_size_seen": engine.max_batch_seen,
         "context_length": engine.context_length,
     }
+    if entry.max_num_seqs is not None:  # chat and vision models (runtime/slots.py)
+        view["max_num_seqs"] = entry.max_num_seqs
+        view["max_num_seqs_reason"] = entry.max_num_seqs_reason
     view.update(engine.stats())
     view["cache_memory_bytes"] = engine.memory_bytes()
     adapter = getattr(engine, "adapter_path", None)

@@ -131,8 +131,9 @@ class EngineCore:
 
     @property
     def admission_limit(self) -> int:
-        e = self.settings.engine
-        return e.max_num_seqs + e.max_queued_requests
+        """Batch slots plus queue: the loaded models' largest batch (per model, resolved at
+        load: runtime/slots.py) and engine.max_queued_requests."""
+        return self.models.max_num_seqs() + self.settings.engine.max_queued_requests
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -148,7 +149,8 @@ class EngineCore:
         self.worker.start()
         tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
                  asyncio.create_task(self._watch_worker()),
-                 asyncio.create_task(self._watch_parent(os.getppid()))]
+                 asyncio.create_task(self._watch_parent(os.getppid())),
+                 asyncio.create_task(self._watch_frontends())]
         decode = p.core_decoder().decode
         log.info("engine core %d ready for requests (pid %d)", self.epoch, os.getpid())
         try:
@@ -215,6 +217,20 @@ class EngineCore:
             await asyncio.sleep(0.5)
         log.warning("the mlxd server process (pid %d) is gone; the engine core exits", parent)
         os._exit(0)
+
+    async def _watch_frontends(self, every: float = 0.5) -> None:
+        """A front end's process ended without its Bye (kill -9, a crash): its requests
+        and calls end here too, rather than hold batch slots for no one."""
+        from mlxd.process import pid_alive
+
+        while True:
+            await asyncio.sleep(every)
+            for fe in list(self._channels):
+                if not pid_alive(p.frontend_pid(fe)):
+                    n = sum(1 for live in self._live.values() if live.frontend == fe)
+                    log.warning("front end %d (pid %d) is gone; dropping its %d request(s)",
+                                fe, p.frontend_pid(fe), n)
+                    self._drop_frontend(fe)
 
     # -- requests ----------------------------------------------------------------------------
     def _dispatch(self, msg: Any) -> None:
@@ -347,6 +363,7 @@ class EngineCore:
         return True
 
     def _drop_frontend(self, fe: int) -> None:
+        self._channels.pop(fe, None)
         for rid, live in list(self._live.items()):
             if live.frontend == fe:
                 self._end(rid, cancel=True)
@@ -375,7 +392,7 @@ class EngineCore:
 
     def _heartbeat(self) -> p.Heartbeat:
         return p.Heartbeat(self.epoch, os.getpid(), self.ready, self.startup_error,
-                           self._inflight)
+                           self._inflight, self.admission_limit)
 
 
 def _freeze_heap() -> None:

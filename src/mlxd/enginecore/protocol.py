@@ -121,6 +121,16 @@ class Bye(msgspec.Struct, tag="bye", array_like=True, gc=False):
     frontend: int
 
 
+def frontend_id(pid: int, n: int) -> int:
+    """A front end's id on the wire: its process id and the number of its client there (one
+    per core), so that a core can tell when the process behind an id is gone."""
+    return pid * 1000 + n % 1000
+
+
+def frontend_pid(frontend: int) -> int:
+    return frontend // 1000
+
+
 ToCore = Add | Abort | Call | Hello | Bye
 
 
@@ -176,6 +186,7 @@ class Heartbeat(msgspec.Struct, tag="hb", array_like=True, gc=False):
     ready: bool
     error: str | None = None  # the pinned models could not be loaded at start
     load: int = 0  # requests in flight in this core (all front ends'): routing reads it
+    limit: int = 0  # requests this core admits (its batch slots + queue); 0: not known yet
 
 
 ToFrontend = Outputs | Reply | Heartbeat

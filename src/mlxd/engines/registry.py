@@ -31,10 +31,13 @@ def finish_on_device(engine: Any, settings: Settings) -> Future:
 
 
 def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
-                  draft_path: Path | None = None) -> Any:
+                  draft_path: Path | None = None, max_num_seqs: int | None = None) -> Any:
     """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
     :func:`finish_on_device`); every other kind comes back warmed up, built on the device
-    thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft)."""
+    thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft);
+    ``max_num_seqs``: the batch size the model manager resolved (runtime/slots.py)."""
+    if max_num_seqs is None:  # a caller that did not resolve it: a set number, or the floor
+        max_num_seqs = _fixed_max_num_seqs(name, settings)
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 
@@ -52,7 +55,7 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
         engine = LLMEngine(
             name,
             path,
-            max_num_seqs=e.max_num_seqs,
+            max_num_seqs=max_num_seqs,
             prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"],
             dtype=settings.models.dtype,
@@ -76,7 +79,7 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
     if kind in ("embedding", "reranker"):
         return _create_encoder(kind, name, path, settings)
     if kind == "vision":
-        return _create_vision(name, path, settings)
+        return _create_vision(name, path, settings, max_num_seqs)
     if kind in ("stt", "tts"):
         return _create_audio(kind, name, path, settings)
     raise ModelLoadError(f"model '{name}' is a {kind} model; this server does not serve "
@@ -147,10 +150,20 @@ def _model_options(name: str, settings: Settings) -> dict[str, Any]:
     if name == default_name and m.adapter_path is not None:
         out["adapter_path"] = m.adapter_path
     opts = m.options.get(name)
-    if opts is not None:
-        out.update({k: v for k, v in opts.model_dump().items() if v is not None})
+    if opts is not None:  # the batch size is the model manager's (runtime/slots.py)
+        out.update({k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items()
+                    if v is not None})
     out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
     return out
+
+
+def _fixed_max_num_seqs(name: str, settings: Settings) -> int:
+    """The batch size without a memory budget to size it by: a set number as it is, and
+    for 'auto' the floor that auto never goes below."""
+    opts = settings.models.options.get(name)
+    value = opts.max_num_seqs if opts is not None and opts.max_num_seqs is not None \
+        else settings.engine.max_num_seqs
+    return value if isinstance(value, int) else 8  # runtime/slots.py's AUTO_FLOOR
 
 
 def _option_key(name: str, settings: Settings, key: str) -> str:
@@ -161,12 +174,12 @@ def _option_key(name: str, settings: Settings, key: str) -> str:
     return f"engine.{key}"
 
 
-def _create_vision(name: str, path: Path, settings: Settings) -> Any:
+def _create_vision(name: str, path: Path, settings: Settings, max_num_seqs: int) -> Any:
     from mlxd.engines.vlm import VisionEngine
 
     e, v = settings.engine, settings.vision
     engine = VisionEngine(
-        name, path, max_num_seqs=e.max_num_seqs, prefill_batch_size=e.prefill_batch_size,
+        name, path, max_num_seqs=max_num_seqs, prefill_batch_size=e.prefill_batch_size,
         dtype=settings.models.dtype, trust_remote_code=settings.models.trust_remote_code,
         batching=v.batching, feature_cache_entries=v.feature_cache_entries,
         feature_cache_bytes=v.feature_cache_bytes, **_model_options(name, settings),

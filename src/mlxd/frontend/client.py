@@ -41,7 +41,7 @@ class CoreClient:
         self.run_dir = Path(run_dir)
         self.index = index  # among this host's engine cores
         self.device = device  # as the supervisor placed it (None: ask the core's status)
-        self.frontend = os.getpid() * 1000 + next(_instances) % 1000
+        self.frontend = p.frontend_id(os.getpid(), next(_instances))
         self.address = f"ipc://{self.run_dir / f'fe-{self.frontend}'}"
         self.dead_after = dead_after
         self.epoch = 0  # of the core we talk to; 0: none yet
@@ -52,6 +52,7 @@ class CoreClient:
         self.deaths = 0
         self._last_beat = 0.0
         self.core_load = 0  # the core's requests in flight, all front ends', per heartbeat
+        self.core_limit = 0  # the requests the core admits, per heartbeat (0: not heard yet)
         self._streams: dict[str, asyncio.Queue] = {}
         self._orphans: list[str] = []  # failed on a stall; aborted if the same core returns
         self._calls: dict[int, asyncio.Future] = {}
@@ -203,6 +204,7 @@ class CoreClient:
         self.ready = hb.ready
         self.startup_error = hb.error
         self.core_load = hb.load
+        self.core_limit = hb.limit
         if hb.ready:
             self._ready_event.set()
 
@@ -253,6 +255,17 @@ class CoreClient:
         self.deaths += 1
         self._ready_event = asyncio.Event()
         self._fail_all(_died())
+
+    def cut(self, err: p.WireError) -> int:
+        """End every stream and call of this front end here with ``err`` (the server's
+        shutdown grace ran out) and have the core drop the streams. Returns how many."""
+        rids = list(self._streams)
+        n = len(rids) + sum(not f.done() for f in self._calls.values())
+        if rids and self.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(p.Abort(self.epoch, rids))
+        self._fail_all(err)
+        return n
 
     def _fail_all(self, err: p.WireError) -> None:
         for rid, q in list(self._streams.items()):

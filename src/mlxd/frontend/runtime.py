@@ -54,6 +54,7 @@ from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
 from mlxd.observability.context import add_usage, note
+from mlxd.runtime.slots import provisional
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,10 @@ CORE_DIR_ENV = "MLXD_CORE_DIR"
 
 class Runtime:
     def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
-                 startup_timeout: float = 3600.0) -> None:
+                 startup_timeout: float = 3600.0, front_ends: Any = None) -> None:
         self.settings = settings
+        # with --api-workers N: their supervisor's shared counts (frontend/workers.py)
+        self.front_ends = front_ends
         self.catalog = ModelCatalog.from_settings(settings)
         # this process supervises the cores, or (core_dirs given) another process does
         self.supervisors = supervisors_for(settings) if core_dirs is None else []
@@ -158,8 +161,12 @@ class Runtime:
 
     @property
     def admission_limit(self) -> int:
-        e = self.settings.engine
-        return (e.max_num_seqs + e.max_queued_requests) * len(self.cores)
+        """What the cores admit together: each core's own limit from its heartbeat (it
+        follows the batch sizes of the models it loaded); before one came, the most the
+        setting allows (runtime/slots.py)."""
+        first = provisional(self.settings, on_cpu=False) + \
+            self.settings.engine.max_queued_requests
+        return sum(c.core_limit or first for c in self.cores.clients)
 
     @property
     def state(self) -> str:
@@ -168,6 +175,11 @@ class Runtime:
         if self.healthy:
             return "ok" if len(self.cores.serving) == len(self.cores) else "degraded"
         return "draining" if self.draining else "restarting"
+
+    @staticmethod
+    def health_code(state: str) -> int:
+        """/health's status code for a :attr:`state`: 200 only while some core serves."""
+        return 200 if state in ("ok", "degraded") else 503
 
     async def status(self) -> dict[str, Any]:
         replies = await self.cores.call_all("status", timeout=5)
@@ -180,6 +192,8 @@ class Runtime:
             "status": self.state,
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
+            "front_ends": (self.front_ends.view() if self.front_ends is not None
+                           else {"workers": 1, "restarts": 0}),
             "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")}
             | health.rank_group_view(found.get(0)),
             "engine_cores": cores,
@@ -198,6 +212,15 @@ class Runtime:
     async def memory(self) -> dict[str, int]:
         replies = await self.cores.values_all("status")
         return health.merge_status([(c.index, r) for c, r in replies])["memory"]
+
+    def cut_streams(self) -> int:
+        """The shutdown grace is over: every generation and core call of this front end
+        ends now with ShuttingDown (a stream with an error event in its dialect, a request
+        still waiting with a 503), and the cores drop them. Returns how many were cut."""
+        err = p.WireError("ShuttingDown", "the server shut down before this request "
+                          "finished (server.shutdown_grace_s ran out); retry on another "
+                          "instance")
+        return sum(c.cut(err) for c in self.cores.clients)
 
     def check_serving(self) -> None:
         """Some core serves (a core that died fails only its own requests)."""

@@ -58,6 +58,8 @@ class SpeechRequests:
         a = self.settings.audio
         names, default = (OPENAI_STT_NAMES, a.default_stt) if kind == "stt" else \
             (OPENAI_TTS_NAMES, a.default_tts)
+        if model is not None and not model.strip():
+            raise InvalidRequest("a model name must not be empty or blank", param="model")
         if model and model != "default" and model not in names:
             return self.rt.catalog.resolve(model)
         if default:

@@ -99,7 +99,8 @@ def _own_families() -> Any:
 
 
 def front_end_exited(pid: int) -> None:
-    """A front end of several is gone: its live gauges stop counting (counters stay)."""
+    """A front end of several is gone, however it ended (its supervisor calls this): its
+    live gauges stop counting (counters stay)."""
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)

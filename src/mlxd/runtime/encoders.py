@@ -144,7 +144,7 @@ class EncoderService:
                                      if len(inputs) > 1 else "input")
         if req.dimensions is not None and req.dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-        name = req.model if req.model and req.model != "default" else \
+        name = req.model if req.model not in (None, "default") else \
             self.settings.models.default_embedding
         timings = Timings()
         async with self.admitted():
@@ -189,7 +189,7 @@ class EncoderService:
         if not req.query:
             raise InvalidRequest("query must not be empty", param="query")
         m = self.settings.models
-        name = req.model if req.model and req.model != "default" else \
+        name = req.model if req.model not in (None, "default") else \
             (m.default_reranker or self.rt.models.default_name)
         timings = Timings()
         async with self.admitted():

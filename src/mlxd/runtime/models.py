@@ -30,6 +30,7 @@ from mlxd.core.errors import (
 )
 from mlxd.core.keepalive import FOREVER, parse_keep_alive
 from mlxd.observability import metrics
+from mlxd.runtime import slots
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
 from mlxd.store.catalog import ModelCatalog
@@ -59,6 +60,8 @@ class LoadedModel:
     active: int = 0
     last_used: float = field(default_factory=time.time)
     keep_alive: float = 1800.0
+    max_num_seqs: int | None = None  # chat and vision models: their batch size
+    max_num_seqs_reason: str | None = None
 
     @property
     def expires_at(self) -> float:
@@ -107,6 +110,9 @@ class ModelManager:
         self.load_counts: dict[str, int] = {}
         self.default_name = self.catalog.default_name
         self.preload_names = self.catalog.preload_names
+        from mlxd.dtype_policy import backend_name
+
+        self.on_cpu = backend_name() == "cpu"
 
     # -- names ---------------------------------------------------------------------------
     def resolve(self, name: str | None) -> str:
@@ -118,6 +124,13 @@ class ModelManager:
 
     def get_loaded(self, name: str) -> LoadedModel | None:
         return self._loaded.get(self.resolve(name))
+
+    def max_num_seqs(self) -> int:
+        """The largest batch of the loaded models (what admission counts on); with none
+        loaded, the provisional figure (runtime/slots.py). The heartbeat thread reads it
+        too: one copy of the values, taken under the GIL."""
+        sizes = [e.max_num_seqs for e in list(self._loaded.values()) if e.max_num_seqs]
+        return max(sizes) if sizes else slots.provisional(self.settings, self.on_cpu)
 
     def dynamic_bytes(self) -> int:
         """Memory the loaded models hold beyond their weights: KV caches of running batches,
@@ -264,13 +277,19 @@ class ModelManager:
         if self.used_bytes + self.dynamic_bytes() + self._reserved + need > self.budget:
             await self.shrink()  # reusable caches go before any model does
         self._make_room(name, kind, need)
+        batch = None
+        if kind in ("chat", "vision"):
+            batch = await asyncio.to_thread(
+                slots.resolve, self.settings, name, kind, path, budget=self.budget,
+                weight_bytes=need, upcast=upcast, on_cpu=self.on_cpu, draft_path=draft)
         self._reserved += need
         t0 = time.perf_counter()
 
         from mlxd.engines import registry
 
         def build() -> Any:
-            return registry.create_engine(kind, name, path, self.settings, draft_path=draft)
+            return registry.create_engine(kind, name, path, self.settings, draft_path=draft,
+                                          max_num_seqs=batch.value if batch else None)
 
         try:
             if registry.loads_off_device(kind):
@@ -315,12 +334,16 @@ class ModelManager:
             pinned=name in (self.default_name, *self.preload_names),
             keep_alive=self.default_keep_alive if self.default_keep_alive is not None
             else 1800.0,
+            max_num_seqs=batch.value if batch else None,
+            max_num_seqs_reason=batch.reason if batch else None,
         )
         self._loaded[name] = entry
         self.load_counts[name] = self.load_counts.get(name, 0) + 1
         metrics.model_loaded(name, kind, entry.size, took)
         log.info("loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size),
                  path, took)
+        if batch is not None:
+            log.info("model %s: max_num_seqs %d (%s)", name, batch.value, batch.reason)
         heap.release_free_memory()  # the loaders' parse temporaries (core/heap.py)
         return entry
 

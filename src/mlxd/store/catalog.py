@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mlxd.core.errors import InvalidRequest
 from mlxd.store.hf_cache import find_cached_model, list_cached_models
 from mlxd.store.local import ModelStore
 from mlxd.store.names import validate_name
@@ -36,8 +37,12 @@ class ModelCatalog:
         return name_or_path
 
     def resolve(self, name: str | None) -> str:
-        if not name or name == "default":
+        """None or "default": the default model. An empty or blank name is refused: it
+        must never silently mean the default (an unload of "" unloaded it)."""
+        if name is None or name == "default":
             return self.default_name
+        if not name.strip():
+            raise InvalidRequest("a model name must not be empty or blank", param="model")
         return name
 
     @property

@@ -26,14 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxd.config import ModelSettings
-from mlxd.core.errors import InvalidRequest, ModelLoadError, ModelNotFound
+from mlxd.core.errors import (
+    InvalidRequest,
+    MlxdError,
+    ModelLoadError,
+    ModelNotFound,
+    Unavailable,
+    UpstreamUnavailable,
+)
 from mlxd.store.aliases import BUILTIN_ALIASES, EMBEDDED_DEFAULTS, KINDS
 from mlxd.store.hf_cache import find_cached_model
 from mlxd.store.inspect import infer_kind
 from mlxd.store.local import HF_CACHE_DIR, IntegrityError, ModelStore
 from mlxd.store.names import validate_name
 from mlxd.store.progress import ProgressFn, ProgressLog, emitter, tee
-from mlxd.store.sources import fetch_into, hub_cache_folder
+from mlxd.store.sources import SourceUnavailable, fetch_into, hub_cache_folder
 
 __all__ = ["ProgressFn", "Resolved", "ensure_model", "infer_kind", "pull", "quantize",
            "remove", "resolve"]
@@ -164,7 +171,7 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
             raise InvalidRequest(
                 f"'{target}' already exists (from {existing.get('source')}); pass --force to "
                 "replace it or --as to choose another name", param="model")
-        failures: list[str] = []
+        failures: list[tuple[str, type[MlxdError]]] = []
         for source in r.sources:
             try:
                 manifest = _pull_source(store, target, source, settings, kind=kind or r.kind,
@@ -173,11 +180,32 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
                 raise
             except Exception as exc:  # noqa: BLE001 - each failure is reported, next source
                 log.info("source %s for %s failed: %s", source, name, exc)
-                failures.append(f"{source}: {_reason(exc)}")
+                failures.append((f"{source}: {_reason(exc)}", _meaning(exc, source)))
                 continue
             emit({"status": "success"})
             return manifest
-    raise ModelLoadError(f"could not pull '{name}': " + "; ".join(failures))
+    raise _pull_error(name, failures)
+
+
+def _meaning(exc: Exception, source: str) -> type[MlxdError]:
+    """What one source's failure tells a caller (see SourceUnavailable)."""
+    if isinstance(exc, SourceUnavailable):
+        return exc.error
+    if isinstance(exc, IntegrityError) and source.startswith("hf:"):
+        return UpstreamUnavailable  # the hub sent bytes other than those it listed
+    return ModelLoadError
+
+
+def _pull_error(name: str, failures: list[tuple[str, type[MlxdError]]]) -> MlxdError:
+    """One error for a pull whose every source failed, with the status that tells the truth:
+    the caller's (404, 400) when every source says so, else the first upstream failure
+    (502, 503, 504: the model may well exist behind it), else this server's (500)."""
+    message = f"could not pull '{name}': " + "; ".join(text for text, _ in failures)
+    kinds = [kind for _, kind in failures]
+    if kinds and all(k.status < 500 for k in kinds):
+        return kinds[0](message, param="model")
+    upstream = [k for k in kinds if issubclass(k, (UpstreamUnavailable, Unavailable))]
+    return (upstream[0] if upstream else ModelLoadError)(message)
 
 
 def _hint(name: str, source: str) -> str:

