@@ -48,7 +48,7 @@ def loaded_view(entry: Any) -> dict[str, Any]:
         "max_batch_size_seen": engine.max_batch_seen,
         "context_length": engine.context_length,
     }
-    if entry.max_num_seqs is not None:  # chat and vision models (runtime/slots.py)
+    if entry.max_num_seqs is not None:  # chat and vision models (core/slots.py)
         view["max_num_seqs"] = entry.max_num_seqs
         view["max_num_seqs_reason"] = entry.max_num_seqs_reason
     view.update(engine.stats())

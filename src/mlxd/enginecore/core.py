@@ -132,7 +132,7 @@ class EngineCore:
     @property
     def admission_limit(self) -> int:
         """Batch slots plus queue: the loaded models' largest batch (per model, resolved at
-        load: runtime/slots.py) and engine.max_queued_requests."""
+        load: core/slots.py) and engine.max_queued_requests."""
         return self.models.max_num_seqs() + self.settings.engine.max_queued_requests
 
     # -- lifecycle ---------------------------------------------------------------------------

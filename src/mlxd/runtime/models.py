@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings
-from mlxd.core import heap
+from mlxd.core import heap, slots
 from mlxd.core.errors import (
     InsufficientStorage,
     MlxdError,
@@ -30,7 +30,6 @@ from mlxd.core.errors import (
 )
 from mlxd.core.keepalive import FOREVER, parse_keep_alive
 from mlxd.observability import metrics
-from mlxd.runtime import slots
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
 from mlxd.store.catalog import ModelCatalog
@@ -127,7 +126,7 @@ class ModelManager:
 
     def max_num_seqs(self) -> int:
         """The largest batch of the loaded models (what admission counts on); with none
-        loaded, the provisional figure (runtime/slots.py). The heartbeat thread reads it
+        loaded, the provisional figure (core/slots.py). The heartbeat thread reads it
         too: one copy of the values, taken under the GIL."""
         sizes = [e.max_num_seqs for e in list(self._loaded.values()) if e.max_num_seqs]
         return max(sizes) if sizes else slots.provisional(self.settings, self.on_cpu)
