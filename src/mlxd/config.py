@@ -1115,16 +1115,6 @@ class ConfigError(Exception):
     """A configuration problem worth one clear line to the operator, not a traceback."""
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -1188,9 +1178,3 @@ def drop_none(d: dict[str, Any]) -> dict[str, Any]:
             out[k] = v
     return out
 
-
-def merge_overrides(*parts: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for p in parts:
-        out = _deep_merge(out, p)
-    return out

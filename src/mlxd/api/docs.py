@@ -58,7 +58,7 @@ _ERRORS: dict[int | str, str] = {
     404: "Unknown model (or stored response).",
     413: "The body is larger than security.max_body_bytes.",
     429: "The queue is full or a key's rate limit is reached (see Retry-After).",
-    503: "Shutting down, the device worker restarting, or out of memory (see Retry-After).",
+    503: "Shutting down, an engine core restarting, or out of memory (see Retry-After).",
     "default": "Any other error, in the same shape.",
 }
 

@@ -194,7 +194,7 @@ def _done_fields(gen: Generation, usage: Usage, reason: str | None) -> dict[str,
 async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: str) -> dict:
     """Ollama: a request without a prompt (or messages) only loads, or with 0 unloads."""
     rt = runtime(request)
-    from mlxd.runtime.keepalive import parse_keep_alive
+    from mlxd.core.keepalive import parse_keep_alive
 
     if parse_keep_alive(keep_alive) == 0:
         if await rt.models.get_loaded(model) is not None:

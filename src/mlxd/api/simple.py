@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
+from mlxd import __version__
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.docs import SSE, GenerateResponse, Health, ok
 from mlxd.api.errors import error_payload
@@ -29,13 +30,15 @@ router = APIRouter(route_class=ApiRoute)
 async def health(request: Request) -> Response:
     """The server's state. With API keys configured, a caller without a valid key (a load
     balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
-    memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
+    memory, load and the version are for key holders (api/security.py marks the request
+    ``anonymous``)."""
     rt = runtime(request)
     # the code comes from the same snapshot as the status word (a core may die meanwhile)
     if getattr(request.state, "anonymous", False):
         state = rt.state
         return JSONResponse({"status": state}, status_code=rt.health_code(state))
     status = await rt.status()
+    status["version"] = __version__
     return JSONResponse(status, status_code=rt.health_code(status["status"]))
 
 

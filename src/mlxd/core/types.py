@@ -52,7 +52,7 @@ ToolChoice = Literal["auto", "none", "required", "function"]
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's grammar is made of, as a front end sends it to the engine core,
-    which compiles it (llguidance lives only there: engines/text.py's
+    which compiles it (llguidance lives only there: text/processor.py's
     ``TextProcessor.matcher``); an unsupported schema or grammar is still a 400 before
     any output.
 

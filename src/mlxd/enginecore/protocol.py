@@ -22,11 +22,17 @@ message queued for a core that has since died is dropped, never run by its succe
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from mlxd.core.types import GrammarSpec
+
+
+def core_address(run_dir: str | Path) -> str:
+    """The socket a core reads requests from, in its run directory (front ends push to it)."""
+    return f"ipc://{Path(run_dir) / 'core-in'}"
 
 
 class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

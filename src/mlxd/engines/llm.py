@@ -2,11 +2,11 @@
 
 Everything that touches MLX here runs on the device worker thread. The engine emits token
 ids (engines/decode.py); templating, tokenizing, detokenizing, stop strings and output
-parsing belong to the front ends (engines/text.py, frontend/generation.py).
+parsing belong to the front ends (text/processor.py, frontend/generation.py).
 
 Per sequence, on top of mlx-lm's batch: a sampler and logits processors (engines/sampling)
 when the request asks for more than the batch's shared sampler, a grammar that masks the
-logits every step (engines/structured), and the prefix cache (engines/prefix_cache): a new
+logits every step (text/structured), and the prefix cache (engines/prefix_cache): a new
 sequence starts from the KV cache of the longest prefix an earlier one left behind. Its
 disk tier (engines/prefix_disk) keeps long prefixes across restarts: a sequence whose
 prefix is on disk waits outside the batch while the reader thread loads it, then starts as
@@ -43,8 +43,8 @@ from mlxd.engines.sampling import build_logits_processors, build_sampler, sampli
 from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
-from mlxd.engines.text import TextProcessor
 from mlxd.observability import metrics
+from mlxd.text.processor import TextProcessor
 
 log = logging.getLogger(__name__)
 

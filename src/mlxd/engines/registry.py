@@ -35,7 +35,7 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
     """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
     :func:`finish_on_device`); every other kind comes back warmed up, built on the device
     thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft);
-    ``max_num_seqs``: the batch size the model manager resolved (runtime/slots.py)."""
+    ``max_num_seqs``: the batch size the model manager resolved (core/slots.py)."""
     if max_num_seqs is None:  # a caller that did not resolve it: a set number, or the floor
         max_num_seqs = _fixed_max_num_seqs(name, settings)
     if kind == "chat":
@@ -151,7 +151,7 @@ def _model_options(name: str, settings: Settings) -> dict[str, Any]:
     if name == default_name and m.adapter_path is not None:
         out["adapter_path"] = m.adapter_path
     opts = m.options.get(name)
-    if opts is not None:  # the batch size is the model manager's (runtime/slots.py)
+    if opts is not None:  # the batch size is the model manager's (core/slots.py)
         out.update({k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items()
                     if v is not None})
     out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
@@ -164,7 +164,7 @@ def _fixed_max_num_seqs(name: str, settings: Settings) -> int:
     opts = settings.models.options.get(name)
     value = opts.max_num_seqs if opts is not None and opts.max_num_seqs is not None \
         else settings.engine.max_num_seqs
-    return value if isinstance(value, int) else 8  # runtime/slots.py's AUTO_FLOOR
+    return value if isinstance(value, int) else 8  # core/slots.py's AUTO_FLOOR
 
 
 def _option_key(name: str, settings: Settings, key: str) -> str:

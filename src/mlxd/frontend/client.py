@@ -24,7 +24,6 @@ import zmq.asyncio
 
 from mlxd.core.errors import Unavailable
 from mlxd.enginecore import protocol as p
-from mlxd.enginecore.core import core_address
 from mlxd.process import open_pidfd, pid_alive
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class CoreClient:
         self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(core_address(self.run_dir))
+        self._push.connect(p.core_address(self.run_dir))
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.address)

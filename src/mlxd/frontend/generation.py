@@ -16,8 +16,8 @@ from typing import Any, cast
 
 from mlxd.core.types import FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from mlxd.enginecore import protocol as p
-from mlxd.engines.stops import StopMatcher
 from mlxd.observability.metrics import GenerationObserver
+from mlxd.text.stops import StopMatcher
 
 # OpenAI's and vLLM's stand-in for a log-probability of -inf: JSON has no infinities.
 LOGPROB_FLOOR = -9999.0

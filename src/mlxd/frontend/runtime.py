@@ -35,6 +35,7 @@ from mlxd.core.errors import (
     Unavailable,
 )
 from mlxd.core.render import Renderer
+from mlxd.core.slots import provisional
 from mlxd.core.types import (
     EmbedRequest,
     EmbedResult,
@@ -55,7 +56,6 @@ from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
 from mlxd.observability.context import add_usage, current, note
-from mlxd.runtime.slots import provisional
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Runtime:
     def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
                  startup_timeout: float = 3600.0, front_ends: Any = None) -> None:
         self.settings = settings
-        # with --api-workers N: their supervisor's shared counts (frontend/workers.py)
+        # with --api-workers N: their supervisor's shared counts (workers.py)
         self.front_ends = front_ends
         self.catalog = ModelCatalog.from_settings(settings)
         # this process supervises the cores, or (core_dirs given) another process does
@@ -164,7 +164,7 @@ class Runtime:
     def admission_limit(self) -> int:
         """What the cores admit together: each core's own limit from its heartbeat (it
         follows the batch sizes of the models it loaded); before one came, the most the
-        setting allows (runtime/slots.py)."""
+        setting allows (core/slots.py)."""
         first = provisional(self.settings, on_cpu=False) + \
             self.settings.engine.max_queued_requests
         return sum(c.core_limit or first for c in self.cores.clients)
@@ -264,7 +264,7 @@ class Runtime:
             return proc
         fut = self._loading.get(key)
         if fut is None:
-            from mlxd.engines.text import TextProcessor, load_tokenizer
+            from mlxd.text.processor import TextProcessor, load_tokenizer
 
             def load() -> Any:
                 tok = load_tokenizer(Path(info["path"]),
