@@ -11,6 +11,8 @@
 #                                                #     (LEVELS=1,4,16,64,128 PAIRS=K,
 #                                                #     ALSO_AW=2, ALSO_ENV=..., PAIRS_SKIP=...,
 #                                                #     TRACE=1: every side step-traced)
+#   bash benchmarks/h200_gap.sh stall [LABEL]    # a 16k prompt beside 8 streams, the step
+#                                                #     budget on and off (PAIRS, PROMPT_TOKENS)
 #   bash benchmarks/h200_gap.sh trace [LABEL]    # the step trace at C=16 and C=64
 #   bash benchmarks/h200_gap.sh prefix [LABEL]   # the prefix cache's tiers at C=64, traced
 #   bash benchmarks/h200_gap.sh diag [LABEL]     # carries .gpu/b: engine vs mlxd, disk tier
@@ -130,6 +132,14 @@ pairs)
     tar czf "$OUT/pairs-$label-trace.tgz" -C /tmp/gap $(cd /tmp/gap && ls t.*.jsonl)
   fi
   cp /tmp/gap/pairs.txt "$OUT/pairs-$label.txt"
+  ;;
+stall)
+  # a long prompt arriving beside 8 decoding streams (long_prompt_stall.py): the streams'
+  # gaps and its TTFT, mlxd with engine.max_step_tokens auto and 0, and mlx_lm.server
+  python3 -c "import mlx.core" 2>/dev/null || install
+  timeout ${STALL_TIMEOUT:-540} python3 "$here/long_prompt_stall.py" --model-dir $Q05 \
+    --prompt-tokens ${PROMPT_TOKENS:-16384} --pairs ${PAIRS:-10} ${STALL_ARGS:-} \
+    --out "$OUT/stall-$label.json" 2>&1 | tail -40
   ;;
 spec)
   # prompt lookup at batch 1 against the engine alone (mlx-lm's

@@ -28,6 +28,7 @@ uploaded; its ``sha256`` is that of the sdist passed with ``--sdist`` (built her
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -54,6 +55,17 @@ INDEX = "https://pypi.org/simple"
 # Binary-only for the formula: MLX's sdist builds C++/Metal with CMake and needs Xcode's
 # Metal compiler; mlx-metal ships no sdist at all.
 WHEEL_ONLY = {"mlx", "mlx-metal"}
+
+
+def project() -> dict:
+    """pyproject.toml's ``[project]`` with its version, which pyproject.toml leaves to
+    ``mlxd.__version__`` (read from the source, as setuptools reads it: nothing imported)."""
+    meta = dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"])
+    tree = ast.parse((ROOT / "src" / "mlxd" / "__init__.py").read_text())
+    meta["version"] = next(
+        n.value.value for n in tree.body if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__version__" for t in n.targets))
+    return meta
 
 
 @dataclass
@@ -259,10 +271,9 @@ def main() -> None:
         write_lock(find_uv(args.uv))
         print(f"wrote {LOCK.relative_to(ROOT)}")
     if args.step in ("formula", "all"):
-        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
         sdist = args.sdist or build_sdist()
         digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-        FORMULA.write_text(render(project, digest, artifacts(read_lock())))
+        FORMULA.write_text(render(project(), digest, artifacts(read_lock())))
         print(f"wrote {FORMULA.relative_to(ROOT)} ({sdist.name}, sha256 {digest[:12]}...)")
 
 

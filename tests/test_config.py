@@ -140,3 +140,15 @@ def test_yaml_on_is_still_refused_for_speculative(tmp_path):
     cfg.write_text("engine:\n  speculative: on\n")
     with pytest.raises(ConfigError, match="'engine.speculative'.*'prompt-lookup'"):
         load_settings(cfg)
+
+
+def test_the_step_budget_is_auto_a_number_or_zero(monkeypatch):
+    assert load_settings().engine.max_step_tokens == "auto"
+    monkeypatch.setenv("MLXD_ENGINE__MAX_STEP_TOKENS", "1024")
+    assert load_settings().engine.max_step_tokens == 1024
+    monkeypatch.setenv("MLXD_ENGINE__MAX_STEP_TOKENS", "0")
+    assert load_settings().engine.max_step_tokens == 0
+    for bad in ("-1", "lots"):
+        monkeypatch.setenv("MLXD_ENGINE__MAX_STEP_TOKENS", bad)
+        with pytest.raises(ConfigError, match="engine.max_step_tokens"):
+            load_settings()

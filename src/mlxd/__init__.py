@@ -1,3 +1,3 @@
 """mlxd: a model server on MLX."""
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here

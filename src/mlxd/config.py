@@ -452,6 +452,22 @@ class EngineSettings(_Section):
     prefill_step_size: int = Field(
         512, ge=16, description="Prompt tokens processed per prefill step."
     )
+    max_step_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Tokens one engine step feeds a text model: the running batch's decode rows "
+            "first (with speculative decoding, its drafts too), the rest shared equally by "
+            "the prompts being prefilled (padding counted, at least 16 tokens each), so a "
+            "long prompt arriving beside running streams delays their next token by one "
+            "such step at most, where each prompt's prefill_step_size chunk (up to "
+            "prefill_batch_size of them) went in one step before. 'auto': 2048 on a GPU, "
+            "where a pass of that many tokens still runs near full prefill throughput and "
+            "costs a few decode steps; 256 on the CPU, where prefill costs its arithmetic "
+            "from small chunks on, so a smaller step loses little throughput and keeps "
+            "streams moving. 0: no budget (mlx-lm's chunks). Never raises "
+            "prefill_step_size."
+        ),
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,
@@ -591,6 +607,13 @@ class EngineSettings(_Section):
 
     _speculative_off = field_validator("speculative", mode="before")(_yaml_off)
     _max_num_seqs = field_validator("max_num_seqs", mode="before")(_max_num_seqs_value)
+
+    @field_validator("max_step_tokens")
+    @classmethod
+    def _max_step_tokens(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be 'auto', 0 (no budget) or a number of tokens")
+        return v
 
     @field_validator("devices")
     @classmethod
@@ -941,6 +964,19 @@ class SecuritySettings(_Section):
                     "server.allowed_origins, which says more.",
         examples=[["http://localhost:3000"]],
     )
+    prefix_cache_isolation: Literal["shared", "per_key"] = Field(
+        "per_key",
+        description=(
+            "Who shares the prefix cache (both tiers, and prefix-affinity routing): "
+            "'per_key', each API key its own (its owner id salts the cache, with any "
+            "request's cache_salt), or 'shared', every caller (only equal cache_salt values "
+            "then separate). A shared cache tells one key, through cached_tokens and time "
+            "to first token, whether another key sent the same prompt prefix; per_key "
+            "closes that, at the cost of one prefill per key of a prefix the keys have in "
+            "common (a shared system prompt). Without keys every caller is the one local "
+            "operator, so there per_key shares everything as shared does."
+        ),
+    )
 
     @field_validator("cors_origins")
     @classmethod
@@ -1079,16 +1115,6 @@ class ConfigError(Exception):
     """A configuration problem worth one clear line to the operator, not a traceback."""
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -1120,7 +1146,7 @@ def load_settings(
     """
     global _yaml_data
     explicit = config_file is not None
-    path = Path(config_file).expanduser() if explicit else default_config_path()
+    path = Path(config_file).expanduser() if config_file is not None else default_config_path()
     if explicit and not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     data = read_yaml(path) if path.is_file() else {}
@@ -1152,9 +1178,3 @@ def drop_none(d: dict[str, Any]) -> dict[str, Any]:
             out[k] = v
     return out
 
-
-def merge_overrides(*parts: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for p in parts:
-        out = _deep_merge(out, p)
-    return out

@@ -1,7 +1,7 @@
 """The graceful drain every front end runs before it exits (one front end, or each of N).
 
 On the first SIGTERM/SIGINT, or when the process that supervises several front ends says
-so (frontend/workers.py): stop admitting (every new request gets 503 while
+so (workers.py): stop admitting (every new request gets 503 while
 the listening socket stays open, ``/health`` says "draining"), wait up to
 ``server.shutdown_grace_s`` for the requests in flight, then end what still runs with an
 error in its dialect (a stream gets an error event, then its end) and exit. A second

@@ -98,12 +98,12 @@ def run(settings: Settings) -> int:
 
 def _run_workers(settings: Settings, host: str, port: int) -> int:
     """``--api-workers N``: the engine cores (one per device), N front-end processes on one
-    listening socket (frontend/workers.py), each connected to every core; on SIGTERM they
+    listening socket (workers.py), each connected to every core; on SIGTERM they
     drain together, each as a single front end does."""
     from mlxd.enginecore.supervisor import supervisors_for
     from mlxd.frontend.runtime import CORE_DIR_ENV
-    from mlxd.frontend.workers import FrontEnds
     from mlxd.observability.metrics import MULTIPROC_ENV
+    from mlxd.workers import FrontEnds
 
     if settings.metrics.enabled and settings.metrics.port:
         log.warning("metrics.port is not served with --api-workers %d: scrape /metrics on "
@@ -120,7 +120,7 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
     sock = None
     try:
         config = uvicorn.Config(
-            "mlxd.frontend.workers:app_factory", factory=True, host=host, port=port,
+            "mlxd.workers:app_factory", factory=True, host=host, port=port,
             workers=settings.server.api_workers, log_config=None,
             log_level=settings.log.level, access_log=False,
             timeout_graceful_shutdown=2,  # after each front end's own drain (drain.py)

@@ -412,7 +412,7 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = http.post("/v1/tokenize", json={"model": SMOL, "messages": msgs}).json()
     tok = Tokenizer.from_file(str(srv.runtime.models.store.get(SMOL) / "tokenizer.json"))
-    from mlxd.engines.text import load_tokenizer
+    from mlxd.text.processor import load_tokenizer
 
     chat_tok = load_tokenizer(srv.runtime.models.store.get(SMOL))
     templated = chat_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)

@@ -7,6 +7,8 @@ import json
 import httpx
 from fixtures.tiny_models import make_tiny_chat_model
 
+from mlxd import __version__
+
 
 def test_generate_returns_text(server):
     with server.client() as c:
@@ -76,6 +78,11 @@ def test_health_lists_loaded_models(server):
     assert h["status"] == "ok" and h["model_loaded"] is True
     names = {m["name"] for m in h["models"]}
     assert {"tiny-llama", "tiny-qwen2"} <= names
+
+
+def test_health_and_the_ollama_version_name_the_package_version(server):
+    assert httpx.get(server.url + "/health").json()["version"] == __version__
+    assert httpx.get(server.url + "/api/version").json()["mlxd_version"] == __version__
 
 
 def test_request_id_round_trips(server):

@@ -14,6 +14,7 @@ STREAMING = {
     "/v1/messages": "text/event-stream", "/v1/responses": "text/event-stream",
     "/generate": "text/event-stream", "/api/generate": "application/x-ndjson",
     "/api/chat": "application/x-ndjson", "/api/pull": "application/x-ndjson",
+    "/v1/audio/transcriptions": "text/event-stream",
 }
 OK_MODELS = {
     ("post", "/v1/chat/completions"): "ChatCompletion", ("post", "/v1/completions"): "Completion",

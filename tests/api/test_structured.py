@@ -95,7 +95,7 @@ def test_unsupported_or_invalid_schema_is_400(client, agent_server):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_lark_grammars_with_tokens_the_vocabulary_lacks_are_400(agent_server, stream):
-    """Front ends validate grammars without a tokenizer (engines/structured.py); what only
+    """Front ends validate grammars without a tokenizer (text/structured.py); what only
     the vocabulary can refute is refuted by the engine core, still as a 400 before any
     output, and a grammar naming a token the vocabulary has is served."""
     url = agent_server.url + "/v1/chat/completions"

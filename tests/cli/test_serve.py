@@ -139,7 +139,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         h = httpx.get(url + "/health").json()
         assert h["model_loads"] == {"tiny-llama": 1}
-        # uvicorn's worker processes serve without MLX too (frontend/workers.py)
+        # uvicorn's worker processes serve without MLX too (workers.py)
         assert _maps(core_pid, "libmlx") and not any(_maps(pid, "libmlx") for pid in frontends)
         # whichever front end answers a scrape, it counts every front end's requests: one
         # kept-alive connection to each front end, three more chats through each, and a

@@ -1,4 +1,4 @@
-"""The byte-level streaming detokenizer mlxd hands out (engines/detokenizer.py) streams the
+"""The byte-level streaming detokenizer mlxd hands out (text/detokenizer.py) streams the
 same text as mlx-lm's, token by token: the same ``text`` after every token (so the same
 chunks reach clients), the same ``last_segment`` and the same text after ``finalize()``.
 
@@ -27,12 +27,12 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.tokenizer_utils import load as mlx_lm_load
 from tokenizers import pre_tokenizers
 
-from mlxd.engines.detokenizer import (
+from mlxd.text.detokenizer import (
     LazyBPEStreamingDetokenizer,
     TokenView,
     use_lazy_detokenizer,
 )
-from mlxd.engines.text import TextProcessor, load_tokenizer
+from mlxd.text.processor import TextProcessor, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [

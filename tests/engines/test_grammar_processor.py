@@ -12,7 +12,7 @@ import pytest
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import OutputConstraint
 from mlxd.engines.grammar_mask import GrammarProcessor
-from mlxd.engines.structured import GrammarCompiler
+from mlxd.text.structured import GrammarCompiler
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_the_core_compiles_what_a_front_end_planned(compiler):
     import msgspec
 
     from mlxd.core.types import GenerateRequest, GrammarSpec, SamplingParams
-    from mlxd.engines.text import TextProcessor
+    from mlxd.text.processor import TextProcessor
 
     _, tok = compiler
     proc = TextProcessor("g", tok, 512)

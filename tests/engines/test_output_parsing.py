@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxd.engines.tool_calls import (
+from mlxd.text.tool_calls import (
     OutputSplitter,
     ToolFormat,
     _parse_json_call,

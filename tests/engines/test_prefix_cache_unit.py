@@ -137,3 +137,20 @@ def test_an_insert_compares_only_entries_that_may_be_its_prefix(monkeypatch):
     again = inside + [6, 7]
     pc.insert(again, kv(len(again)))  # `inside` ends inside the preamble's next block
     assert len(pc) == 202 and len(calls) <= 2
+
+
+def test_salts_partition_the_cache():
+    """Equal tokens under another cache salt neither hit, nor count as redundant, nor
+    evict; a short entry (under one block, outside the hash index) is partitioned too."""
+    pc = PrefixCache(1 << 20)
+    long, short = list(range(40)), [5, 6, 7]
+    pc.insert(long, kv(40), salt="a")
+    pc.insert(short, kv(3), salt="a")
+    assert pc.lookup(long + [1], "b") == (None, 0)
+    assert pc.lookup(long + [1]) == (None, 0)  # unsalted is a partition of its own
+    assert pc.lookup(short + [1], "b") == (None, 0)
+    assert pc.peek(long + [1], "b") == 0 and pc.peek(long + [1], "a") == 40
+    assert pc.lookup(long + [1], "a")[1] == 40 and pc.lookup(short + [1], "a")[1] == 3
+    pc.insert(long + [9] * 20, kv(60), salt="b")  # extends a's entry, under another salt
+    assert len(pc) == 3 and pc.lookup(long + [1], "a")[1] == 40
+    assert pc.lookup(long + [9] * 20 + [1], "b")[1] == 60

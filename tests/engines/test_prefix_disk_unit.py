@@ -252,3 +252,29 @@ def test_a_write_compares_only_entries_near_its_prefix(tmp_path, monkeypatch):
     assert d.stats()["entries"] == 31  # `near` went
     assert len(calls) <= 2
     d.close()
+
+
+def test_salts_partition_the_disk_tier_across_a_restart(tmp_path):
+    d = tier(tmp_path)
+    toks = list(range(100, 180))
+    assert d.spill(toks, kv(80), "salt-a")
+    d.flush(10)
+    assert d.match(toks + [1], "salt-b")[0] is None and d.match(toks + [1])[0] is None
+    # the same tokens under another salt: a file of their own, not "already on disk"
+    assert d.spill(toks, kv(80, seed=1), "salt-b")
+    d.flush(10)
+    assert len(files(d)) == 2
+    d.close()
+    again = tier(tmp_path)  # the index rebuilt from the headers keeps each file's salt
+    assert again.stats()["entries"] == 2 and again.match(toks + [1])[0] is None
+    for salt, seed in (("salt-a", 0), ("salt-b", 1)):
+        entry, n = again.match(toks + [1], salt)
+        assert n == 80 and entry.salt == salt
+        assert read_header(again.dir / (entry.key + ".safetensors"))["salt"] == salt
+        _, cache = again.load(entry).result(10)
+        assert mx.array_equal(cache[0].keys, kv(80, seed=seed)[0].keys)
+    # a longer sequence under salt-b makes only salt-b's file redundant
+    assert again.spill(toks + list(range(20)), kv(100), "salt-b")
+    again.flush(10)
+    assert again.stats()["entries"] == 2 and again.match(toks + [1], "salt-a")[1] == 80
+    again.close()

@@ -270,3 +270,155 @@ def test_a_finished_row_held_in_the_batch_runs_no_processors_and_shares_a_sample
                     assert len(batch) == 2 and batch.logits_processors[i] == []
                     assert batch.samplers[i] is shared
     assert calls["short"] == at_finish and calls["long"] > at_finish
+
+
+def _budgeted(gen, prompts: list[list[int]], late: list[int], n: int = 8):
+    """Greedy tokens per uid, ``late`` inserted once the first prompts decode, and the
+    tokens each step fed: (decode rows, prefill rows x longest chunk)."""
+    steps: list[tuple[int, int]] = []
+    real = gen.step_stats.record
+    gen.step_stats.record = lambda decode, prefill: (steps.append((decode, prefill)),
+                                                      real(decode, prefill))
+    uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    inserted = False
+    for _ in range(300):
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append(r.token)
+        if not inserted and responses:
+            out[gen.insert([late], max_tokens=[n])[0]] = []
+            inserted = True
+        if inserted and all(len(v) == n for v in out.values()):
+            break
+    return list(out.values()), steps
+
+
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_greedy_tokens_are_the_same_under_any_step_budget(model_and_tokenizer, prompt_end):
+    """Prompts of many lengths and a newcomer arriving while they decode: the same greedy
+    tokens with no budget (mlx-lm's chunks), a large one and a tiny one, and every step
+    of the budgeted runs within its budget, padding counted."""
+    model, tok = model_and_tokenizer
+    prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
+               tok.encode(" ".join(["ocean garden market"] * 12)),
+               tok.encode(" ".join(["winter morning"] * 20))]
+    late = tok.encode(" ".join(["a library of quiet rooms"] * 6))
+    kw = dict(max_tokens=8, prefill_step_size=64, completion_batch_size=8,
+              prefill_batch_size=4, prompt_end=prompt_end)
+    free, _ = _budgeted(ServingBatchGenerator(model, **kw), prompts, late)
+    theirs = _run(BatchGenerator(model, max_tokens=8, prefill_step_size=64,
+                                 completion_batch_size=8, prefill_batch_size=4),
+                  prompts, late)
+    assert free == list(theirs.values())
+    for budget in (4096, 40, 20):
+        got, steps = _budgeted(ServingBatchGenerator(model, max_step_tokens=budget, **kw),
+                               prompts, late)
+        assert got == free, budget
+        assert all(len(v) == 8 for v in got)
+        # decode rows first: a step's prefill fills what is left, and never less than
+        # the least chunk a prompt gets
+        over = [(d, p) for d, p in steps
+                if d + p > max(budget, d + serving_batch.MIN_PREFILL_TOKENS)]
+        assert over == [], (budget, over)
+        if budget == 20:  # the long prompts took many steps, prefill beside decode
+            assert sum(1 for d, p in steps if p) > 2 * len(free[3]) // 20
+            assert any(d and p for d, p in steps)
+
+
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_the_budget_shares_a_step_among_the_prompts_being_prefilled(model_and_tokenizer,
+                                                                   prompt_end):
+    """Four long prompts at once under a budget of 64: each gets 16 tokens a step (one
+    chunk length for all, the pass being padded to its longest), none waits for another."""
+    model, tok = model_and_tokenizer
+    gen = ServingBatchGenerator(model, max_tokens=4, prefill_step_size=512,
+                                prefill_batch_size=4, prompt_end=prompt_end,
+                                max_step_tokens=64)
+    gen.insert([tok.encode(" ".join([w] * 30)) for w in ("ocean", "river", "sea", "lake")],
+               max_tokens=[4] * 4)
+    prompt_responses, _ = gen.next()
+    assert [r.progress[0] for r in prompt_responses] == [16, 16, 16, 16]
+    assert gen.step_stats.largest_prefill_tokens == 64
+
+
+def test_a_full_decode_batch_leaves_the_least_chunk_to_a_prompt(model_and_tokenizer):
+    """Decode rows as many as the budget: a waiting prompt still gets its least chunk
+    each step, and the prompt batch takes in no more newcomers than that feeds."""
+    model, tok = model_and_tokenizer
+    gen = ServingBatchGenerator(model, max_tokens=40, prefill_step_size=512,
+                                prefill_batch_size=8, completion_batch_size=16,
+                                prompt_end=True)
+    gen.insert([tok.encode(f"story {i}") for i in range(8)], max_tokens=[40] * 8)
+    gen.next()
+    assert len(gen._generation_batch) == 8
+    gen.max_step_tokens = 8
+    gen.insert([tok.encode(" ".join(["ocean"] * 40)), tok.encode("a second one")],
+               max_tokens=[4, 4])
+    prompt_responses, responses = gen.next()
+    assert len(responses) == 8
+    assert [r.progress[0] for r in prompt_responses] == [serving_batch.MIN_PREFILL_TOKENS]
+    assert len(gen._unprocessed_sequences) == 1  # waits for room in the budget
+
+
+def test_auto_is_a_number_per_backend_and_the_engine_shows_its_steps(tiny_llama):
+    """engine.max_step_tokens 'auto' resolves per backend (here the CPU's); the engine's
+    stats (/health, /api/ps) show the budget beside the largest step it fed."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
+    engine.bind()
+    seq = engine.new_sequence(engine.encode_prompt(" ".join(["ocean garden"] * 60)),
+                              SamplingParams(max_tokens=3, temperature=0.0))
+    engine.add(seq)
+    while not seq.finished:
+        engine.step()
+    stats = engine.stats()["step_budget"]
+    assert stats["budget"] == serving_batch.AUTO_STEP_TOKENS["cpu"]
+    assert 0 < stats["largest_step_tokens"] <= stats["budget"]
+    off = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, max_step_tokens=0))
+    off.bind()
+    assert off.stats()["step_budget"]["budget"] == 0
+
+
+def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(tiny_llama):
+    """Prompt lookup verifies drafts in the decode pass: those tokens count against the
+    step's budget, and greedy output is what it is without one."""
+    from mlxd.core.types import SamplingParams
+    from mlxd.engines.llm import LLMEngine
+
+    texts = [" ".join(["ocean garden market"] * 8), "the river runs to the sea " * 3,
+             " ".join(["winter morning library"] * 14)]
+    got, stats = [], []
+    for budget in (0, 24):
+        engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(
+            max_num_seqs=4, prefix_cache_bytes=0, speculative="prompt-lookup",
+            max_step_tokens=budget))
+        engine.bind()
+        steps: list[tuple[int, int]] = []
+        real = engine._gen.step_stats.record
+        engine._gen.step_stats.record = lambda d, p, real=real, steps=steps: (
+            steps.append((d, p)), real(d, p))
+        seqs = [engine.new_sequence(engine.encode_prompt(t),
+                                    SamplingParams(max_tokens=24, temperature=0.0))
+                for t in texts]
+        out: dict[int, list[int]] = {id(s): [] for s in seqs}
+        for s in seqs:
+            engine.add(s)
+            s.t_added = 0.0
+        for _ in range(400):
+            if all(s.finished for s in seqs):
+                break
+            for seq, ev in engine.step():
+                assert ev.error is None
+                if ev.token is not None:
+                    out[id(seq)].append(ev.token)
+        got.append([out[id(s)] for s in seqs])
+        stats.append((steps, engine.speculator.stats.verify_steps))
+    assert got[0] == got[1] and all(len(t) == 24 for t in got[1])
+    steps, verify_steps = stats[1]
+    assert verify_steps > 0
+    assert any(d > len(texts) for d, _ in steps)  # a verify step's drafts were counted
+    assert all(d + p <= max(24, d + serving_batch.MIN_PREFILL_TOKENS) for d, p in steps)
+    assert any(d and p for d, p in steps)

@@ -1,4 +1,4 @@
-"""The tokenizer as mlxd loads it (engines/text.py) drops transformers' Python copy of the
+"""The tokenizer as mlxd loads it (text/processor.py) drops transformers' Python copy of the
 vocabulary and merges, and still tokenizes, templates and detokenizes exactly as the
 tokenizer mlx-lm loads. The fixture is a Qwen2-family tokenizer (transformers loads it
 with Qwen2Tokenizer, a class that keeps the copy): byte-level BPE with a few merges."""
@@ -11,7 +11,7 @@ import pytest
 from fixtures.byte_level import CHATML, write_byte_level_tokenizer
 from mlx_lm.tokenizer_utils import load as mlx_lm_load
 
-from mlxd.engines.text import TextProcessor, load_tokenizer
+from mlxd.text.processor import TextProcessor, load_tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "  spaces\tand\nnewlines  ", ""]

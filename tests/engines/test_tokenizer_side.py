@@ -1,5 +1,5 @@
 """A front end's tokenizer without MLX (frontend/tokenizer_side.py) and the model family's
-tokenizer defaults that the engine core sends it instead (engines/text.py)."""
+tokenizer defaults that the engine core sends it instead (text/processor.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fixtures.byte_level import CHATML, write_byte_level_tokenizer
 
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.calls import model_info
-from mlxd.engines.text import load_tokenizer, tokenizer_defaults
+from mlxd.text.processor import load_tokenizer, tokenizer_defaults
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_a_front_end_process_tokenizes_and_templates_without_mlx_or_llguidance(t
         assert tokenizer_side.register_without_init()
         assert not tokenizer_side.register_without_init()  # once per process
         from mlxd.core.types import GenerateRequest, GrammarSpec, OutputConstraint, SamplingParams
-        from mlxd.engines.text import TextProcessor, load_tokenizer
+        from mlxd.text.processor import TextProcessor, load_tokenizer
         tok = load_tokenizer(Path({str(tok_dir)!r}))
         proc = TextProcessor("t", tok, 300, None)
         ids = proc.encode_messages([{{"role": "user", "content": "héllo"}}])

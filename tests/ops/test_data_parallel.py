@@ -119,6 +119,29 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(dp):
     assert not any(root.glob("*/*.safetensors"))  # nothing in a shared fingerprint folder
 
 
+def test_a_cache_salt_routes_by_its_own_prefixes(dp):
+    """The same prompt under another cache_salt is not pulled to the core holding the
+    first salt's prefix (that cache could not serve it); each salt's next turn goes back
+    to its own core and hits there."""
+    words = " ".join(f"salted word{j} beta{j * 7}" for j in range(10))
+    msgs = [{"role": "user", "content": f"A salted conversation: {words}"}]
+    cores = {}
+    for salt in ("a", "b"):
+        # idle cores as the router sees them: a stale load must not decide the pick
+        assert _wait(lambda: [c.load for c in dp.runtime.cores.clients] == [0, 0])
+        before = _totals(dp)
+        turn1 = _chat(dp, msgs, cache_salt=salt)
+        assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cores[salt] = [a - b for a, b in zip(_totals(dp), before, strict=True)].index(1)
+    assert cores["a"] != cores["b"]
+    for salt in ("a", "b"):
+        before = _totals(dp)
+        turn2 = _chat(dp, msgs + [{"role": "assistant", "content": "Yes."},
+                                  {"role": "user", "content": "and then?"}], cache_salt=salt)
+        assert [a - b for a, b in zip(_totals(dp), before, strict=True)].index(1) == cores[salt]
+        assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+
+
 def _holders(srv, model: str) -> list[int]:
     return next((m["engine_cores"] for m in srv.health()["models"] if m["name"] == model), [])
 

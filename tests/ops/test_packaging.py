@@ -29,7 +29,9 @@ import tomllib
 from conftest import free_port
 from packaging.markers import Marker
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+from mlxd import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 HOMEBREW = ROOT / "packaging" / "homebrew"
@@ -152,8 +154,7 @@ def test_formula_is_what_the_generator_renders_from_the_lock(formula, monkeypatc
     arts = [gen.Artifact(name, pins[name], r["url"], r["sha256"])
             for name, r in formula_resources(formula).items()]
     sha = re.search(r'^  sha256 "([^"]+)"$', formula, re.M).group(1)
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert gen.render(project, sha, arts) == formula
+    assert gen.render(gen.project(), sha, arts) == formula
 
 
 # --------------------------------------------------------------------------------------- #
@@ -229,17 +230,20 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
-def test_installed_wheel_runs_the_cli_from_its_own_files(wheel_venv, tmp_path):
+def test_installed_wheel_runs_the_cli_from_its_own_files(dists, wheel_venv, tmp_path):
     env = _env(tmp_path)
     mlxd = wheel_venv / "bin" / "mlxd"
     p = subprocess.run([str(mlxd), "--help"], capture_output=True, text=True, env=env,
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert "serve" in p.stdout and "doctor" in p.stdout
-    p = subprocess.run([str(mlxd), "version"], capture_output=True, text=True, env=env,
-                       timeout=60)
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    assert p.stdout.strip() == version
+    # one version: mlxd.__version__ is the wheel's, and what both CLI spellings print
+    version = str(parse_wheel_filename(dists["wheel"].name)[1])
+    assert version == __version__
+    for args in (["version"], ["--version"]):
+        p = subprocess.run([str(mlxd), *args], capture_output=True, text=True, env=env,
+                           timeout=60)
+        assert p.returncode == 0 and p.stdout.strip() == version, (args, p.stderr)
     p = subprocess.run([str(wheel_venv / "bin" / "python"), "-c",
                         "import mlxd, mlxd.server, mlxd.api.app, mlxd.cli.main; "
                         "print(mlxd.__file__)"], capture_output=True, text=True, env=env,
@@ -265,6 +269,9 @@ def test_installed_wheel_serves(wheel_venv, tmp_path, tiny_llama):
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline, "no healthy server after 90 s"
             time.sleep(0.2)
+        assert r.json()["version"] == __version__
+        ollama = httpx.get(f"http://127.0.0.1:{port}/api/version", timeout=10).json()
+        assert ollama["mlxd_version"] == __version__
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -91,3 +91,21 @@ def test_router_forgets_the_oldest_prefixes_beyond_its_bound():
     assert r.preferred(block_hashes("m", list(range(40)), block=4)) == 1
     assert r.preferred(block_hashes("m", list(range(8)), block=4)) is None  # evicted
     assert r.preferred(block_hashes("m", list(range(12)), block=4)) == 1
+
+
+def test_routing_hashes_are_per_cache_salt():
+    from mlxd.core.blocks import cache_salt
+
+    toks = list(range(100))
+    assert block_hashes("m", toks, 32, "s") == block_hashes("m", toks, 32, "s")
+    assert block_hashes("m", toks, 32, "s") != block_hashes("m", toks, 32, "t")
+    assert block_hashes("m", toks, 32, "s") != block_hashes("m", toks, 32)
+    r = PrefixRouter(slack=0, min_tokens=32, block=32)
+    r.remember(block_hashes("m", toks, 32, "s"), 1)
+    assert r.preferred(block_hashes("m", toks, 32, "s")) == 1
+    assert r.preferred(block_hashes("m", toks, 32, "t")) is None
+    # an owner's partition is never reachable by picking a cache_salt, nor the shared one
+    assert cache_salt(None, None) is None
+    assert len({cache_salt("a", None), cache_salt(None, "a"), cache_salt("a", "")}) == 3
+    assert cache_salt("ab", "c") != cache_salt("a", "bc")
+    assert cache_salt("a", "x") == cache_salt("a", "x")

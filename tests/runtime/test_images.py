@@ -1,4 +1,4 @@
-"""Image sources, remote-fetch safety and decoding (runtime/images.py), without a server."""
+"""Image sources, remote-fetch safety and decoding (core/images.py), without a server."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ require("PIL")
 from PIL import Image  # noqa: E402
 
 from mlxd.config import VisionSettings  # noqa: E402
+from mlxd.core import images  # noqa: E402
 from mlxd.core.errors import InvalidRequest  # noqa: E402
 from mlxd.core.types import ImageInput  # noqa: E402
-from mlxd.runtime import images  # noqa: E402
 
 
 def _png(size=(32, 24), fmt="PNG", mode="RGB") -> bytes:

@@ -1,7 +1,7 @@
 import pytest
 
 from mlxd.core.errors import InvalidRequest
-from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
+from mlxd.core.keepalive import FOREVER, parse_keep_alive
 
 
 @pytest.mark.parametrize(("value", "seconds"), [

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mlxd.config import Settings
-from mlxd.runtime.slots import (
+from mlxd.core.slots import (
     AUTO_CAP_CPU,
     AUTO_CAP_GPU,
     AUTO_FLOOR,

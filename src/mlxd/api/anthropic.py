@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from mlxd.api.anthropic_schemas import CountTokensRequest, MessagesRequest
@@ -78,9 +78,9 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
 
 @router.post("/v1/messages", responses=ok(AnthropicResponse, (
     SSE, "message_start, content_block_start/delta/stop, message_delta, message_stop")))
-async def messages(body: MessagesRequest, request: Request):
+async def messages(body: MessagesRequest, request: Request) -> Response:
     req = _request(body, request, body.sampling())
-    req.user = body.user
+    req.user, req.cache_salt = body.user, body.cache_salt
     (gen,) = await submit_n(request, req, 1)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
@@ -179,7 +179,7 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
 
 
 @router.post("/v1/messages/count_tokens", responses=ok(TokenCountAnthropic))
-async def count_tokens(body: CountTokensRequest, request: Request):
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     req = _request(body, request, SamplingParams())
     _, n = await until_disconnect(request, runtime(request).count_tokens(req))
     return {"input_tokens": n}

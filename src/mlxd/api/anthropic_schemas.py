@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from mlxd.api.tooling import check_call, function_tool, tool_names
-from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
 
@@ -145,6 +145,7 @@ class MessagesRequest(MessagesBase):
     top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
+    cache_salt: CacheSalt = None
 
     def sampling(self) -> SamplingParams:
         stops = tuple(s for s in (self.stop_sequences or []) if s)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any, TypedDict
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, File, Form, Request, Response, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from mlxd.api.audio_schemas import (
@@ -41,11 +41,11 @@ uploads = APIRouter(route_class=UploadRoute)
 router = APIRouter(route_class=ApiRoute)
 
 
-def _usage(t: Transcript) -> dict:
+def _usage(t: Transcript) -> dict[str, Any]:
     return {"type": "duration", "seconds": t.duration}
 
 
-def _reply(t: Transcript, fmt: str, segments: bool = True):
+def _reply(t: Transcript, fmt: str, segments: bool = True) -> Response:
     if fmt == "text":
         return PlainTextResponse(t.text + "\n")
     if fmt == "srt":
@@ -53,7 +53,8 @@ def _reply(t: Transcript, fmt: str, segments: bool = True):
     if fmt == "vtt":
         return PlainTextResponse(render_vtt(t.segments), media_type="text/vtt")
     if fmt == "verbose_json":
-        out = {"task": t.task, "language": t.language, "duration": t.duration, "text": t.text}
+        out: dict[str, Any] = {"task": t.task, "language": t.language,
+                               "duration": t.duration, "text": t.text}
         if segments:  # OpenAI: asking for words alone leaves the segments out
             out["segments"] = t.segments
         if t.words is not None:
@@ -62,10 +63,20 @@ def _reply(t: Transcript, fmt: str, segments: bool = True):
     return JSONResponse({"text": t.text, "usage": _usage(t)})
 
 
+class _Options(TypedDict):
+    """The transcription options both speech calls take."""
+
+    task: str
+    language: str | None
+    prompt: str | None
+    temperature: float
+    keep_alive: str | None
+
+
 async def _transcribe(request: Request, task: str, file: UploadFile, model: str | None,
                       language: str | None, prompt: str | None, fmt: str, temperature: float,
                       granularities: list[str] | None, stream: bool,
-                      keep_alive: str | None = None):
+                      keep_alive: str | None = None) -> Response:
     if not 0.0 <= temperature <= 1.0:
         raise InvalidRequest("temperature must be between 0 and 1", param="temperature")
     for g in granularities or []:
@@ -77,8 +88,8 @@ async def _transcribe(request: Request, task: str, file: UploadFile, model: str 
                              param="timestamp_granularities")
     data = await file.read()
     speech = runtime(request).speech
-    args = {"task": task, "language": language, "prompt": prompt, "temperature": temperature,
-            "keep_alive": keep_alive}
+    args = _Options(task=task, language=language, prompt=prompt, temperature=temperature,
+                    keep_alive=keep_alive)
     words = "word" in (granularities or [])
     if stream:
         if fmt not in ("json", "text"):
@@ -90,7 +101,7 @@ async def _transcribe(request: Request, task: str, file: UploadFile, model: str 
     return _reply(t, fmt, segments="segment" in (granularities or ["segment"]))
 
 
-async def _transcript_events(events: AsyncIterator) -> AsyncIterator[str]:
+async def _transcript_events(events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
     try:
         async for kind, value in events:
             if kind == "delta":
@@ -106,8 +117,8 @@ Granularities = Annotated[list[str] | None, Form(alias="timestamp_granularities[
 
 
 @uploads.post("/v1/audio/transcriptions", responses=ok(
-    Transcription | VerboseTranscription,  # type: ignore[arg-type]
-    ("transcript.text.delta / transcript.text.done events", SSE)))
+    Transcription | VerboseTranscription,
+    (SSE, "transcript.text.delta / transcript.text.done events")))
 async def transcriptions(
     request: Request,
     file: Annotated[UploadFile, File(description="The audio (wav, mp3, flac, ogg, m4a, webm...)")],
@@ -120,7 +131,7 @@ async def transcriptions(
     stream: Annotated[bool, Form()] = False,
     keep_alive: Annotated[str | None, Form(description="mlxd/Ollama extension: how long "
                                            "the model stays loaded after this request")] = None,
-):
+) -> Response:
     return await _transcribe(request, "transcribe", file, model, language, prompt,
                              response_format, temperature, timestamp_granularities, stream,
                              keep_alive)
@@ -135,14 +146,14 @@ async def translations(
     response_format: Annotated[TranscriptFormat, Form()] = "json",
     temperature: Annotated[float, Form()] = 0.0,
     keep_alive: Annotated[str | None, Form()] = None,
-):
+) -> Response:
     return await _transcribe(request, "translate", file, model, None, prompt,
                              response_format, temperature, None, False, keep_alive)
 
 
 @router.post("/v1/audio/speech", responses={200: {"content": {
     t: {"schema": {"type": "string", "format": "binary"}} for t in MEDIA_TYPES.values()}}})
-async def speech(request: Request, body: SpeechBody):
+async def speech(request: Request, body: SpeechBody) -> Response:
     fmt = body.response_format
     name, chunks = await until_disconnect(request, runtime(request).speech.speak(
         body.model, body.input, voice=body.voice, fmt=fmt, speed=body.speed,

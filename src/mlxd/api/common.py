@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from fastapi import Request
@@ -91,7 +91,7 @@ async def submit_n(request: Request, req: GenerateRequest, n: int) -> list[Gener
     return gens
 
 
-def close_all(gens: list[Generation]):
+def close_all(gens: list[Generation]) -> Callable[[], None]:
     def close() -> None:
         for g in gens:
             g.close()

@@ -11,7 +11,8 @@ keeps FastAPI from adding one).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,7 +58,7 @@ _ERRORS: dict[int | str, str] = {
     404: "Unknown model (or stored response).",
     413: "The body is larger than security.max_body_bytes.",
     429: "The queue is full or a key's rate limit is reached (see Retry-After).",
-    503: "Shutting down, the device worker restarting, or out of memory (see Retry-After).",
+    503: "Shutting down, an engine core restarting, or out of memory (see Retry-After).",
     "default": "Any other error, in the same shape.",
 }
 
@@ -85,7 +86,7 @@ def error_responses(path: str, body: bool, public: bool) -> dict[int | str, Any]
     return {c: {"model": model, "description": _ERRORS[c]} for c in sorted(codes, key=str)}
 
 
-def streamed(media_type: str, what: str) -> dict[int | str, Any]:
+def streamed(media_type: StreamMedia, what: str) -> dict[str, Any]:
     """A 200 that is also a stream (``"stream": true``), for ``responses=``.
 
     For ``text/event-stream`` the schema describes *one event* (OpenAPI 3.1 leaves streams
@@ -105,7 +106,8 @@ def streamed(media_type: str, what: str) -> dict[int | str, Any]:
     return {"content": {media_type: {"schema": schema}}}
 
 
-def ok(model: type[BaseModel], stream: tuple[str, str] | None = None) -> dict[int | str, Any]:
+def ok(model: type[BaseModel] | UnionType, stream: tuple[StreamMedia, str] | None = None
+       ) -> dict[int | str, Any]:
     """``responses=`` for a route whose 200 body is ``model`` (and, streaming, a stream)."""
     out: dict[str, Any] = {"model": model}
     if stream is not None:
@@ -113,8 +115,9 @@ def ok(model: type[BaseModel], stream: tuple[str, str] | None = None) -> dict[in
     return {200: out}
 
 
-SSE = "text/event-stream"
-NDJSON = "application/x-ndjson"
+StreamMedia = Literal["text/event-stream", "application/x-ndjson"]
+SSE: Final = "text/event-stream"
+NDJSON: Final = "application/x-ndjson"
 
 
 # -- 200 bodies ------------------------------------------------------------------------------------

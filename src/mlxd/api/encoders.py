@@ -18,7 +18,7 @@ import base64
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
@@ -27,7 +27,7 @@ from mlxd.api.docs import EmbeddingList, RerankResponse, TokenizeResponse, ok
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
-from mlxd.api.wire import KeepAlive, ModelName, WireModel
+from mlxd.api.wire import KeepAlive, ModelName, WireModel, is_token_ids
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import EmbedRequest, RerankRequest
 
@@ -63,13 +63,13 @@ class EmbeddingsBody(_Req):
         x = self.input
         if isinstance(x, str):
             return [x]
-        if x and all(isinstance(t, int) for t in x):
-            return [list(x)]  # type: ignore[list-item]
-        return list(x)  # type: ignore[arg-type]
+        if is_token_ids(x):
+            return [list(x)] if x else []
+        return list(x)
 
 
 @router.post("/v1/embeddings", responses=ok(EmbeddingList))
-async def embeddings(request: Request, body: EmbeddingsBody):
+async def embeddings(request: Request, body: EmbeddingsBody) -> Response:
     req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
                        dimensions=body.dimensions, keep_alive=body.keep_alive,
                        request_id=request.state.request_id)
@@ -158,17 +158,17 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
 
 
 @router.post("/v1/rerank", responses=ok(RerankResponse))
-async def rerank_v1(request: Request, body: RerankBody):
+async def rerank_v1(request: Request, body: RerankBody) -> Response:
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/rerank", responses=ok(RerankResponse))
-async def rerank_plain(request: Request, body: RerankBody):
+async def rerank_plain(request: Request, body: RerankBody) -> Response:
     return await _rerank(body, request, cohere_v2=False)
 
 
 @router.post("/v2/rerank", responses=ok(RerankResponse))
-async def rerank_v2(request: Request, body: RerankBody):
+async def rerank_v2(request: Request, body: RerankBody) -> Response:
     return await _rerank(body, request, cohere_v2=True)
 
 
@@ -187,7 +187,7 @@ class TokenizeBody(_Req):
 
 
 @router.post("/v1/tokenize", responses=ok(TokenizeResponse))
-async def tokenize(request: Request, body: TokenizeBody):
+async def tokenize(request: Request, body: TokenizeBody) -> Response:
     raw = body.input if body.input is not None else body.prompt
     messages = None
     if body.messages is not None:

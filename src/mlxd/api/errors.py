@@ -113,7 +113,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        raw: object = exc.detail  # FastAPI's HTTPException takes any JSON value
+        detail = raw if isinstance(raw, str) else json.dumps(raw)
         if is_ollama(request):
             return ollama_error(exc.status_code, detail, getattr(exc, "headers", None))
         if is_anthropic(request):

@@ -8,12 +8,18 @@ bind that port where only your scraper reaches it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
-from mlxd.enginecore.protocol import Metrics
 from mlxd.observability.metrics import REGISTRY, MergedCollector, merged_text
+
+if TYPE_CHECKING:
+    from mlxd.config import Settings
+    from mlxd.frontend.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +33,18 @@ async def metrics(request: Request) -> Response:
     return Response(await render(request.app.state.runtime), media_type=CONTENT_TYPE_LATEST)
 
 
-async def core_texts(runtime) -> list[str]:
+async def core_texts(runtime: Runtime) -> list[str]:
     """Each engine core's exposition, in core order ("" for a dead or busy core: the
     front end's own families and the other cores' still go out)."""
     texts = []
-    for client, reply in await runtime.cores.call_all(Metrics()):
-        if isinstance(reply, BaseException):
+    for client, text in await runtime.cores.metrics_texts():
+        if text is None:
             log.warning("could not read engine core %d's metrics", client.index)
-            texts.append("")
-        else:
-            texts.append(reply.text.decode())
+        texts.append(text or "")
     return texts or [""]
 
 
-async def render(runtime) -> bytes:
+async def render(runtime: Runtime) -> bytes:
     """The front end's families and the engine cores', in one exposition."""
     return merged_text(await core_texts(runtime))
 
@@ -49,10 +53,10 @@ class _WithCore:
     """For prometheus-client's own metrics server (a thread of its own): the front end's
     families and the engine core's, fetched through the front end's event loop."""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         import asyncio
 
         rt = self.runtime
@@ -66,7 +70,7 @@ class _WithCore:
         yield from MergedCollector(texts).collect()
 
 
-def start_metrics_port(settings, runtime=None) -> object | None:
+def start_metrics_port(settings: Settings, runtime: Runtime | None = None) -> object | None:
     """Serve the metrics on ``metrics.port`` from a daemon thread, the engine core's
     families included when ``runtime`` is given. The same Host and Origin checks as the main
     port (api/origin.py) guard it: no key applies there, so a rebinding page must not read
@@ -85,11 +89,12 @@ def start_metrics_port(settings, runtime=None) -> object | None:
     registry = REGISTRY
     if runtime is not None:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_WithCore(runtime))  # type: ignore[arg-type]
+        registry.register(_WithCore(runtime))
     metrics_app = make_wsgi_app(registry)
     guard = OriginMiddleware(None, settings)  # type: ignore[arg-type]  # its checks only
 
-    def guarded(environ, start_response):
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]
+                ) -> Iterable[bytes]:
         origins = [environ["HTTP_ORIGIN"]] if "HTTP_ORIGIN" in environ else []
         found = guard.problem(environ.get("HTTP_HOST"), origins)
         if found is not None:
@@ -101,7 +106,7 @@ def start_metrics_port(settings, runtime=None) -> object | None:
         daemon_threads = True
 
     class Quiet(WSGIRequestHandler):
-        def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base's name
             pass
 
     server = make_server(settings.server.host, m.port, guarded, Server, Quiet)

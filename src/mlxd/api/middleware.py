@@ -226,9 +226,6 @@ class MethodMiddleware:
         await self.app(dict(scope, method="GET") if head else scope, receive, send_wrapper)
 
 
-RequestIdMiddleware = AccessMiddleware  # the name this class had before it did more
-
-
 def install_middleware(app: Any, settings: Any) -> Lifecycle:
     """Wire the stack onto a FastAPI app; returns the Lifecycle (also ``app.state``)."""
     from mlxd.api.origin import OriginMiddleware, allowed_origins

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
@@ -30,6 +30,7 @@ from mlxd.api.tooling import (
     openai_tools,
 )
 from mlxd.api.wire import (
+    CacheSalt,
     KeepAlive,
     MinP,
     ModelName,
@@ -86,6 +87,7 @@ class _GenBase(_Body):
     options: Options | None = None
     format: Any = None
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None  # vLLM's, as on the OpenAI routes (Ollama has none)
 
     def constraint(self) -> OutputConstraint | None:
         """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""
@@ -171,7 +173,8 @@ class PullBody(ModelBody):
     insecure: bool = False
 
 
-def _ndjson(events: AsyncIterator[dict], on_close=None) -> DisconnectAwareStream:
+def _ndjson(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None] | None = None
+            ) -> DisconnectAwareStream:
     async def lines() -> AsyncIterator[str]:
         async for e in events:
             yield json.dumps(e, separators=(",", ":")) + "\n"
@@ -191,7 +194,7 @@ def _done_fields(gen: Generation, usage: Usage, reason: str | None) -> dict[str,
 async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: str) -> dict:
     """Ollama: a request without a prompt (or messages) only loads, or with 0 unloads."""
     rt = runtime(request)
-    from mlxd.runtime.keepalive import parse_keep_alive
+    from mlxd.core.keepalive import parse_keep_alive
 
     if parse_keep_alive(keep_alive) == 0:
         if await rt.models.get_loaded(model) is not None:
@@ -218,7 +221,7 @@ def _with_images(content: str, images: list[str] | None, where: str,
 
 @router.post("/generate", responses=ok(
     OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")))
-async def generate(body: GenerateBody, request: Request):
+async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     params = body.sampling()
@@ -230,12 +233,14 @@ async def generate(body: GenerateBody, request: Request):
             raise InvalidRequest("a raw prompt cannot carry images", param="images")
         req = GenerateRequest(model=body.model, sampling=params, prompt=body.prompt)
     else:
-        msgs = ([{"role": "system", "content": body.system}] if body.system else [])
+        msgs: list[dict[str, Any]] = (
+            [{"role": "system", "content": body.system}] if body.system else [])
         msgs.append({"role": "user",
                      "content": _with_images(body.prompt, body.images, "images", images)})
         req = GenerateRequest(model=body.model, sampling=params, messages=msgs,
                               images=images or None)
     req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
+    req.cache_salt = body.cache_salt
     req.constraint = body.constraint()
     gen = await until_disconnect(request, runtime(request).submit(req))
 
@@ -253,7 +258,7 @@ async def generate(body: GenerateBody, request: Request):
 
 @router.post("/chat", responses=ok(
     OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")))
-async def chat(body: ChatBody, request: Request):
+async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
     params = body.sampling()
     if not body.messages:
         return await _load_or_unload(request, body.model, body.keep_alive, "message")
@@ -265,7 +270,7 @@ async def chat(body: ChatBody, request: Request):
                    **m.tool_fields(f"messages[{i}]")}
                   for i, m in enumerate(body.messages)],
         keep_alive=body.keep_alive, request_id=request.state.request_id,
-        images=images or None,
+        images=images or None, cache_salt=body.cache_salt,
     )
     req.constraint = body.constraint()
     tools = openai_tools(body.tools)
@@ -289,7 +294,9 @@ async def chat(body: ChatBody, request: Request):
     return await _respond(request, gen, body.stream, part, last, "message")
 
 
-async def _respond(request: Request, gen: Generation, stream: bool, part, last, key: str):
+async def _respond(request: Request, gen: Generation, stream: bool,
+                   part: Callable[..., dict[str, Any]],
+                   last: Callable[[Usage, str | None], dict[str, Any]], key: str) -> Response:
     if stream:
         async def events() -> AsyncIterator[dict]:
             try:
@@ -345,12 +352,12 @@ def _param_size(manifest: dict, config: dict) -> str:
 
 
 @router.get("/version")
-async def version():
+async def version() -> dict[str, str]:
     return {"version": OLLAMA_COMPAT_VERSION, "mlxd_version": __version__}
 
 
 @router.get("/tags")
-async def tags(request: Request):
+async def tags(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     models = []
     for m in rt.models.installed():
@@ -365,7 +372,7 @@ async def tags(request: Request):
 
 
 @router.post("/show")
-async def show(body: ModelBody, request: Request):
+async def show(body: ModelBody, request: Request) -> dict[str, Any]:
     info = runtime(request).catalog_ops.describe(body.target)
     m, cfg = info["manifest"], info["config"]
     model_info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
@@ -387,7 +394,7 @@ async def show(body: ModelBody, request: Request):
 
 
 @router.post("/pull", responses={200: streamed(NDJSON, "progress objects (the default)")})
-async def pull(body: PullBody, request: Request):
+async def pull(body: PullBody, request: Request) -> Response | dict[str, Any]:
     rt = runtime(request)
     name = body.target
     if not body.stream:
@@ -429,13 +436,13 @@ async def pull(body: PullBody, request: Request):
 
 
 @router.delete("/delete")
-async def delete(body: ModelBody, request: Request):
+async def delete(body: ModelBody, request: Request) -> Response:
     await runtime(request).catalog_ops.delete(body.target)
     return JSONResponse({})
 
 
 @router.get("/ps")
-async def ps(request: Request):
+async def ps(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     out = []
     for lm in await rt.models.loaded():

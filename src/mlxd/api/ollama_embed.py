@@ -49,7 +49,7 @@ def _name(request: Request, model: str | None) -> str:
 
 
 @router.post("/embed", responses=ok(OllamaEmbed))
-async def embed(request: Request, body: EmbedBody):
+async def embed(request: Request, body: EmbedBody) -> dict[str, Any]:
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if not inputs:
@@ -64,7 +64,7 @@ async def embed(request: Request, body: EmbedBody):
 
 
 @router.post("/embeddings")
-async def embeddings(request: Request, body: EmbeddingsBody):
+async def embeddings(request: Request, body: EmbeddingsBody) -> dict[str, Any]:
     rt = runtime(request)
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)

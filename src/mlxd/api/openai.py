@@ -6,9 +6,9 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from mlxd.api.common import (
@@ -25,7 +25,7 @@ from mlxd.api.common import (
 )
 from mlxd.api.docs import SSE, ChatCompletion, Completion, ModelCard, ModelList, ok
 from mlxd.api.errors import error_payload
-from mlxd.api.routing import ApiRoute
+from mlxd.api.routing import ApiRoute, RouteOptions
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
 from mlxd.api.tooling import (
@@ -39,12 +39,14 @@ from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import GenerateRequest, TokenLogprob, TopLogprob
 from mlxd.frontend.generation import Generation
+from mlxd.frontend.models import LoadedModel
+from mlxd.frontend.runtime import Runtime
 
 router = APIRouter(route_class=ApiRoute)
 
 # mlx-vlm's server serves the OpenAI routes without the /v1 prefix; clients written for it
 # work unchanged. Same handlers; left out of the OpenAPI document, which lists each once.
-ALIAS = {"include_in_schema": False}
+ALIAS: RouteOptions = {"include_in_schema": False}
 
 # The floor OpenAI and vLLM report for a token the model gives no chance (-inf): JSON has no
 # infinities, and a NaN or -Infinity in a chunk breaks every strict client's parser.
@@ -98,7 +100,7 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool =
 @router.post("/v1/chat/completions", responses=ok(
     ChatCompletion, (SSE, "chat.completion.chunk objects, then [DONE]")))
 @router.post("/chat/completions", **ALIAS)
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     req = GenerateRequest(
         model=body.model,
         sampling=body.to_sampling(),
@@ -107,6 +109,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         keep_alive=body.keep_alive,
         images=body.images(),
         audio=body.audio(),
+        cache_salt=body.cache_salt,
     )
     _chat_extras(req, body)
     gens = await submit_n(request, req, body.n)
@@ -145,8 +148,8 @@ def _chat_extras(req: GenerateRequest, body: ChatCompletionRequest) -> None:
     req.user = body.user
 
 
-def _chat_message(res) -> dict:
-    msg: dict = {"role": "assistant",
+def _chat_message(res: Collected) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant",
                  "content": res.text if (res.text or not res.tool_calls) else None}
     if res.reasoning:
         msg["reasoning_content"] = res.reasoning
@@ -202,7 +205,7 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
 
 @router.post("/v1/completions", responses=ok(
     Completion, (SSE, "text_completion chunks, then [DONE]")))
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request) -> Response:
     text, tokens = body.single_prompt()
     req = GenerateRequest(
         model=body.model,
@@ -211,6 +214,7 @@ async def completions(body: CompletionRequest, request: Request):
         prompt_tokens=tokens,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
+        cache_salt=body.cache_salt,
     )
     req.user = body.user
     gens = await submit_n(request, req, body.n)
@@ -268,7 +272,7 @@ async def _completion_stream(gens: list[Generation], cid: str, created: int,
     yield sse("[DONE]")
 
 
-def _model_card(rt, name: str, loaded: dict) -> dict:
+def _model_card(rt: Runtime, name: str, loaded: dict[str, LoadedModel]) -> dict[str, Any]:
     lm = loaded.get(name)
     created = int(lm.loaded_at) if lm else 0
     manifest = rt.models.store.manifest(name) if not lm else None
@@ -288,7 +292,7 @@ def _parse_ts(ts: str) -> int:
 
 @router.get("/v1/models", responses=ok(ModelList))
 @router.get("/models", **ALIAS)
-async def list_models(request: Request):
+async def list_models(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     names = list(loaded)
@@ -299,7 +303,8 @@ async def list_models(request: Request):
 @router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
 @router.get("/models/{model_id:path}", **ALIAS)
 async def get_model(request: Request, model_id: Annotated[str, Path(
-        description="A model name as /v1/models lists it; may contain '/' (org/name).")]):
+        description="A model name as /v1/models lists it; may contain '/' (org/name).")]
+                    ) -> dict[str, Any]:
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}

@@ -24,14 +24,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from mlxd.api.common import Collected, collect, submit_n
 from mlxd.api.docs import SSE, streamed
 from mlxd.api.owner import Principal, principal
-from mlxd.api.routing import ApiRoute
+from mlxd.api.routing import ApiRoute, RouteOptions
 from mlxd.api.streaming import sse_response, until_disconnect
 from mlxd.api.tooling import (
     apply_tools,
@@ -40,13 +40,14 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
-from mlxd.api.wire import KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
 
 router = APIRouter(route_class=ApiRoute)
-ALIAS = {"include_in_schema": False}  # mlx-vlm's paths, without /v1 (see api/openai.py)
+# mlx-vlm's paths, without /v1 (see api/openai.py)
+ALIAS: RouteOptions = {"include_in_schema": False}
 
 
 class ResponseNotFound(MlxdError):
@@ -75,6 +76,7 @@ class ResponsesRequest(WireModel):
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None
 
     def function_tools(self) -> list[dict] | None:
         if not self.tools:
@@ -84,7 +86,8 @@ class ResponsesRequest(WireModel):
             if t.get("type") != "function":
                 raise InvalidRequest(f"tools[{i}]: only function tools are supported",
                                      param=f"tools[{i}]")
-            fn = t.get("function") if isinstance(t.get("function"), dict) else t
+            inner = t.get("function")
+            fn: dict[str, Any] = inner if isinstance(inner, dict) else t
             out.append(function_tool(fn.get("name"), fn.get("description"),
                                      fn.get("parameters"), param=f"tools[{i}]"))
         return out
@@ -286,7 +289,7 @@ class _Turn:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p),
             messages=messages, request_id=request.state.request_id,
-            keep_alive=body.keep_alive, user=body.user)
+            keep_alive=body.keep_alive, user=body.user, cache_salt=body.cache_salt)
         # images of this turn only (earlier turns' images are not resent to the model)
         self.req.images = images or None
         tools = body.function_tools()
@@ -322,7 +325,7 @@ class _Turn:
 @router.post("/v1/responses", responses={200: streamed(
     SSE, "response.created ... response.output_text.delta ... response.completed")})
 @router.post("/responses", **ALIAS)
-async def create_response(body: ResponsesRequest, request: Request):
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
     turn = _Turn(body, request)
     (gen,) = await submit_n(request, turn.req, 1)
     store = _store(request)
@@ -448,13 +451,13 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Princ
 
 @router.get("/v1/responses/{response_id}")
 @router.get("/responses/{response_id}", **ALIAS)
-async def get_response(response_id: str, request: Request):
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     obj, _ = _store(request).get(principal(request), response_id)
     return obj
 
 
 @router.delete("/v1/responses/{response_id}")
 @router.delete("/responses/{response_id}", **ALIAS)
-async def delete_response(response_id: str, request: Request):
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     _store(request).delete(principal(request), response_id)
     return {"id": response_id, "object": "response", "deleted": True}

@@ -6,13 +6,20 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
+from fastapi.datastructures import DefaultPlaceholder
 from pydantic import BaseModel
 
 from mlxd.api.body import JSONBodyRoute
 from mlxd.api.docs import error_responses
 from mlxd.api.security import ALWAYS_PUBLIC
+
+
+class RouteOptions(TypedDict, total=False):
+    """Route keyword arguments that several routes share, spread with ``**``."""
+
+    include_in_schema: bool
 
 
 class ApiRoute(JSONBodyRoute):
@@ -23,6 +30,9 @@ class ApiRoute(JSONBodyRoute):
         body = takes_body(endpoint) or not self.json_body  # form routes always take a body
         errors = error_responses(path, body, public=path in ALWAYS_PUBLIC)
         kwargs["responses"] = {**errors, **(kwargs.get("responses") or {})}
+        if isinstance(kwargs.get("response_model"), DefaultPlaceholder):
+            # documented bodies come from `responses`; a return annotation is for mypy only
+            kwargs["response_model"] = None
         super().__init__(path, endpoint, **kwargs)
 
 

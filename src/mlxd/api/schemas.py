@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator
 
 from mlxd.api.tooling import check_tool_calls
 from mlxd.api.wire import (
+    CacheSalt,
     KeepAlive,
     LogitBias,
     MaxTokens,
@@ -20,6 +21,7 @@ from mlxd.api.wire import (
     Temperature,
     TopP,
     WireModel,
+    is_token_ids,
 )
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import AudioInput, ImageInput, SamplingParams
@@ -59,6 +61,7 @@ class SamplingFields(_Req):
     keep_alive: KeepAlive = Field(
         None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
     )
+    cache_salt: CacheSalt = None
     return_tokens_as_token_ids: bool = Field(
         False,
         description=(
@@ -137,7 +140,9 @@ def _audio_part(part: ContentPart, param: str) -> tuple[str, str | None]:
         raise InvalidRequest(f"audio content parts must be 'input_audio' with base64 data "
                              f"(got '{part.type}')", param=param)
     body = (part.model_extra or {}).get("input_audio")
-    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        body = {}
+    data = body.get("data")
     if not isinstance(data, str) or not data:
         raise InvalidRequest("an input_audio part needs input_audio.data (base64 audio)",
                              param=param)
@@ -258,14 +263,13 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, list):
             if len(p) == 0:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
-            if all(isinstance(x, int) for x in p):
-                return None, list(p)  # type: ignore[arg-type]
+            if is_token_ids(p):
+                return None, list(p)
             if len(p) != 1:
                 raise InvalidRequest("only one prompt per request is supported", param="prompt")
-            p = p[0]
-            if isinstance(p, list):
-                return None, list(p)
-        return p, None  # type: ignore[return-value]
+            first = p[0]
+            return (None, list(first)) if isinstance(first, list) else (first, None)
+        return p, None
 
 
 class GenerateBody(_Req):
@@ -288,6 +292,7 @@ class GenerateBody(_Req):
     raw: bool = Field(
         False, description="Send the prompt to the model as is, without the chat template.")
     keep_alive: KeepAlive = None
+    cache_salt: CacheSalt = None
 
     def templated(self, model_has_template: bool) -> bool:
         """Whether the prompt goes through the chat template.

@@ -96,7 +96,7 @@ class KeyEntry:
 
 
 def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
-    out = []
+    out: list[KeyEntry] = []
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):

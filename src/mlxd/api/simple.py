@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
+from mlxd import __version__
 from mlxd.api.common import collect, runtime, usage_dict
 from mlxd.api.docs import SSE, GenerateResponse, Health, ok
 from mlxd.api.errors import error_payload
@@ -25,16 +27,18 @@ router = APIRouter(route_class=ApiRoute)
 
 @router.get("/health", responses=ok(Health))
 @router.head("/health", include_in_schema=False)  # probes that only want the status code
-async def health(request: Request):
+async def health(request: Request) -> Response:
     """The server's state. With API keys configured, a caller without a valid key (a load
     balancer's probe) gets only ``{"status"}`` and the status code: which models are loaded,
-    memory and load are for key holders (api/security.py marks the request ``anonymous``)."""
+    memory, load and the version are for key holders (api/security.py marks the request
+    ``anonymous``)."""
     rt = runtime(request)
     # the code comes from the same snapshot as the status word (a core may die meanwhile)
     if getattr(request.state, "anonymous", False):
         state = rt.state
         return JSONResponse({"status": state}, status_code=rt.health_code(state))
     status = await rt.status()
+    status["version"] = __version__
     return JSONResponse(status, status_code=rt.health_code(status["status"]))
 
 
@@ -50,7 +54,7 @@ async def _has_chat_template(request: Request, model: str) -> bool:
 
 @router.post("/generate", responses=ok(
     GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')))
-async def generate(body: GenerateBody, request: Request):
+async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
     # the model's files are read only when the request leaves the choice to the model
     decided = body.raw or body.chat is not None
     chat = body.templated(decided or await _has_chat_template(request, body.model))
@@ -61,6 +65,7 @@ async def generate(body: GenerateBody, request: Request):
         messages=[{"role": "user", "content": body.prompt}] if chat else None,
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
+        cache_salt=body.cache_salt,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     if body.stream:
@@ -89,7 +94,7 @@ class UnloadBody(WireModel):
 
 
 @router.post("/unload")
-async def unload(request: Request, body: UnloadBody | None = None):
+async def unload(request: Request, body: UnloadBody | None = None) -> dict[str, Any]:
     """Unload one model (``{"model": ...}``) or all (no body); memory goes back to the
     system (the answer carries the engine core's memory after the unload)."""
     return await runtime(request).models.unload(body.model if body else None)

@@ -31,6 +31,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeIs
 
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
 # (engines/sampling.py), so every accepted seed is a valid PRNG key.
@@ -107,6 +108,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as O
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
+CacheSalt = Annotated[str, Field(
+    min_length=1, max_length=1024,
+    description="vLLM extension: requests share cached prompt prefixes (the prefix cache) "
+                "only when their cache_salt is equal; with security.prefix_cache_isolation "
+                "'per_key' only within one API key besides.")] | None
 
 
 def _named(v: str) -> str:
@@ -120,3 +126,8 @@ def _named(v: str) -> str:
 # A model field: "" or blanks are a 400, never silently the default model (an empty name in
 # /unload unloaded the default one); leaving the field out still means the default.
 ModelName = Annotated[str, AfterValidator(_named)]
+
+
+def is_token_ids(x: object) -> TypeIs[list[int]]:
+    """A list of token ids, which the OpenAI-shaped fields take in place of text."""
+    return isinstance(x, list) and all(isinstance(t, int) for t in x)

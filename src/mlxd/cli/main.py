@@ -20,6 +20,20 @@ app = typer.Typer(
 app.command()(serve)  # first in --help, as the command most people want
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: bool = typer.Option(False, "--version", callback=_print_version,
+                                      is_eager=True, help="Print the version and exit."),
+) -> None:
+    """A model server on MLX: chat, completions and more on one port."""
+
+
 @app.command()
 def version() -> None:
     """Print the version."""

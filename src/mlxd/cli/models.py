@@ -13,12 +13,17 @@ import sys
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from mlxd.cli.common import CliError, ConfigOpt, JsonOpt, cli_errors
 from mlxd.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from mlxd.store.local import ModelStore
 
 # Module-local short names for the shared helpers (the pull-progress work touches this file
 # too; the call sites keep their spelling).
@@ -30,13 +35,13 @@ def _settings(config: Path | None, overrides: dict | None = None) -> Settings:
     return load_settings(config, overrides)
 
 
-def _store(settings: Settings):
+def _store(settings: Settings) -> ModelStore:
     from mlxd.store.local import ModelStore
 
     return ModelStore(settings.models_dir)
 
 
-def _console(stderr: bool = False):
+def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout

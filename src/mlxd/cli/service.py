@@ -23,11 +23,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from mlxd.cli.common import CliError, ConfigOpt, cli_errors
+
+if TYPE_CHECKING:
+    from mlxd.config import Settings
 
 app = typer.Typer(help="Run mlxd as a per-user service (systemd on Linux, launchd on macOS).",
                   no_args_is_help=True)
@@ -90,7 +93,7 @@ def _sd_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def systemd_unit(config_file: Path, settings) -> str:
+def systemd_unit(config_file: Path, settings: Settings) -> str:
     env = _service_env()
     stop_timeout = int(settings.server.shutdown_grace_s) + 15
     lines = [
@@ -160,7 +163,7 @@ def _need_systemd(verb: str) -> None:
 # -- launchd --------------------------------------------------------------------------------
 
 
-def launchd_plist(config_file: Path, settings) -> bytes:
+def launchd_plist(config_file: Path, settings: Settings) -> bytes:
     env = _service_env()
     log = str(Path(env["MLXD_HOME"]) / "logs" / "mlxd-service.log")
     data = {

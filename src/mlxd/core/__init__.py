@@ -1,1 +1,2 @@
-"""Protocol-free types shared by the API dialects and the runtime."""
+"""Protocol-free types, errors and pure helpers that every layer may use, front ends and
+engine core alike (nothing here imports MLX or another mlxd package)."""

@@ -117,12 +117,6 @@ class InsufficientStorage(MlxdError):
     type = "server_error"
 
 
-class Conflict(MlxdError):
-    status = 409
-    code = "conflict"
-    type = "invalid_request_error"
-
-
 class ShuttingDown(Unavailable):
     """The server drains (SIGTERM): the same code whether the request met the drain at the
     door (api/middleware.py) or a moment later, on its way to the engine. One message and
@@ -142,18 +136,6 @@ class OutOfMemory(Unavailable):
     """The device ran out of memory for this request; the server itself keeps serving."""
 
     code = "out_of_memory"
-
-
-class Unauthorized(MlxdError):
-    status = 401
-    code = "invalid_api_key"
-    type = "invalid_request_error"
-
-
-class RateLimited(MlxdError):
-    status = 429
-    code = "rate_limit_exceeded"
-    type = "rate_limit_error"
 
 
 class PayloadTooLarge(MlxdError):

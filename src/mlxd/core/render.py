@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -170,9 +171,12 @@ class Renderer:
             self._slots = asyncio.Semaphore(self.max_concurrent)
         slots = self._slots
         try:
-            async with asyncio.timeout(self.timeout_s):  # a slot is never lost to a race
-                await slots.acquire()
-        except TimeoutError:
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(self.timeout_s):  # a slot is never lost to a race
+                    await slots.acquire()
+            else:  # no asyncio.timeout on 3.10: wait_for, whose rare race can lose a slot
+                await asyncio.wait_for(slots.acquire(), self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):  # distinct classes before 3.11
             raise QueueFull("too many prompts are being templated; retry shortly",
                             headers={"Retry-After": "1"}) from None
         loop = asyncio.get_running_loop()

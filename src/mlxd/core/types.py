@@ -52,7 +52,7 @@ ToolChoice = Literal["auto", "none", "required", "function"]
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's grammar is made of, as a front end sends it to the engine core,
-    which compiles it (llguidance lives only there: engines/text.py's
+    which compiles it (llguidance lives only there: text/processor.py's
     ``TextProcessor.matcher``); an unsupported schema or grammar is still a 400 before
     any output.
 
@@ -118,6 +118,7 @@ class GenerateRequest:
     user: str | None = None  # the caller's end-user id, logged
     images: list[ImageInput] | None = None  # only vision models accept them
     audio: list[AudioInput] | None = None  # only vision models with an audio tower
+    cache_salt: str | None = None  # vLLM's: only requests with equal salts share cached KV
 
 
 @dataclass

@@ -19,7 +19,7 @@ from mlxd.core.errors import ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 from mlxd.enginecore import group
 from mlxd.enginecore import protocol as p
-from mlxd.engines.text import tokenizer_defaults
+from mlxd.text.processor import tokenizer_defaults
 
 
 def model_info(entry: Any) -> p.ModelInfo:
@@ -49,7 +49,7 @@ def loaded_view(entry: Any) -> dict[str, Any]:
         "max_batch_size_seen": engine.max_batch_seen,
         "context_length": engine.context_length,
     }
-    if entry.max_num_seqs is not None:  # chat and vision models (runtime/slots.py)
+    if entry.max_num_seqs is not None:  # chat and vision models (core/slots.py)
         view["max_num_seqs"] = entry.max_num_seqs
         view["max_num_seqs_reason"] = entry.max_num_seqs_reason
     view.update(engine.stats())

@@ -49,10 +49,6 @@ SWITCH_INTERVAL_S = 0.0005  # the GIL hand-off bound (see main)
 FAULTS_ENV = "MLXD_TEST_FAULTS"  # "1": the "fault" call exists (tests and failure drills)
 
 
-def core_address(run_dir: str | Path) -> str:
-    return f"ipc://{Path(run_dir) / 'core-in'}"
-
-
 @dataclass(eq=False)
 class _Live:
     """A request admitted into an engine: what its end must release."""
@@ -136,7 +132,7 @@ class EngineCore:
     @property
     def admission_limit(self) -> int:
         """Batch slots plus queue: the loaded models' largest batch (per model, resolved at
-        load: runtime/slots.py) and engine.max_queued_requests."""
+        load: core/slots.py) and engine.max_queued_requests."""
         return self.models.max_num_seqs() + self.settings.engine.max_queued_requests
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -145,7 +141,7 @@ class EngineCore:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(core_address(self.run_dir))
+        sock.bind(p.core_address(self.run_dir))
         stop_beats = threading.Event()
         threading.Thread(target=self.outlet.run_heartbeat, args=(HEARTBEAT_S, stop_beats),
                          name="mlxd-core-heartbeat", daemon=True).start()
@@ -310,6 +306,7 @@ class EngineCore:
                 grammar = await asyncio.to_thread(engine.text.matcher, m.grammar)
             seq = engine.new_sequence(prompt, params, grammar=grammar,
                                       arm_after=tuple(m.arm_after) if m.arm_after else None)
+            seq.cache_salt = m.cache_salt
         except BaseException as exc:
             self._inflight -= 1
             if lease is not None:
@@ -336,8 +333,8 @@ class EngineCore:
         """Decode and process a vision request's images (in a thread, off the loop)."""
         import numpy as np
 
+        from mlxd.core.images import decode_image
         from mlxd.engines.vlm import LoadedAudio, LoadedImage
-        from mlxd.runtime.images import decode_image
 
         v = m.vision
         if engine.kind != "vision":
@@ -454,7 +451,7 @@ def main(run_dir: str, epoch: int) -> None:
     # group, and the front end's drain must not lose its core before it is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    # The device thread shares the GIL with the output thread and the event loop. At the
+    # The device thread shares the GIL with the heartbeat thread and the event loop. At the
     # default 5 ms switch interval a step that needs the GIL back can wait up to 5 ms per
     # hand-off (a decode step of a 0.5B model on an H200 is ~10 ms); at 0.5 ms the device
     # loop got 12% (C=16) and 25% (C=64) more tokens/s through the server in an A/B on the

@@ -72,10 +72,9 @@ def main(run_dir: str, epoch: int, bind: str) -> None:
 
     from mlxd.engines import llm, tensor_parallel  # imported now: the first load is sooner
 
-    del llm
     group = init_rank(settings)
     tensor_parallel.setup(group, None, settings.engine.parallel_mode)
-    replay = tensor_parallel.Replayer()
+    replay = tensor_parallel.Replayer(llm.LLMEngine)
     log.info("%s follower rank %d (epoch %d, pid %d) ready", tensor_parallel.mode_name(),
              group.rank(), epoch, os.getpid())
     while True:

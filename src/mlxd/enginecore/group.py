@@ -46,7 +46,6 @@ from mlxd.config import Settings, rank_hosts
 log = logging.getLogger(__name__)
 
 RANK_PIDS_ENV = "MLXD_TP_RANK_PIDS"  # rank 0 learns its followers' pids (for status)
-LOCAL_IPS = ("127.0.0.1", "localhost")
 
 
 def group_size(settings: Settings) -> int:

@@ -26,11 +26,17 @@ message queued for a core that has since died is dropped, never run by its succe
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 
 from mlxd.core.types import GrammarSpec
+
+
+def core_address(run_dir: str | Path) -> str:
+    """The socket a core reads requests from, in its run directory (front ends push to it)."""
+    return f"ipc://{Path(run_dir) / 'core-in'}"
 
 
 class Sampling(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -78,7 +84,8 @@ class VisionInput(msgspec.Struct, array_like=True, gc=False):
 class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     """Admit one sequence. ``grammar`` says what the request's grammar is made of (the
     core compiles it: a 400 before any output when it is not supported); ``arm_after``
-    the token ids after which it starts to apply."""
+    the token ids after which it starts to apply; ``cache_salt`` the prefix cache's
+    partition it may reuse and fill (None: the shared one)."""
 
     epoch: int
     frontend: int
@@ -91,6 +98,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     arm_after: list[int] | None = None
     vision: VisionInput | None = None
     tools: bool = False  # only for errors' wording in the vision adapter
+    cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

@@ -47,10 +47,6 @@ class EncodeJob:
         for it in self.items:
             it.job = self
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(it.n for it in self.items)
-
 
 @dataclass
 class BatchPolicy:

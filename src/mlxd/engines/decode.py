@@ -64,6 +64,7 @@ class Sequence:
     generated: int = 0
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    cache_salt: str | None = None  # the prefix-cache partition it reads and fills
     t_added: float = 0.0
     t_scheduled: float = 0.0  # when it joined the batch (monotonic)
     error: Exception | None = None  # its own processors failed: it ends alone, with this

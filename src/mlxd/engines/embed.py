@@ -48,7 +48,6 @@ class SentenceTransformerConfig:
     normalize: bool
     max_seq_length: int | None
     dense: list[tuple[Path, dict]]  # (module dir, config) of Dense layers, in order
-    from_files: bool
 
 
 def read_sentence_transformers(path: Path, *, decoder: bool) -> SentenceTransformerConfig:
@@ -84,7 +83,7 @@ def read_sentence_transformers(path: Path, *, decoder: bool) -> SentenceTransfor
     if bad:
         raise ModelLoadError(f"pooling mode {bad[0]!r} is not supported")
     return SentenceTransformerConfig(pooling, normalize, msl if isinstance(msl, int) else None,
-                                     dense, bool(modules))
+                                     dense)
 
 
 def encoder_dtype(setting: str) -> Any:

@@ -10,7 +10,7 @@ sequence ends with ``finish_reason == "stop"``; running out of ``max_tokens`` fi
 with "length" (a truncated document). A matcher that fails on the way (a resource limit
 of llguidance) ends its row with a GrammarError, which the client sees.
 
-It lives apart from engines/structured.py (grammar sources and validation) because front
+It lives apart from text/structured.py (grammar sources and validation) because front
 ends validate grammars and must not import MLX (docs/architecture.md).
 """
 
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.core.errors import GrammarError
-from mlxd.engines.structured import first_line
+from mlxd.text.structured import first_line
 
 
 class GrammarProcessor:

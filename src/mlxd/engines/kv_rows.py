@@ -46,6 +46,10 @@ class RowPoolKVCache(BatchKVCache):
     invariant, which lets offsets be rebuilt from the host's padding).
     """
 
+    # mlx-lm's BatchKVCache starts them as None (no update yet); a pool always holds arrays
+    keys: mx.array  # type: ignore[assignment]
+    values: mx.array  # type: ignore[assignment]
+
     def __init__(self, left: list[int], idx: int, keys: mx.array, values: mx.array) -> None:
         super().__init__([0] * len(left))
         self.keys, self.values, self._idx = keys, values, idx

@@ -2,11 +2,11 @@
 
 Everything that touches MLX here runs on the device worker thread. The engine emits token
 ids (engines/decode.py); templating, tokenizing, detokenizing, stop strings and output
-parsing belong to the front ends (engines/text.py, frontend/generation.py).
+parsing belong to the front ends (text/processor.py, frontend/generation.py).
 
 Per sequence, on top of mlx-lm's batch: a sampler and logits processors (engines/sampling)
 when the request asks for more than the batch's shared sampler, a grammar that masks the
-logits every step (engines/structured), and the prefix cache (engines/prefix_cache): a new
+logits every step (text/structured), and the prefix cache (engines/prefix_cache): a new
 sequence starts from the KV cache of the longest prefix an earlier one left behind. Its
 disk tier (engines/prefix_disk) keeps long prefixes across restarts: a sequence whose
 prefix is on disk waits outside the batch while the reader thread loads it, then starts as
@@ -42,11 +42,11 @@ from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.prompt_end import supports_prompt_end
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
-from mlxd.engines.serving_batch import ServingBatchGenerator
+from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
-from mlxd.engines.text import TextProcessor
 from mlxd.observability import metrics
+from mlxd.text.processor import TextProcessor
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,8 @@ class LLMEngine(DecodeEngine):
                 max_num_seqs=o.max_num_seqs,
                 prefill_batch_size=o.prefill_batch_size,
                 prefill_step_size=o.prefill_step_size,
+                # tokens per step, decode rows first (engines/serving_batch.py)
+                max_step_tokens=step_budget(o.max_step_tokens, mx.default_device() != mx.cpu),
                 max_kv_size=o.max_kv_size,  # engines/bounded_kv.py
             )
             if o.max_kv_size is not None and not can_bound(self.model):
@@ -272,6 +274,7 @@ class LLMEngine(DecodeEngine):
             prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
             prefill_step_size=s["prefill_step_size"],
             prompt_end=self._prompt_end,
+            max_step_tokens=s["max_step_tokens"],
         )
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
@@ -298,8 +301,8 @@ class LLMEngine(DecodeEngine):
         seq.t_added = time.monotonic()
         disk = self.disk
         if disk is not None and len(seq.prompt_tokens) > disk.min_tokens:
-            in_memory = self.prefix_cache.peek(seq.prompt_tokens)
-            entry, n = disk.match(seq.prompt_tokens)
+            in_memory = self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt)
+            entry, n = disk.match(seq.prompt_tokens, seq.cache_salt)
             if entry is not None and n > in_memory:
                 fut = self._reads.get(entry.key)
                 if fut is None:
@@ -327,10 +330,13 @@ class LLMEngine(DecodeEngine):
                 got = None
             if got is not None and id(fut) not in inserted:
                 tokens, cache = got
-                self.prefix_cache.insert(tokens.tolist(), cache, reused=True)
+                # the entry matched this sequence's salt: the file and the request share it
+                self.prefix_cache.insert(tokens.tolist(), cache, reused=True,
+                                         salt=seq.cache_salt)
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
-                if got is not None and self.prefix_cache.peek(seq.prompt_tokens) > 0:
+                if got is not None and \
+                        self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt) > 0:
                     self.disk.count_hit()
                 else:
                     self.disk.count_miss()
@@ -442,7 +448,8 @@ class LLMEngine(DecodeEngine):
         """The prefix cache's KV for the start of ``seq``'s prompt (sets cached_tokens)."""
         cache, seq.cached_tokens = None, 0
         if self.prefix_cache.enabled:
-            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens)
+            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens,
+                                                                seq.cache_salt)
         return cache
 
     def _processors(self, seq: Sequence) -> list:
@@ -459,6 +466,9 @@ class LLMEngine(DecodeEngine):
         prefix: dict[str, Any] = self.prefix_cache.stats()
         prefix["disk"] = self.disk.stats() if self.disk is not None else None
         out: dict[str, Any] = {"prefix_cache": prefix}
+        step_stats = getattr(self._gen, "step_stats", None)
+        if step_stats is not None:
+            out["step_budget"] = step_stats.as_dict()
         if self.speculator is not None:
             out["speculative"] = {"mode": self.speculator.mode,
                                   **self.speculator.stats.as_dict()}
@@ -536,10 +546,11 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
-        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0)
+        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0,
+                                 salt=seq.cache_salt)
         if self.disk is not None and self._warm_phases is None and (
                 self._disk_writes_all or seq.cached_tokens > 0):
-            self.disk.spill(tokens, cache)
+            self.disk.spill(tokens, cache, seq.cache_salt)
 
     def has_work(self) -> bool:
         self._poll_loads()

@@ -30,7 +30,7 @@ def model_options(name: str, settings: Settings) -> dict[str, Any]:
     if name == default_name and m.adapter_path is not None:
         out["adapter_path"] = m.adapter_path
     opts = m.options.get(name)
-    if opts is not None:  # the batch size is the model manager's (runtime/slots.py)
+    if opts is not None:  # the batch size is the model manager's (core/slots.py)
         out.update({k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items()
                     if v is not None})
     out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
@@ -43,7 +43,7 @@ def fixed_max_num_seqs(name: str, settings: Settings) -> int:
     opts = settings.models.options.get(name)
     value = opts.max_num_seqs if opts is not None and opts.max_num_seqs is not None \
         else settings.engine.max_num_seqs
-    return value if isinstance(value, int) else 8  # runtime/slots.py's AUTO_FLOOR
+    return value if isinstance(value, int) else 8  # core/slots.py's AUTO_FLOOR
 
 
 def option_key(name: str, settings: Settings, key: str) -> str:
@@ -63,6 +63,7 @@ class TextEngineOptions:
     max_num_seqs: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    max_step_tokens: int | str = "auto"  # tokens per step (engines/serving_batch.py)
     dtype: str = "auto"
     trust_remote_code: bool = False
     prefix_cache_bytes: int = 0
@@ -109,6 +110,7 @@ class TextEngineOptions:
             else fixed_max_num_seqs(name, settings),
             prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"],
+            max_step_tokens=e.max_step_tokens,
             dtype=settings.models.dtype,
             trust_remote_code=settings.models.trust_remote_code,
             prefix_cache_bytes=e.prefix_cache_bytes,
@@ -134,7 +136,8 @@ class TextEngineOptions:
         prefix cache and no speculation (engines/tensor_parallel.py says why)."""
         return dict(
             max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size,
-            prefill_step_size=self.prefill_step_size, dtype=self.dtype,
+            prefill_step_size=self.prefill_step_size, max_step_tokens=self.max_step_tokens,
+            dtype=self.dtype,
             trust_remote_code=self.trust_remote_code,
             adapter_path=str(self.adapter_path) if self.adapter_path is not None else None,
             max_kv_size=self.max_kv_size)

@@ -26,6 +26,11 @@ logits start the generation.
 Bounded by bytes (``engine.prefix_cache_bytes``), least recently used first out; an
 entry that is a prefix of a newer one is dropped (the newer one serves it too).
 
+Every entry belongs to one cache salt (core/blocks.py's ``cache_salt``: a request's
+``cache_salt``, its API key's owner under ``security.prefix_cache_isolation: per_key``, or
+none): the salt seeds the block hash chain and is compared with the tokens, so a request
+never reuses, evicts as redundant, or learns of, another salt's prefix.
+
 Once the tier is full, a sequence gets in only if it shows reuse: it started from a cached
 prefix, or its first ``min_hit_tokens`` (at least one block) are those of an entry or of a
 sequence the tier recently turned away or evicted (a "ghost", one hash each, as admission
@@ -64,12 +69,15 @@ class _Entry:
     nbytes: int
     trimmable: bool
     hashes: list[int]
+    salt: str | None = None
 
 
-def block_hashes(tokens: Any, limit: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens)."""
+def block_hashes(tokens: Any, limit: int | None = None, salt: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens),
+    seeded with the cache salt (None: the unsalted chain)."""
     seq = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
-    return chained_block_hashes(seq, BLOCK, limit=limit)
+    return chained_block_hashes(seq, BLOCK, seed=0 if salt is None else ("salt", salt),
+                                limit=limit)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -145,9 +153,11 @@ class PrefixCache:
                 "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
                 "tokens_saved": self.tokens_saved, "skipped": self.skipped}
 
-    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
-        """(cache holding the first n prompt tokens, n); (None, 0) without a useful match."""
-        best_key, best_n = self._best(tokens)
+    def lookup(self, tokens: list[int], salt: str | None = None
+               ) -> tuple[list[Any] | None, int]:
+        """(cache holding the first n prompt tokens, n); (None, 0) without a useful match
+        among the entries of ``salt``."""
+        best_key, best_n = self._best(tokens, salt)
         if best_key is None:
             if self.enabled:
                 self.misses += 1
@@ -158,17 +168,18 @@ class PrefixCache:
         self.tokens_saved += best_n
         return _view(entry.cache, best_n), best_n
 
-    def peek(self, tokens: list[int]) -> int:
+    def peek(self, tokens: list[int], salt: str | None = None) -> int:
         """How many prompt tokens :meth:`lookup` would serve now (no statistics, no LRU
         touch): the disk tier reads a prefix only when it beats this."""
-        return self._best(tokens)[1]
+        return self._best(tokens, salt)[1]
 
-    def _best(self, tokens: list[int]) -> tuple[int | None, int]:
-        """(the entry serving the longest useful prefix of ``tokens``, its length)."""
+    def _best(self, tokens: list[int], salt: str | None) -> tuple[int | None, int]:
+        """(the entry of ``salt`` serving the longest useful prefix of ``tokens``, its
+        length)."""
         if not self._entries or len(tokens) < 2:
             return None, 0
         limit = len(tokens) - 1  # the last prompt token always runs
-        level, keys = self._walk(tokens, limit)
+        level, keys = self._walk(tokens, limit, salt)
         # A match ends within the block after the deepest shared one: if even that cannot
         # reach min_hit_tokens, no entry is worth comparing (the common case: prompts that
         # share only a chat template's preamble).
@@ -180,6 +191,8 @@ class PrefixCache:
         best_key, best_n = None, 0
         for key in candidates:
             e = self._entries[key]
+            if e.salt != salt:
+                continue  # another salt's entry: a short one, or a hash collision
             n = min(common_prefix(e.tokens, want), limit)
             if not e.trimmable and n < len(e.tokens):
                 continue  # only a whole entry can serve, and only if it fits
@@ -189,11 +202,12 @@ class PrefixCache:
             return None, 0
         return best_key, best_n
 
-    def _walk(self, tokens: list[int], limit: int) -> tuple[int, list[int]]:
-        """(the deepest block level ``tokens`` shares with an entry, the entries sharing it,
-        oldest first)."""
+    def _walk(self, tokens: list[int], limit: int, salt: str | None
+              ) -> tuple[int, list[int]]:
+        """(the deepest block level ``tokens`` shares with an entry of ``salt``, the entries
+        sharing it, oldest first)."""
         level, found = 0, []
-        for lv, h in enumerate(block_hashes(tokens, limit), 1):
+        for lv, h in enumerate(block_hashes(tokens, limit, salt), 1):
             keys = self._index.get(h)
             if not keys:
                 break
@@ -214,10 +228,11 @@ class PrefixCache:
         if len(self._ghosts) > GHOSTS:
             self._ghosts.popitem(last=False)
 
-    def insert(self, tokens: list[int], cache: list[Any], *, reused: bool = False) -> bool:
-        """Keep a finished sequence's KV; True if kept. ``reused``: it started from a cached
-        prefix, or a request is waiting for it (a disk-tier read), so a full tier takes it
-        without the admission test."""
+    def insert(self, tokens: list[int], cache: list[Any], *, reused: bool = False,
+               salt: str | None = None) -> bool:
+        """Keep a finished sequence's KV under its cache ``salt``; True if kept. ``reused``:
+        it started from a cached prefix, or a request is waiting for it (a disk-tier read),
+        so a full tier takes it without the admission test."""
         if not self.enabled or not cache or len(tokens) < 2:
             return False
         sizes = {c.size() for c in cache if hasattr(c, "size")}
@@ -227,7 +242,7 @@ class PrefixCache:
         if nbytes > self.max_bytes:
             return False
         arr = np.asarray(tokens, dtype=np.int64)
-        hashes = block_hashes(arr)
+        hashes = block_hashes(arr, salt=salt)
         if not reused and self.nbytes + nbytes > self.max_bytes:
             h = self._admission_hash(hashes)
             if h is None or (h not in self._index and h not in self._ghosts):
@@ -244,6 +259,8 @@ class PrefixCache:
         ending = [k for h in hashes for k in self._ends.get(h, ())]
         for key in dict.fromkeys([*ending, *self._short]):
             e = self._entries[key]
+            if e.salt != salt:
+                continue
             n = common_prefix(e.tokens, arr)
             if n == len(e.tokens) and (trimmable or n == len(arr)):
                 self._drop(key)
@@ -253,7 +270,7 @@ class PrefixCache:
         # would keep the whole batch's KV buffer referenced, and every later in-place update
         # of the batch would have to copy that buffer instead of writing into it.
         mx.async_eval([c.state for c in cache])
-        self._entries[key] = _Entry(arr, cache, nbytes, trimmable, hashes)
+        self._entries[key] = _Entry(arr, cache, nbytes, trimmable, hashes, salt)
         if not hashes:
             self._short.add(key)
         else:

@@ -21,7 +21,10 @@ read): a file of another format, version or fingerprint, a truncated file, or on
 header does not parse is deleted. The CRC is checked when a file is read back; a mismatch
 deletes it and the request prefills as if there had been no hit.
 
-Matching uses the memory tier's chained block hashes. Bounded by bytes on disk, least
+Matching uses the memory tier's chained block hashes, seeded with the entry's cache salt
+(engines/prefix_cache.py): a file belongs to one salt, its metadata names it (a digest the
+front end made, never a caller's text), its name hashes it with the tokens, and a request
+with another salt neither reads it nor makes it redundant. Bounded by bytes on disk, least
 recently used out first (a hit touches the file's mtime, so the order survives a restart).
 
 Threads: the device thread decides (``match``, ``spill``, ``load``) under a lock and never
@@ -81,6 +84,16 @@ class DiskEntry:
     nbytes: int
     trimmable: bool
     hashes: list[int]
+    salt: str | None = None
+
+
+def entry_key(tokens: np.ndarray, salt: str | None) -> str:
+    """A file's name: a hash of its tokens, and of its salt when it has one."""
+    h = hashlib.sha1()
+    if salt is not None:
+        h.update(b"salt\0" + salt.encode() + b"\0")
+    h.update(np.asarray(tokens, dtype="<i4").tobytes())
+    return h.hexdigest()
 
 
 def model_fingerprint(path: Path, extra: dict[str, Any]) -> str:
@@ -205,16 +218,18 @@ class DiskPrefixCache:
                 meta = read_header(f)
                 self._check(meta)
                 tokens = _decode_tokens(meta["tokens"])
-                if f.stem != meta["key"] or len(tokens) < self.min_tokens:
-                    raise ValueError("its name and key disagree, or it is shorter than "
-                                     "prefix_cache_disk_min_tokens")
+                salt = meta.get("salt") or None
+                if f.stem != meta["key"] or len(tokens) < self.min_tokens or \
+                        meta["key"] != entry_key(tokens, salt):
+                    raise ValueError("its name, key, tokens and salt disagree, or it is "
+                                     "shorter than prefix_cache_disk_min_tokens")
                 st = f.stat()
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self._remove_bad(f, exc)
                 continue
             found.append((st.st_mtime, DiskEntry(meta["key"], tokens, st.st_size,
                                                  meta.get("trimmable") == "1",
-                                                 block_hashes(tokens))))
+                                                 block_hashes(tokens, salt=salt), salt)))
         for _, e in sorted(found, key=lambda x: x[0]):
             self._add(e)
         self._evict()
@@ -273,9 +288,10 @@ class DiskPrefixCache:
             self.evictions += 1
             metrics.prefix_disk_evictions.labels(self.model).inc()
 
-    def _best(self, tokens: np.ndarray, limit: int) -> tuple[DiskEntry | None, int]:
+    def _best(self, tokens: np.ndarray, limit: int, salt: str | None
+              ) -> tuple[DiskEntry | None, int]:
         level, keys = 0, []
-        for lv, h in enumerate(block_hashes(tokens, limit), 1):
+        for lv, h in enumerate(block_hashes(tokens, limit, salt), 1):
             found = self._index.get(h)
             if not found:
                 break
@@ -285,6 +301,8 @@ class DiskPrefixCache:
             return None, 0
         for key in keys[-4:]:
             e = self._entries[key]
+            if e.salt != salt:
+                continue  # a hash collision across salts
             n = min(common_prefix(e.tokens, tokens), limit)
             if not e.trimmable and n < len(e.tokens):
                 continue
@@ -293,14 +311,15 @@ class DiskPrefixCache:
         return (best, best_n) if best_n >= self.min_tokens else (None, 0)
 
     # -- the device thread's calls ----------------------------------------------------------
-    def match(self, tokens: list[int]) -> tuple[DiskEntry | None, int]:
-        """(the entry serving the longest prefix of ``tokens`` of at least ``min_tokens``,
-        how many tokens it serves); the last prompt token always runs."""
+    def match(self, tokens: list[int], salt: str | None = None
+              ) -> tuple[DiskEntry | None, int]:
+        """(the entry of ``salt`` serving the longest prefix of ``tokens`` of at least
+        ``min_tokens``, how many tokens it serves); the last prompt token always runs."""
         if not self.enabled or len(tokens) <= self.min_tokens:
             return None, 0
         arr = np.asarray(tokens, dtype=np.int64)
         with self._lock:
-            return self._best(arr, len(tokens) - 1)
+            return self._best(arr, len(tokens) - 1, salt)
 
     def count_miss(self) -> None:
         self.misses += 1
@@ -316,9 +335,10 @@ class DiskPrefixCache:
                 fut = self._loads[entry.key] = self._reader.submit(self._read, entry)
             return fut
 
-    def spill(self, tokens: list[int], cache: list[Any]) -> bool:
-        """Queue a finished sequence's cache for writing; False when it is not worth it
-        (short, already on disk, too big) or the writer is too far behind."""
+    def spill(self, tokens: list[int], cache: list[Any], salt: str | None = None) -> bool:
+        """Queue a finished sequence's cache for writing under its cache ``salt``; False
+        when it is not worth it (short, already on disk, too big) or the writer is too far
+        behind."""
         if not self.enabled or len(tokens) < self.min_tokens or not cache:
             return False
         sizes = {c.size() for c in cache if hasattr(c, "size")}
@@ -329,7 +349,7 @@ class DiskPrefixCache:
             return False
         arr = np.asarray(tokens, dtype=np.int64)
         with self._lock:
-            have, n = self._best(arr, len(arr))
+            have, n = self._best(arr, len(arr), salt)
             if have is not None and n == len(arr):
                 self._entries.move_to_end(have.key)  # already on disk (as a prefix or whole)
                 return False
@@ -338,12 +358,13 @@ class DiskPrefixCache:
                 return False
             self._queued_bytes += nbytes
         mx.async_eval([c.state for c in cache])  # already scheduled by the memory tier
-        self._writer.submit(self._write, arr, cache, nbytes)
+        self._writer.submit(self._write, arr, cache, nbytes, salt)
         return True
 
     # -- the I/O threads -------------------------------------------------------------------
-    def _write(self, tokens: np.ndarray, cache: list[Any], nbytes: int) -> None:
-        key = hashlib.sha1(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
+    def _write(self, tokens: np.ndarray, cache: list[Any], nbytes: int,
+               salt: str | None = None) -> None:
+        key = entry_key(tokens, salt)
         tmp = self.dir / f"{key}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         final = self.dir / (key + SUFFIX)
         try:
@@ -351,7 +372,7 @@ class DiskPrefixCache:
             meta = {"format": FORMAT, "mlxd_version": __version__,
                     "fingerprint": self.fingerprint, "key": key,
                     "tokens": _encode_tokens(tokens), "trimmable": "1" if trimmable else "0",
-                    "checksum": cache_checksum(cache)}
+                    "checksum": cache_checksum(cache), "salt": salt or ""}
             save_prompt_cache(str(tmp), cache, meta)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -367,7 +388,7 @@ class DiskPrefixCache:
             with self._lock:
                 self._queued_bytes -= nbytes
             return
-        entry = DiskEntry(key, tokens, size, trimmable, block_hashes(tokens))
+        entry = DiskEntry(key, tokens, size, trimmable, block_hashes(tokens, salt=salt), salt)
         with self._lock:
             self._queued_bytes -= nbytes
             # Entries this one makes redundant (when it can be cut back): its prefixes, and
@@ -381,7 +402,8 @@ class DiskPrefixCache:
                 candidates = {k for h in entry.hashes for k in self._tails.get(h, ())}
                 for k in candidates:
                     e = self._entries.get(k)
-                    if e is not None and k != key and len(e.tokens) <= len(tokens) and \
+                    if e is not None and k != key and e.salt == salt and \
+                            len(e.tokens) <= len(tokens) and \
                             common_prefix(e.tokens, tokens) >= len(e.tokens) - _NEAR:
                         self._delete(k)
             self._add(entry)
@@ -401,8 +423,9 @@ class DiskPrefixCache:
                 mx.eval([c.state for c in cache])
                 if cache_checksum(cache) != meta.get("checksum"):
                     raise ValueError("checksum mismatch")
-                if not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens):
-                    raise ValueError("tokens differ from the index")
+                if not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens) or \
+                        (meta.get("salt") or None) != entry.salt:
+                    raise ValueError("tokens or salt differ from the index")
             except FileNotFoundError:
                 with self._lock:
                     self._forget(entry.key)

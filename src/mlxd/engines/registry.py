@@ -35,7 +35,7 @@ def create_engine(kind: str, name: str, path: Path, settings: Settings, *,
     """Load ``path`` as a ``kind`` model. Chat engines come back unbound and cold (see
     :func:`finish_on_device`); every other kind comes back warmed up, built on the device
     thread, which then owns it. ``draft_path``: the draft model (engine.speculative: draft);
-    ``max_num_seqs``: the batch size the model manager resolved (runtime/slots.py)."""
+    ``max_num_seqs``: the batch size the model manager resolved (core/slots.py)."""
     if kind == "chat":
         from mlxd.engines.llm import LLMEngine
 

@@ -28,6 +28,18 @@ but for a prompt's last token: it goes into the last prefill chunk, the first to
 sampled from that pass (:func:`prefilled_group`), and the group joins the decode batch in
 the same step, where mlx-lm feeds that token in a pass of its own a step later.
 
+A step's token budget (``max_step_tokens``, engine.max_step_tokens): mlx-lm prefills one
+chunk of ``prefill_step_size`` tokens for every prompt in its prompt batch per step, so a
+step beside running streams could carry eight 512-token chunks and hold every stream's
+next token back by all of them. Here the step's decode rows count first (a verify step's
+drafted tokens too), and what is left of the budget is shared equally among the prompts
+being prefilled: one chunk length for all of them, since a prefill pass is padded to its
+longest chunk and costs rows x longest. A prompt still gets
+:data:`MIN_PREFILL_TOKENS` when decode rows fill the budget, and the prompt batch takes in
+no more newcomers than the budget feeds that many tokens each, so every prompt progresses
+every step. Chunk boundaries change what a prompt is prefilled with per pass, not its
+tokens: greedy output is the same (float noise aside) at any budget.
+
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
 (:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
@@ -37,6 +49,7 @@ which is why it lives here, beside the subclass, and not in the engine.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -46,6 +59,41 @@ from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, pool
 from mlxd.engines.prompt_end import last_logits
 
 CACHE_KEEP_BYTES = 1 << 30
+# the least a prompt being prefilled gets per step, however full the decode batch is
+MIN_PREFILL_TOKENS = 16
+# engine.max_step_tokens 'auto', per backend (config.py's description says why)
+AUTO_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
+
+
+def step_budget(setting: int | str, on_gpu: bool) -> int:
+    """engine.max_step_tokens as a number: 'auto' per backend; 0 is no budget."""
+    if setting == "auto":
+        return AUTO_STEP_TOKENS["gpu" if on_gpu else "cpu"]
+    return int(setting)
+
+
+@dataclass
+class StepStats:
+    """What the budgeted steps carried (the engine's stats: /health, /api/ps): tokens fed
+    per step, padding included, so an operator can see the bound hold."""
+
+    budget: int = 0
+    steps: int = 0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    largest_step_tokens: int = 0
+    largest_prefill_tokens: int = 0
+
+    def record(self, decode: int, prefill: int) -> None:
+        self.steps += 1
+        if prefill:
+            self.prefill_steps += 1
+            self.prefill_tokens += prefill
+        self.largest_step_tokens = max(self.largest_step_tokens, decode + prefill)
+        self.largest_prefill_tokens = max(self.largest_prefill_tokens, prefill)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 def trim_buffer_cache(limit: int | None = None) -> None:
@@ -248,9 +296,11 @@ class ServingBatchGenerator(BatchGenerator):
     """
 
     def __init__(self, model: Any, *, defer_leaves: bool = False, prompt_end: bool = False,
-                 **kwargs: Any) -> None:
+                 max_step_tokens: int = 0, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.prompt_end = prompt_end
+        self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
+        self.step_stats = StepStats(budget=max_step_tokens)
         self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
@@ -260,20 +310,36 @@ class ServingBatchGenerator(BatchGenerator):
         return ServingPromptBatch.empty(self.model, self.sampler,
                                         prefill_step_size=self.prefill_step_size)
 
+    def _prefill_left(self, decode_tokens: int) -> int | None:
+        """The prefill tokens a step may carry beside ``decode_tokens``; None: unbounded."""
+        if not self.max_step_tokens:
+            return None
+        return max(self.max_step_tokens - decode_tokens, MIN_PREFILL_TOKENS)
+
+    def _prompt_rows(self, left: int | None) -> int:
+        """How many prompts the prompt batch may prefill together under ``left``."""
+        if left is None:
+            return self.prefill_batch_size
+        return min(self.prefill_batch_size, max(left // MIN_PREFILL_TOKENS, 1))
+
     def _next(self) -> tuple[list, list]:
-        """mlx-lm's step; with ``prompt_end`` (a model :func:`supports_prompt_end`), a
-        prompt's last token goes into its last prefill chunk and the row joins the decode
-        batch in the same step, its first token sampled from that pass (engines/
-        prompt_end.py): no pass of its own for the last token, and the first token a step
-        earlier. Otherwise as mlx-lm's: the decode step, newcomers into the prompt batch,
-        one prefill chunk each."""
-        if not self.prompt_end:
-            return super()._next()
+        """mlx-lm's step under the token budget (see the module docstring): the decode
+        step, newcomers into the prompt batch, one chunk each for the prompts being
+        prefilled, as long as the budget's share allows.
+
+        With ``prompt_end`` (a model :func:`supports_prompt_end`), a prompt's last token
+        goes into its last prefill chunk and the row joins the decode batch in the same
+        step, its first token sampled from that pass (engines/prompt_end.py): no pass of
+        its own for the last token, and the first token a step earlier. Otherwise as
+        mlx-lm's: a row prefilled up to its last token joins the decode batch the next
+        step, in a pass of that token."""
         prompt_responses: list = []
         generation_responses: list = []
         batch = self._generation_batch
         counters = self._counters
+        fed = 0
         if len(batch) > 0:
+            fed = len(batch.uids)  # held finished rows decode too
             tic = time.perf_counter()
             generation_responses = batch.next()
             counters.decode_time += time.perf_counter() - tic
@@ -281,29 +347,45 @@ class ServingBatchGenerator(BatchGenerator):
             counters.generation_steps += 1
             if counters.generation_steps % 512 == 0:
                 mx.clear_cache()
+            fed = getattr(batch, "fed_tokens", fed)  # a verify step's drafts count
         if len(batch) >= self.completion_batch_size:
+            self.step_stats.record(fed, 0)
             return prompt_responses, generation_responses
+        staying = len(self._currently_processing) - len(self._joining())
+        left = self._prefill_left(fed + len(self._currently_processing) - staying)
         n = min(self.prefill_batch_size - len(self._prompt_batch),
+                self._prompt_rows(left) - staying,
                 self.completion_batch_size - len(batch), len(self._unprocessed_sequences))
         if n > 0:
             self._prompt_batch.extend(self._make_batch(n))
+        joining = self._joining()
+        if joining:  # mlx-lm's split: these rows' last tokens go in the decode pass
+            self._join(joining, prompt_responses)
+            fed += len(joining)
+            left = self._prefill_left(fed)
+        rows = self._currently_processing
         prompts = self._prompt_batch
         chunks, ends = [], []
-        for uid, seq in zip(prompts.uids, self._currently_processing, strict=True):
+        size = self.prefill_step_size
+        if left is not None and rows:
+            size = max(min(size, left // len(rows)), 1)
+        for uid, seq in zip(prompts.uids, rows, strict=True):
             segments = seq[0]
-            chunk = segments[0][:self.prefill_step_size]
+            chunk = segments[0][:size]
             segments[0] = segments[0][len(chunk):]
             end_of_segment = not segments[0]
             if end_of_segment:
                 segments.pop(0)
-            if len(segments) == 1 and len(segments[0]) == 1:  # the last token mlx-lm
-                chunk = chunk + segments.pop()  # split off at insert: it goes along
+            if (self.prompt_end and len(segments) == 1 and len(segments[0]) == 1
+                    and (left is None or len(chunk) < size)):
+                chunk = chunk + segments.pop()  # the last token mlx-lm split off at insert
             seq[1] += len(chunk)
             chunks.append(chunk)
             ends.append(not segments)
             prompt_responses.append(PromptProcessingBatch.Response(
                 uid, (seq[1], seq[2]), end_of_segment, not segments))
         counters.prompt_tokens += sum(len(c) for c in chunks)
+        self.step_stats.record(fed, len(chunks) * max(map(len, chunks), default=0))
         tic = time.perf_counter()
         if not any(ends):
             prompts.prompt(chunks)
@@ -315,10 +397,30 @@ class ServingBatchGenerator(BatchGenerator):
             else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
                 group, logits = prompts.split(done), logits[mx.array(done)]
             self._currently_processing = [
-                s for s, end in zip(self._currently_processing, ends, strict=True) if not end]
+                s for s, end in zip(rows, ends, strict=True) if not end]
             batch.extend(prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
+
+    def _joining(self) -> list[int]:
+        """mlx-lm's path: the prompt rows prefilled up to their last token."""
+        if self.prompt_end:
+            return []
+        return [i for i, (segments, *_) in enumerate(self._currently_processing)
+                if len(segments) == 1 and len(segments[0]) == 1]
+
+    def _join(self, split: list[int], prompt_responses: list) -> None:
+        """mlx-lm's move of rows prefilled up to their last token into the decode batch,
+        whose first pass feeds that token."""
+        rows = self._currently_processing
+        last_inputs = [rows[i][0][0] for i in split]
+        progress = [(rows[i][2],) * 2 for i in split]
+        chosen = set(split)
+        self._currently_processing = [r for i, r in enumerate(rows) if i not in chosen]
+        gen_batch = self._prompt_batch.split(split).generate(last_inputs)
+        for uid, p in zip(gen_batch.uids, progress, strict=True):
+            prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
+        self._generation_batch.extend(gen_batch)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         """mlx-lm's remove (a client gone), which indexes the decode batch by ``len()``:
@@ -344,10 +446,13 @@ class ServingBatchGenerator(BatchGenerator):
         prefill chunk) is no reason to wait: mlx-lm prefills newcomers beside its next
         chunk. With ``prompt_end`` a group joins in its prefill step, so no group is ever
         about to join when this is asked; only mlx-lm's own queue holds newcomers back.
+        Under a step budget, no more than the prompt batch prefills together beside the
+        decode batch as it is.
         """
         rows = self._currently_processing
         if self._unprocessed_sequences or (
                 rows and all(len(segments) == 1 and len(segments[0]) == 1
                              for segments, *_ in rows)):
             return 0
-        return max(self.prefill_batch_size - len(rows), 0)
+        left = self._prefill_left(len(self._generation_batch.uids))
+        return max(self._prompt_rows(left) - len(rows), 0)

@@ -60,9 +60,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
     """mlx-lm's generation batch with a verify step beside its plain one."""
 
     speculator: Speculator | None = None
+    fed_tokens = 0  # tokens the last step fed the model, for the serving batch's budget
 
     def next(self) -> list[GenerationBatch.Response]:
         spec = self.speculator
+        self.fed_tokens = len(self.uids)  # a verify step's: its drafts too (step budget)
         if spec is None or not self.uids:
             return super().next()
         if len(self.uids) > spec.max_batch:
@@ -106,6 +108,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         k = max(len(d) for d in drafts)
         lens = [len(d) for d in drafts]
         padded = [d + [0] * (k - len(d)) for d in drafts]
+        self.fed_tokens = n * (k + 1)
         inputs = mx.array([[p, *d] for p, d in zip(pending, padded, strict=True)],
                           dtype=mx.uint32)
         self._current_tokens = self._next_tokens

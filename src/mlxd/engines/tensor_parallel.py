@@ -254,9 +254,14 @@ class ReplicatedBatch:
 
 
 class Replayer:
-    """A follower's side: the same engines, driven by rank 0's commands."""
+    """A follower's side: the same engines, driven by rank 0's commands.
 
-    def __init__(self) -> None:
+    ``load_engine`` builds an engine as rank 0 did (``LLMEngine``): given by the follower,
+    so this module never imports the engine that imports it.
+    """
+
+    def __init__(self, load_engine: Callable[..., Any]) -> None:
+        self.load_engine = load_engine
         self.engines: dict[int, Any] = {}
         self.gens: dict[int, Any] = {}
         self.failed: set[int] = set()  # loads that failed here (check tells rank 0)
@@ -301,11 +306,10 @@ class Replayer:
             raise ValueError(f"unknown {mode_name()} command {op!r}")
 
     def _load(self, eid: int, name: str, path: str, options: dict) -> None:
-        from mlxd.engines.llm import LLMEngine
         from mlxd.engines.options import TextEngineOptions
 
         try:
-            self.engines[eid] = LLMEngine(name, Path(path), TextEngineOptions(**options))
+            self.engines[eid] = self.load_engine(name, Path(path), TextEngineOptions(**options))
         except Exception:  # noqa: BLE001 - rank 0 learns it at "check", or failed too
             log.exception("follower could not load '%s'", name)
             self.failed.add(eid)

@@ -224,7 +224,7 @@ class VisionEngine(DecodeEngine):
         """Run mlx-vlm's single-sequence path on this (the worker) thread's stream.
 
         mlx-vlm creates its ``generation_stream`` on whichever thread imports it first; MLX
-        streams belong to a thread, and a restarted worker is a new thread.
+        streams belong to a thread, and the worker need not be the thread that imported it.
         """
         from mlx_vlm.generate import ar
 

@@ -24,7 +24,6 @@ import zmq.asyncio
 
 from mlxd.core.errors import Unavailable
 from mlxd.enginecore import protocol as p
-from mlxd.enginecore.core import core_address
 from mlxd.process import open_pidfd, pid_alive
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,8 @@ class CoreClient:
         self._enc = p.encoder()
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket[bytes]
+        self._pull: zmq.asyncio.Socket
         self._pidfd: int | None = None  # the core's process, watched by the event loop
 
     async def start(self) -> None:
@@ -71,7 +72,7 @@ class CoreClient:
         self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.connect(core_address(self.run_dir))
+        self._push.connect(p.core_address(self.run_dir))
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.address)

@@ -77,8 +77,9 @@ class CorePool:
         return sum(c.deaths for c in self.clients)
 
     # -- choosing a core ---------------------------------------------------------------------
-    def pick(self, model: str, tokens: Sequence[int]) -> CoreClient:
-        """The core for a generation of ``tokens`` (see frontend/routing.py)."""
+    def pick(self, model: str, tokens: Sequence[int], salt: str | None = None) -> CoreClient:
+        """The core for a generation of ``tokens`` under cache ``salt`` (see
+        frontend/routing.py)."""
         if len(self.clients) == 1:
             c = self.clients[0]
             if not c.serving:
@@ -87,7 +88,7 @@ class CorePool:
         loads = [c.load if c.serving else None for c in self.clients]
         if all(load is None for load in loads):
             raise _unavailable()
-        hashes = block_hashes(model, tokens, self.router.block) if tokens else []
+        hashes = block_hashes(model, tokens, self.router.block, salt) if tokens else []
         return self.clients[self.router.choose(loads, hashes)]
 
     def least_busy(self) -> CoreClient:
@@ -117,6 +118,11 @@ class CorePool:
             if isinstance(r, asyncio.CancelledError):
                 raise r
         return list(zip(live, results, strict=True))
+
+    async def metrics_texts(self) -> list[tuple[CoreClient, str | None]]:
+        """Each live core's Prometheus exposition, in core order (None: it did not answer)."""
+        return [(c, None if isinstance(r, BaseException) else r.text.decode())
+                for c, r in await self.call_all(p.Metrics())]
 
     async def values_all(self, request: p.Request[p.R]) -> list[tuple[CoreClient, p.R]]:
         """:meth:`call_all`'s results; a core that died meanwhile is left out as a dead one

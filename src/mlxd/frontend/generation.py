@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
-from mlxd.core.types import TokenEvent, TokenLogprob, TopLogprob, Usage
+from mlxd.core.types import FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from mlxd.enginecore import protocol as p
-from mlxd.engines.stops import StopMatcher
 from mlxd.observability.metrics import GenerationObserver
+from mlxd.text.stops import StopMatcher
 
 # OpenAI's and vLLM's stand-in for a log-probability of -inf: JSON has no infinities.
 LOGPROB_FLOOR = -9999.0
@@ -121,7 +121,8 @@ class Generation:
             self._release()
 
     def _event(self, out: p.SeqOut) -> TokenEvent:
-        finish = out.finish_reason
+        # the wire carries the engine's own words, which are FinishReason's
+        finish = cast("FinishReason | None", out.finish_reason)
         detok = self._detok
         n = len(out.token_ids)
         for i, tok in enumerate(out.token_ids):

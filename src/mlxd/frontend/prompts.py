@@ -72,7 +72,7 @@ async def vision_input(settings: Settings, name: str, kind: str, req: GenerateRe
         what = "images" if req.images else "audio"
         raise InvalidRequest(f"model '{name}' does not accept {what} (it is not a vision "
                              "model)", param=_field(media[0].param))
-    from mlxd.runtime.images import image_bytes
+    from mlxd.core.images import image_bytes
 
     vs = settings.vision
     refs = req.images or []

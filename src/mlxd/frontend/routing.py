@@ -7,6 +7,8 @@ remembers instead where it sent each prompt: the prompt's tokens cut in blocks o
 :data:`BLOCK` and hashed in a chain (each block's hash covers everything before it, as the
 cores' own prefix indexes do), every block hash mapped to the core that last received
 it. A new prompt's deepest known block names the core holding the longest shared prefix.
+The chain starts from the model's name and the request's cache salt (core/blocks.py), as
+the cores' indexes do: a prefix only pulls toward a core whose cache would serve it.
 
 Affinity yields to load: when the preferred core has more than ``slack`` requests in
 flight beyond the least busy one, the least busy one takes the request (a shared system
@@ -25,10 +27,11 @@ BLOCK = 32  # tokens per hashed block
 MAX_ENTRIES = 1 << 17  # block hashes remembered (least recently used out first)
 
 
-def block_hashes(model: str, tokens: Sequence[int], block: int = BLOCK) -> list[int]:
-    """The chained hash of each whole block of ``tokens``, per model (a partial last
-    block: none)."""
-    return chained_block_hashes(tokens, block, seed=model)
+def block_hashes(model: str, tokens: Sequence[int], block: int = BLOCK,
+                 salt: str | None = None) -> list[int]:
+    """The chained hash of each whole block of ``tokens``, per model and cache salt (a
+    partial last block: none)."""
+    return chained_block_hashes(tokens, block, seed=model if salt is None else (model, salt))
 
 
 class PrefixRouter:

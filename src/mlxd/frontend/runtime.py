@@ -26,6 +26,7 @@ import numpy as np
 
 from mlxd.config import Settings
 from mlxd.core import heap
+from mlxd.core.blocks import cache_salt
 from mlxd.core.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -34,6 +35,7 @@ from mlxd.core.errors import (
     Unavailable,
 )
 from mlxd.core.render import Renderer
+from mlxd.core.slots import provisional
 from mlxd.core.types import (
     EmbedRequest,
     EmbedResult,
@@ -53,8 +55,7 @@ from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
-from mlxd.observability.context import add_usage, note
-from mlxd.runtime.slots import provisional
+from mlxd.observability.context import add_usage, current, note
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Runtime:
     def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
                  startup_timeout: float = 3600.0, front_ends: Any = None) -> None:
         self.settings = settings
-        # with --api-workers N: their supervisor's shared counts (frontend/workers.py)
+        # with --api-workers N: their supervisor's shared counts (workers.py)
         self.front_ends = front_ends
         self.catalog = ModelCatalog.from_settings(settings)
         # this process supervises the cores, or (core_dirs given) another process does
@@ -162,7 +163,7 @@ class Runtime:
     def admission_limit(self) -> int:
         """What the cores admit together: each core's own limit from its heartbeat (it
         follows the batch sizes of the models it loaded); before one came, the most the
-        setting allows (runtime/slots.py)."""
+        setting allows (core/slots.py)."""
         first = provisional(self.settings, on_cpu=False) + \
             self.settings.engine.max_queued_requests
         return sum(c.core_limit or first for c in self.cores.clients)
@@ -261,7 +262,7 @@ class Runtime:
             return proc
         fut = self._loading.get(key)
         if fut is None:
-            from mlxd.engines.text import TextProcessor, load_tokenizer
+            from mlxd.text.processor import TextProcessor, load_tokenizer
 
             def load() -> Any:
                 tok = load_tokenizer(Path(info.path),
@@ -329,13 +330,24 @@ class Runtime:
             sampling=p.sampling_to_wire(params),
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
-            vision=vision)
-        core = self.cores.pick(name, tokens)
+            vision=vision, cache_salt=self._cache_salt(req))
+        core = self.cores.pick(name, tokens, add.cache_salt)
         gen = Generation(self, core, name, proc, tokens if vision is None else None, params,
                          plan, add)
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         await gen.start()
         return gen
+
+    def _cache_salt(self, req: GenerateRequest) -> str | None:
+        """The prefix-cache partition of ``req``: its ``cache_salt``, joined under
+        ``security.prefix_cache_isolation: per_key`` by the owner of the API key it came
+        with (the principal the security middleware put in the request's state; one that
+        came without: an owner of its own, never the shared partition)."""
+        owner = None
+        if self.settings.security.prefix_cache_isolation == "per_key":
+            principal = (current() or {}).get("principal")
+            owner = getattr(principal, "owner", None) or ""
+        return cache_salt(owner, req.cache_salt)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         gen = await self.submit(req)

@@ -34,7 +34,8 @@ def register_without_init() -> bool:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     sys.modules["mlx_lm"] = package
     try:
-        package.__version__ = importlib.import_module("mlx_lm._version").__version__
+        setattr(package, "__version__",  # noqa: B010 - a module made here, typed bare
+                importlib.import_module("mlx_lm._version").__version__)
     except (ImportError, AttributeError):  # a layout without _version: only informative
         pass
     return True

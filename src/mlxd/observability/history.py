@@ -41,7 +41,7 @@ class RequestLog:
                visible: Callable[[str | None], bool] | None = None) -> list[dict[str, Any]]:
         """Newest first; ``visible(owner)`` picks the records a caller may see (the limit
         counts those only)."""
-        out = []
+        out: list[dict[str, Any]] = []
         for owner, record in reversed(self._items):
             if limit is not None and len(out) >= limit:
                 break

@@ -237,7 +237,7 @@ rate_limit_store_errors = Counter(
 
 # -- operations ------------------------------------------------------------------------------
 worker_restarts_total = Counter("mlxd:worker_restarts",
-                                "Times the device worker died and was restarted.",
+                                "Times an engine core died and a new one was started.",
                                 registry=REGISTRY)
 
 try:  # process_* metrics (RSS, CPU, open fds) on Linux
@@ -271,7 +271,7 @@ def model_loaded(name: str, kind: str, size: int, seconds: float) -> None:
 
 
 def model_unloaded(name: str, kind: str, eviction_reason: str | None = None) -> None:
-    """``eviction_reason``: capacity | memory | idle | worker_restart; None for an unload."""
+    """``eviction_reason``: capacity | memory | idle; None for an unload."""
     models_loaded.labels(kind).dec()
     try:
         model_memory_bytes.remove(name)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.config import Settings
-from mlxd.core import heap
+from mlxd.core import heap, slots
 from mlxd.core.errors import (
     InsufficientStorage,
     MlxdError,
@@ -28,9 +28,8 @@ from mlxd.core.errors import (
     OutOfMemory,
     Unavailable,
 )
+from mlxd.core.keepalive import FOREVER, parse_keep_alive
 from mlxd.observability import metrics
-from mlxd.runtime import slots
-from mlxd.runtime.keepalive import FOREVER, parse_keep_alive
 from mlxd.runtime.memory import default_budget, estimate_model_bytes
 from mlxd.runtime.worker import DeviceWorker, WorkerDied, is_out_of_memory
 from mlxd.store.catalog import ModelCatalog
@@ -127,7 +126,7 @@ class ModelManager:
 
     def max_num_seqs(self) -> int:
         """The largest batch of the loaded models (what admission counts on); with none
-        loaded, the provisional figure (runtime/slots.py). The heartbeat thread reads it
+        loaded, the provisional figure (core/slots.py). The heartbeat thread reads it
         too: one copy of the values, taken under the GIL."""
         sizes = [e.max_num_seqs for e in list(self._loaded.values()) if e.max_num_seqs]
         return max(sizes) if sizes else slots.provisional(self.settings, self.on_cpu)
@@ -170,12 +169,6 @@ class ModelManager:
 
     def installed(self) -> list[dict[str, Any]]:
         return self.catalog.installed()
-
-    def model_path(self, name: str) -> Path | None:
-        name = self.resolve(name)
-        if name in self._loaded:
-            return self._loaded[name].path
-        return self.catalog.path(name)
 
     # -- acquire / release ---------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: str | int | float | None = None
@@ -225,8 +218,8 @@ class ModelManager:
             self._loading.pop(name, None)
             if t.cancelled():
                 fut.set_exception(Unavailable(f"loading '{name}' was interrupted; retry"))
-            elif t.exception() is not None:
-                fut.set_exception(t.exception())
+            elif (exc := t.exception()) is not None:
+                fut.set_exception(exc)
             else:
                 fut.set_result(t.result())
                 return
@@ -443,26 +436,6 @@ class ModelManager:
         gone = [e for e in self._loaded.values() if not e.pinned and e.expires_at <= now]
         for e in gone:
             self._unload_entry(e, evicted=True, reason="idle")
-        return [e.name for e in gone]
-
-    async def unload_all(self) -> None:
-        for entry in list(self._loaded.values()):
-            self._unload_entry(entry)
-        if self.worker.alive:
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(self.worker.call(lambda: None)), 30)
-            except Exception:  # noqa: BLE001 - shutting down
-                pass
-
-    def reset_after_worker_restart(self) -> list[str]:
-        """The device worker died: its engines died with it. Forget them all (requests that
-        still hold a lease release into nothing); the caller loads what it needs again."""
-        gone = list(self._loaded.values())
-        self._loaded.clear()
-        for entry in gone:
-            metrics.model_unloaded(entry.name, entry.kind, "worker_restart")
-            entry.engine = None
-        gc.collect()
         return [e.name for e in gone]
 
     def forget_store_entry(self, name: str) -> None:

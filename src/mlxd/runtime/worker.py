@@ -13,10 +13,9 @@ Failure, in two sizes:
 * The thread itself dying (an exception outside any step) fails everything it held: the
   sequences of every attached engine, queued commands and calls, all with
   :class:`WorkerDied`; from then on ``alive`` is False (``/health`` says 503) and every new
-  command fails at once instead of waiting forever. :class:`WorkerSupervisor` notices,
-  starts a fresh thread with :meth:`DeviceWorker.restart` and lets the runtime load its
-  models again on it (engines are not carried over: their MLX state belonged to the dead
-  thread and may be what broke).
+  command fails at once instead of waiting forever. The engine core then exits
+  (enginecore/core.py) and its supervisor starts a fresh process: MLX state of a dead
+  thread is not to be trusted, so nothing is restarted in-process.
 """
 
 from __future__ import annotations
@@ -84,7 +83,6 @@ class DeviceWorker:
         self._lock = threading.Lock()
         self._dead = False
         self.error: BaseException | None = None
-        self.restarts = 0
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -96,15 +94,6 @@ class DeviceWorker:
             self._engines = []
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-
-    def restart(self) -> None:
-        """After the thread died: a fresh thread, no engines (the runtime reloads models)."""
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(5)
-            if self._thread.is_alive():
-                raise RuntimeError("the old device worker thread is still running")
-        self.restarts += 1
-        self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -119,7 +108,7 @@ class DeviceWorker:
 
     @property
     def dead(self) -> bool:
-        """The thread died on its own (not stopped): a restart is due."""
+        """The thread died on its own (not stopped): the engine core exits."""
         return self._thread is not None and not self._stopping and (
             self._dead or not self._thread.is_alive())
 
@@ -275,69 +264,3 @@ def _deliver(events: list) -> None:
 def _put_all(items: list) -> None:
     for q, event in items:
         q.put_nowait(event)
-
-
-class WorkerSupervisor:
-    """Restarts a dead device worker and lets the runtime reload its models.
-
-    Polls ``worker.dead`` (cheap); a restart waits ``first_delay`` after the death is seen,
-    so ``/health`` reports 503 for a moment that load balancers can notice, and backs off
-    (doubling up to ``max_delay``) when the worker keeps dying within ``stable_after``.
-    ``on_restart`` (a coroutine function) runs after each restart, on the event loop.
-    """
-
-    def __init__(self, worker: DeviceWorker,
-                 on_restart: Callable[[], Any] | None = None, *,
-                 first_delay: float = 1.0, max_delay: float = 60.0,
-                 stable_after: float = 300.0, every: float = 0.1) -> None:
-        self.worker = worker
-        self.on_restart = on_restart
-        self.first_delay = first_delay
-        self.max_delay = max_delay
-        self.stable_after = stable_after
-        self.every = every
-        self._delay = first_delay
-        self._last_restart = 0.0
-        self._task: asyncio.Task | None = None
-        self.restarting = False
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.every)
-            if not self.worker.dead:
-                continue
-            try:
-                await self._restart()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - try again at the next tick
-                log.exception("device worker restart failed")
-
-    async def _restart(self) -> None:
-        now = time.monotonic()
-        if now - self._last_restart > self.stable_after:
-            self._delay = self.first_delay
-        self.restarting = True
-        try:
-            log.error("device worker is dead (%s); restarting it in %.1fs",
-                      self.worker.error, self._delay)
-            await asyncio.sleep(self._delay)
-            self._delay = min(self._delay * 2, self.max_delay)
-            self.worker.restart()
-            self._last_restart = time.monotonic()
-            from mlxd.observability.metrics import worker_restarts_total
-
-            worker_restarts_total.inc()
-            log.warning("device worker restarted (restart #%d)", self.worker.restarts)
-            if self.on_restart is not None:
-                await self.on_restart()
-        finally:
-            self.restarting = False

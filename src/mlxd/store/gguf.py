@@ -113,7 +113,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "flo
         conv = convert_tensor(t.data, t.tensor_type, _shape(t), dtype,
                               offset=arch.offset_of(name))
         weights[hf] = conv.weight
-        if conv.bits is not None:
+        if conv.bits is not None and conv.scales is not None and conv.biases is not None:
             module = hf.rsplit(".", 1)[0]
             weights[f"{module}.scales"], weights[f"{module}.biases"] = conv.scales, conv.biases
             quant_bits[module] = conv.bits

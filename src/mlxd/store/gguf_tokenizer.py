@@ -101,8 +101,8 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
         raise GGUFImportError("tokenizer.ggml.token_type length does not match the token list")
 
     vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # first occurrence wins, like llama.cpp's token_to_id
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)  # first occurrence wins, like llama.cpp's token_to_id
 
     bos_id = _token_id(md, "bos_token_id", n)
     eos_id = _token_id(md, "eos_token_id", n)
@@ -122,6 +122,7 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
         byte_level = pre_tokenizers.ByteLevel(
             add_prefix_space=False, trim_offsets=True, use_regex=pre not in _LLAMA3_PRE | _QWEN2_PRE
         )
+        pre_tok: pre_tokenizers.PreTokenizer
         if pre in _DIGIT_SPLIT_PRE:
             pre_tok = pre_tokenizers.Sequence(
                 [pre_tokenizers.Digits(individual_digits=True), byte_level]

@@ -165,7 +165,8 @@ def count_parameters(model_dir: Path, cfg: dict[str, Any] | None = None) -> int 
             return total
     except (OSError, ValueError):
         pass
-    q = cfg.get("quantization") if isinstance(cfg.get("quantization"), dict) else {}
+    quant = cfg.get("quantization")
+    q: dict[str, Any] = quant if isinstance(quant, dict) else {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         return None
@@ -186,7 +187,8 @@ def count_parameters(model_dir: Path, cfg: dict[str, Any] | None = None) -> int 
                     n *= int(s)
                 module = key.rsplit(".", 1)[0]
                 if meta.get("dtype") == "U32" and module + ".scales" in keys and shape:
-                    layer = q.get(module) if isinstance(q.get(module), dict) else q
+                    own = q.get(module)
+                    layer: dict[str, Any] = own if isinstance(own, dict) else q
                     bits = int(layer.get("bits") or q.get("bits") or 4)
                     n = n * 32 // bits
                 total += n
@@ -247,6 +249,6 @@ def quant_label(manifest: dict[str, Any]) -> str:
         if q.get("mode"):
             label += f" {q['mode']}"
         return label
-    dtype = manifest.get("dtype")
+    dtype = str(manifest.get("dtype") or "-")
     return {"native": "gguf-native", "float32": "F32", "float16": "F16",
-            "bfloat16": "BF16"}.get(dtype, dtype or "-")
+            "bfloat16": "BF16"}.get(dtype, dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -233,7 +234,7 @@ def _hash_files(d: Path, progress: ProgressFn | None) -> list[dict[str, Any]]:
     for f in paths:
         h = hashlib.sha256()
         with f.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 22), b""):
+            for chunk in iter(functools.partial(fh.read, 1 << 22), b""):
                 h.update(chunk)
                 done += len(chunk)
                 now = time.monotonic()

@@ -12,7 +12,7 @@ _PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _NAME = re.compile(rf"^{_PART}(/{_PART})?(:[A-Za-z0-9][A-Za-z0-9._-]{{0,63}})?$")
 
 
-def validate_name(name: str) -> str:
+def validate_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
         raise InvalidRequest(f"invalid model name: {name!r}", param="model")
     return name

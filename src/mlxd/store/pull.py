@@ -86,7 +86,7 @@ def _source_of(value: str) -> str:
     return str(Path(value).expanduser().resolve())
 
 
-def resolve(name: str, settings: ModelSettings, *, allow_local: bool = True) -> Resolved:
+def resolve(name: object, settings: ModelSettings, *, allow_local: bool = True) -> Resolved:
     """Map a name (alias, hub id, ``hf:``/``pypi:`` spec, path) to its store name and sources.
 
     Raises ModelNotFound for anything that is none of these. With ``allow_local=False``

@@ -207,7 +207,7 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
     tqdm_class = _tqdm_adapter(emit, status, f"sha1:{info.sha}", total)
     emit({"status": status, "digest": f"sha1:{info.sha}", "total": total, "completed": 0})
     try:
-        snapshot = snapshot_download(
+        snapshot_dir = snapshot_download(
             repo,
             revision=info.sha,  # a commit: no second lookup, and what we verify is what we get
             cache_dir=cache_dir,
@@ -221,7 +221,7 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
         raise SourceUnavailable(f"download of {repo} failed: {_short(exc)}",
                                 _upstream(exc)) from exc
     emit({"status": status, "digest": f"sha1:{info.sha}", "total": total, "completed": total})
-    snapshot = Path(snapshot)
+    snapshot = Path(snapshot_dir)
     for rel in wanted:
         src, dst = snapshot / rel, out / rel
         if not src.exists():
@@ -232,7 +232,7 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
             os.link(os.path.realpath(src), dst)
         except OSError:
             shutil.copyfile(src, dst)
-    expected = {f: siblings[f].lfs.sha256 for f in wanted if siblings[f].lfs is not None}
+    expected = {f: lfs.sha256 for f in wanted if (lfs := siblings[f].lfs) is not None}
     return {"format": "mlx", "revision": info.sha, "expected_sha256": expected}
 
 

@@ -30,12 +30,25 @@ import math
 import re
 import socket
 import time
-from typing import Any
+from typing import Any, Literal, Protocol
 from urllib.parse import urljoin, urlsplit
 
-from mlxd.config import VisionSettings
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput
+
+
+class VisionSettings(Protocol):
+    """The ``vision.*`` settings read here (config.VisionSettings has them): core/ sits
+    below config, so it names what it reads instead of importing the settings class."""
+
+    allow_remote_images: bool
+    allow_private_addresses: bool
+    fetch_timeout_s: float
+    max_redirects: int
+    max_image_bytes: int
+    max_image_pixels: int
+    oversize_images: Literal["resize", "reject"]
+
 
 _BASE64_CHARS = re.compile(r"^[A-Za-z0-9+/=_\-\s]+$")
 _REDIRECTS = (301, 302, 303, 307, 308)

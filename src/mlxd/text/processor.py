@@ -18,8 +18,8 @@ from typing import Any
 from mlxd.core.errors import InvalidRequest, ModelLoadError
 from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import GenerateRequest, GrammarSpec
-from mlxd.engines.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
-from mlxd.engines.tool_calls import (
+from mlxd.text.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
+from mlxd.text.tool_calls import (
     OutputSplitter,
     ToolFormat,
     fallback_messages,
@@ -50,7 +50,7 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
     """
     from mlx_lm.tokenizer_utils import load as _load
 
-    from mlxd.engines.detokenizer import use_lazy_detokenizer
+    from mlxd.text.detokenizer import use_lazy_detokenizer
 
     try:
         config = json.loads((Path(path) / "config.json").read_text())
@@ -65,7 +65,7 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
     except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     _drop_build_inputs(getattr(tok, "_tokenizer", tok))
-    use_lazy_detokenizer(tok)  # the byte-level detokenizer's token table (engines/detokenizer.py)
+    use_lazy_detokenizer(tok)  # the byte-level detokenizer's token table (text/detokenizer.py)
     return tok
 
 
@@ -152,7 +152,7 @@ class TextProcessor:
         """A chat request's prompt: its messages, tools and template variables, templated.
 
         A template that does not render tools gets them (and earlier calls and results) in
-        the fallback syntax of engines/tool_calls.py.
+        the fallback syntax of text/tool_calls.py.
         """
         messages = req.messages or []
         kwargs = dict(req.template_kwargs or {})

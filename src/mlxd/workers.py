@@ -105,7 +105,7 @@ class FrontEndProcess(Process):
         super().__init__(config, sockets)
 
     @property
-    def server(self) -> DrainingServer:  # type: ignore[override]
+    def server(self) -> DrainingServer:
         if self._server is None:
             self._server = DrainingServer(self.config, None, self.shared.grace,
                                           drain_when=self.shared.wait_for_drain)
