@@ -29,6 +29,7 @@ import ipaddress
 import math
 import re
 import socket
+import ssl
 import time
 from typing import Any, Literal, Protocol
 from urllib.parse import urljoin, urlsplit
@@ -140,12 +141,14 @@ class _PinnedHTTPConnection(http.client.HTTPConnection):
 
 class _PinnedHTTPSConnection(http.client.HTTPSConnection):
     def __init__(self, host: str, port: int, ip: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout)
+        # the default context, as HTTPSConnection makes it: verified against the host name
+        self._tls = ssl.create_default_context()
+        super().__init__(host, port, timeout=timeout, context=self._tls)
         self._ip = ip
 
     def connect(self) -> None:
         sock = socket.create_connection((self._ip, self.port), self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self._tls.wrap_socket(sock, server_hostname=self.host)
 
 
 def _is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -166,7 +169,7 @@ def _resolve(host: str, port: int, param: str) -> list[str]:
     except (socket.gaierror, UnicodeError) as exc:
         raise InvalidRequest(f"{param}: cannot resolve the image host '{host}' ({exc})",
                              param=param) from exc
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def fetch_image(url: str, param: str, vs: VisionSettings) -> bytes:
@@ -245,7 +248,7 @@ def decode_image(data: bytes, param: str, vs: VisionSettings) -> Any:
                              param=param) from exc
     limit = vs.max_image_pixels
     try:
-        img = Image.open(io.BytesIO(data))
+        img: Image.Image = Image.open(io.BytesIO(data))
         w, h = img.size
         if w <= 0 or h <= 0:
             raise ValueError("empty image")

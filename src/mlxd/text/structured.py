@@ -24,18 +24,21 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import OutputConstraint
 
+if TYPE_CHECKING:  # a front end never loads llguidance (docs/architecture.md)
+    from llguidance._lib import JsonCompileOptions
+
 # Between JSON tokens: nothing, one space, or a newline and some indentation (models that
 # pretty-print), bounded so that a weak model cannot pad forever.
 _WS = r"(?:[\x20\x09]?|\x0A[\x20\x09]{0,16})"
-JSON_OPTIONS = {"whitespace_pattern": _WS}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": _WS}
 # Tool calls are written the way the families' templates write them: one line, at most a
 # space between tokens (``{"name": "f", "arguments": {...}}``).
-TOOL_JSON_OPTIONS = {"whitespace_pattern": r"\x20?"}
+TOOL_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"\x20?"}
 
 
 def first_line(error: str) -> str:
@@ -85,8 +88,10 @@ class GrammarCompiler:
     def json_schema_grammar(schema: dict | bool, param: str = "response_format") -> str:
         import llguidance
 
-        try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        try:  # a bare true/false is a schema too: llguidance takes it as JSON text
+            source: str | dict[str, Any] = schema if isinstance(schema, dict) \
+                else json.dumps(schema)
+            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise InvalidRequest(f"invalid JSON schema: {exc}", param=param) from exc
 
