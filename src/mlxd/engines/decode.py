@@ -101,9 +101,10 @@ class DecodeEngine(abc.ABC):
 
     def kv_options(self) -> dict[str, Any]:
         """The KV-cache options this engine runs with (for /health)."""
-        settings = getattr(self, "_settings", {})
-        return {k: v for k, v in settings.items()
-                if k in ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")}
+        options = getattr(self, "options", None)  # engines/options.py's, by kind
+        return {k: getattr(options, k) for k in
+                ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")
+                if hasattr(options, k)}
 
     def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
                      grammar: Any = None, arm_after: tuple[int, ...] | None = None

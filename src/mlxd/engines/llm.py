@@ -105,14 +105,8 @@ class LLMEngine(DecodeEngine):
             self.context_length = _context_length(config, tokenizer)
             self.eos_token_ids = sorted(tokenizer.eos_token_ids)
             self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
-            self._settings = dict(
-                max_num_seqs=o.max_num_seqs,
-                prefill_batch_size=o.prefill_batch_size,
-                prefill_step_size=o.prefill_step_size,
-                # tokens per step, decode rows first (engines/serving_batch.py)
-                max_step_tokens=step_budget(o.max_step_tokens, mx.default_device() != mx.cpu),
-                max_kv_size=o.max_kv_size,  # engines/bounded_kv.py
-            )
+            # tokens per step, decode rows first (engines/serving_batch.py)
+            self._step_tokens = step_budget(o.max_step_tokens, mx.default_device() != mx.cpu)
             if o.max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
                                      "keeps a plain KV cache that a bound could rotate")
@@ -169,7 +163,7 @@ class LLMEngine(DecodeEngine):
         """The speculation policy, or None (with the reason kept for /health) when this
         model's KV cache cannot be rolled back per row. A draft model that does not share
         this model's tokenizer is a load error: its drafts would be other tokens."""
-        if self._settings["max_kv_size"] is not None:
+        if self.options.max_kv_size is not None:
             self.speculative_off_reason = "max_kv_size: a rotating cache cannot roll back"
         elif not can_speculate(self.model):
             self.speculative_off_reason = ("the model has layers without a plain KV cache "
@@ -183,7 +177,7 @@ class LLMEngine(DecodeEngine):
                 raise ModelLoadError(f"speculative 'draft' for '{self.name}' needs a draft model")
             spec.drafter = DraftModel(
                 self._load_draft(Path(draft_path), dtype, trust_remote_code), self.vocab_size,
-                self._settings["prefill_step_size"],
+                self.options.prefill_step_size,
                 # the catch-up lengths the warm-up runs (DraftModel.warm)
                 max_catch_up=spec.num_draft + 1 if compiles_per_shape() else None)
         return spec
@@ -230,7 +224,7 @@ class LLMEngine(DecodeEngine):
         folder cannot be used: the server still serves, from the memory tier alone."""
         import mlx_lm
 
-        extra = {"dtype": str(self.dtype), "max_kv_size": self._settings["max_kv_size"],
+        extra = {"dtype": str(self.dtype), "max_kv_size": self.options.max_kv_size,
                  "mlx_lm": mlx_lm.__version__,
                  "adapter": model_fingerprint(Path(self.adapter_path).expanduser(), {})
                  if self.adapter_path else None}
@@ -265,21 +259,21 @@ class LLMEngine(DecodeEngine):
         mlx_lm first; running the batch on a stream of another thread makes MLX synchronise
         across threads on every step (mlx_lm.server avoids it the same way).
         """
-        s = self._settings
-        common = dict(
+        o = self.options
+        common: dict[str, Any] = dict(
             stream=mx.default_stream(mx.default_device()),
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_token_ids],
-            completion_batch_size=s["max_num_seqs"],
-            prefill_batch_size=min(s["prefill_batch_size"], s["max_num_seqs"]),
-            prefill_step_size=s["prefill_step_size"],
+            completion_batch_size=o.max_num_seqs,
+            prefill_batch_size=min(o.prefill_batch_size, o.max_num_seqs),
+            prefill_step_size=o.prefill_step_size,
             prompt_end=self._prompt_end,
-            max_step_tokens=s["max_step_tokens"],
+            max_step_tokens=self._step_tokens,
         )
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
-        if s["max_kv_size"] is not None:
-            return BoundedBatchGenerator(self.model, max_kv_size=s["max_kv_size"],
+        if o.max_kv_size is not None:
+            return BoundedBatchGenerator(self.model, max_kv_size=o.max_kv_size,
                                          defer_leaves=self._defer_leaves, **common)
         return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
 
@@ -352,7 +346,7 @@ class LLMEngine(DecodeEngine):
     def _admit_at(self) -> float:
         """When the waiting newcomers go to mlx-lm (monotonic seconds; see :meth:`_admit`)."""
         pending = self._pending
-        if len(pending) >= self._settings["prefill_batch_size"]:
+        if len(pending) >= self.options.prefill_batch_size:
             return 0.0
         hold = min(0.025, 2 * self._step_ema)
         if self.num_running:
@@ -672,11 +666,11 @@ class LLMEngine(DecodeEngine):
         yield from self._warm_verify_batches(ids)
         if not compiles_per_shape():
             return  # nothing compiles per shape on the CPU: one pair warms every path
-        n = min(self._settings["prefill_batch_size"], self._settings["max_num_seqs"])
+        n = min(self.options.prefill_batch_size, self.options.max_num_seqs)
         if n > 2:
             yield [self.new_sequence(ids, greedy if i % 2 else sampled) for i in range(n)]
         size = 4
-        while size <= self._settings["max_num_seqs"]:
+        while size <= self.options.max_num_seqs:
             yield [self.new_sequence(ids, greedy) for _ in range(size)]
             size *= 2
         for n in self._warm_prompt_lengths(ids):  # longer prefills, one at a time
@@ -692,7 +686,7 @@ class LLMEngine(DecodeEngine):
         prefill of 128 tokens and one of a whole chunk; with them that model's first
         request came at once. A quantized *draft* model's slow first request was shapes
         of its own: its drafting loop's and its catch-ups after a pause (``DraftModel``)."""
-        step = self._settings["prefill_step_size"]
+        step = self.options.prefill_step_size
         room = self.context_length - 4  # the warm-up's few new tokens
         return [n for n in sorted({min(128, step, room), min(step, room)}) if n > len(ids)]
 
@@ -716,7 +710,7 @@ class LLMEngine(DecodeEngine):
         params = SamplingParams(max_tokens=3 * spec.num_draft, temperature=0.0)
         spec.warm = True
         size = 1
-        while size <= min(spec.max_batch, self._settings["max_num_seqs"]):
+        while size <= min(spec.max_batch, self.options.max_num_seqs):
             yield [self.new_sequence(ids, params) for _ in range(size)]
             size *= 2
         spec.warm = False

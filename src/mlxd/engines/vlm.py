@@ -169,15 +169,6 @@ class VisionEngine(DecodeEngine):
         self.context_length = self._context_length()
         criteria = getattr(self.tokenizer, "stopping_criteria", None)
         self.eos_token_ids = sorted(set(getattr(criteria, "eos_token_ids", None) or []))
-        self._settings = dict(
-            max_num_seqs=o.max_num_seqs,
-            prefill_batch_size=min(o.prefill_batch_size, o.max_num_seqs),
-            prefill_step_size=o.prefill_step_size,
-            kv_bits=o.kv_bits,
-            kv_quant_scheme=o.kv_quant_scheme,  # resolved (VisionEngineOptions)
-            kv_group_size=o.kv_group_size,
-            max_kv_size=o.max_kv_size,
-        )
         # mlx-vlm's batch cannot rotate a bounded cache: max_kv_size means one at a time.
         self.batching = o.batching and o.max_kv_size is None
         self.features = FeatureEncoder(model, FeatureCache(o.feature_cache_entries,
@@ -234,17 +225,17 @@ class VisionEngine(DecodeEngine):
     def _new_generator(self) -> Any:
         from mlx_vlm.generate import BatchGenerator
 
-        s = self._settings
+        o = self.options
         return BatchGenerator(
             self.model.language_model,
             self.processor,
             sampler=_argmax,
-            completion_batch_size=s["max_num_seqs"],
-            prefill_batch_size=s["prefill_batch_size"],
-            prefill_step_size=s["prefill_step_size"],
-            kv_bits=s["kv_bits"],
-            kv_group_size=s["kv_group_size"],
-            kv_quant_scheme=s["kv_quant_scheme"] or "uniform",
+            completion_batch_size=o.max_num_seqs,
+            prefill_batch_size=min(o.prefill_batch_size, o.max_num_seqs),
+            prefill_step_size=o.prefill_step_size,
+            kv_bits=o.kv_bits,
+            kv_group_size=o.kv_group_size,
+            kv_quant_scheme=o.kv_quant_scheme or "uniform",
             # mlx-vlm's default (5000) makes a batch whose prompts are shorter keep a
             # full-precision cache for turboquant, for good: kv_bits would silently not apply
             quantized_kv_start=0,
@@ -431,7 +422,7 @@ class VisionEngine(DecodeEngine):
     def _admit(self, out: list) -> None:
         """Encode waiting requests into the batch: all whose images are cached (or that
         have none), and at most one whose images need the vision encoder."""
-        room = self._settings["max_num_seqs"] - len(self._active)
+        room = self.options.max_num_seqs - len(self._active)
         encoded_new = False
         while self._pending and room > 0:
             seq = self._pending[0]
@@ -549,16 +540,16 @@ class VisionEngine(DecodeEngine):
         feats = self._features(prompt, pixel_values)
         if feats is not None:
             data["cached_image_features"] = feats
-        s = self._settings
+        o = self.options
         prompt.inputs = {}
         return generate_step(
             mx.array([list(prompt)]), self.model, pixel_values, mask,
             max_tokens=seq.params.max_tokens, sampler=_argmax,
             logits_processors=self._processors(seq),
-            prefill_step_size=s["prefill_step_size"], kv_bits=s["kv_bits"],
-            kv_group_size=s["kv_group_size"], kv_quant_scheme=s["kv_quant_scheme"] or "uniform",
+            prefill_step_size=o.prefill_step_size, kv_bits=o.kv_bits,
+            kv_group_size=o.kv_group_size, kv_quant_scheme=o.kv_quant_scheme or "uniform",
             quantized_kv_start=0,  # as the batch (see _new_generator)
-            max_kv_size=s["max_kv_size"], **data)
+            max_kv_size=o.max_kv_size, **data)
 
     def _end_current(self) -> None:
         seq, self._current = self._current, None
