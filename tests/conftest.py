@@ -95,6 +95,38 @@ blas.preload(os.environ.get("MLXD_BLAS", "auto"))
 
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
 
+# -- tiers (markers registered in pyproject.toml; CONTRIBUTING.md says how to run each) -------
+# Whole files by their path below tests/; a single slow test in a fast file carries
+# @pytest.mark.slow itself. A campaign also runs serial: it loads the machine on purpose.
+_TIER_FILES = {
+    "browser": {"ui/test_ui_browser.py"},
+    "campaign": {"ops/test_fuzz.py", "ops/test_soak.py"},
+    "slow": {
+        # `mlxd serve`, `mlxd start` or the CLI as subprocesses
+        "cli/test_serve.py", "cli/test_models_cli.py", "cli/test_doctor.py",
+        "ops/test_ops_daemon.py", "ops/test_deploy.py", "ops/test_packaging.py",
+        "ops/test_tensor_parallel.py", "ops/test_data_parallel.py",
+        "ops/test_ratelimit_redis.py", "ops/test_faults_store.py", "store/test_hub_pull.py",
+        # servers started, killed and restarted per test, or real weights
+        "ops/test_ops_resilience.py", "ops/test_faults_serving.py",
+        "runtime/test_model_manager.py", "api/test_prefix_disk.py", "api/test_vision.py",
+        "api/test_real_model.py",
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(root):
+            continue
+        rel = item.path.relative_to(root).as_posix()
+        for marker, files in _TIER_FILES.items():
+            if rel in files:
+                item.add_marker(marker)
+        if item.get_closest_marker("campaign"):
+            item.add_marker("serial")
+
 
 def require(module: str):
     """An optional extra's module for a test module. Outside CI a missing one skips (a

@@ -551,6 +551,7 @@ def test_transcription_and_speech_run_next_to_chat(asrv, oai):
 # -- the model manager -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # audio models loaded and evicted in turn, on a server of its own
 def test_audio_models_follow_the_lru_caps_keep_alive_and_the_memory_budget(
         tmp_path, tiny_llama, audio_dirs):
     """Two Whispers and two Sopranos under max_stt_models 1, max_tts_models 1 and a memory

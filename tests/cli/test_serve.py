@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,12 +112,14 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
     loaded once), and SIGTERM takes all of them down."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    metric_dirs = set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*"))
+    tmp = tmp_path / "tmp"  # the server's own temporary folder: no other test's files in it
+    tmp.mkdir()
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
-              env=_env(tmp_path), start_new_session=True)
+              env={**_env(tmp_path), "TMPDIR": str(tmp)}, start_new_session=True)
     core_pid = None
     try:
         _wait_healthy(url, p)
+        assert len(list(tmp.glob("mlxd-metrics-*"))) == 1  # the front ends' shared files
         frontends, cores = set(), set()
         deadline = time.time() + 30
         while len(frontends) < 2 and time.time() < deadline:
@@ -180,7 +181,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
         time.sleep(0.1)
     assert core_pid is None or not _alive(core_pid)
     # the front ends' shared metric files go with the server
-    assert set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*")) <= metric_dirs
+    assert not list(tmp.glob("mlxd-metrics-*"))
 
 
 def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
