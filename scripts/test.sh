@@ -30,10 +30,11 @@ export HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests scripts benchmarks
 
 # --fast: the contributor's tier (CONTRIBUTING.md): no `mlxd serve` subprocesses, no
-# browser, no campaign. Other arguments go to pytest as they are (a file, -k, -x...).
+# browser, no campaign, on every core. Other arguments go to pytest as they are (-k, -x...).
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -q -m "not slow and not browser and not campaign" "$@"
+  exec .venv/bin/python -m pytest -q -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile \
+    -m "not slow and not browser and not campaign and not serial" "$@"
 fi
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q "$@"

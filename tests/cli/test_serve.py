@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,13 +109,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
+def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
     """`--api-workers 2`: two front-end processes on one port, one engine core (the model
     loaded once), and SIGTERM takes all of them down."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    tmp = tmp_path / "tmp"  # the server's own temporary folder: no other test's files in it
-    tmp.mkdir()
+    # the server's own temporary folder, no other test's files in it (short: the engine
+    # core's IPC socket paths live there, and a socket path holds 107 bytes at most)
+    tmp = Path(tempfile.mkdtemp(prefix="mlxd-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
               env={**_env(tmp_path), "TMPDIR": str(tmp)}, start_new_session=True)
     core_pid = None
