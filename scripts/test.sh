@@ -30,23 +30,24 @@ export HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests scripts benchmarks
 
 # --fast: the contributor's tier (CONTRIBUTING.md): no `mlxd serve` subprocesses, no
-# browser, no campaign, on every core. Other arguments go to pytest as they are (-k, -x...).
+# browser, no campaign. Other arguments go to pytest as they are (a file, -k, -x...).
+tier="not slow and not browser and not campaign"
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -q -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile \
-    -m "not slow and not browser and not campaign and not serial" "$@"
+else
+  tier=""
 fi
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -q "$@"
+  exec .venv/bin/python -m pytest -q ${tier:+-m "$tier"} "$@"
 fi
-# Everything: the tests that may share the machine on every core (xdist; one worker takes a
-# whole file, so a module's server starts once), then those marked serial, alone.
-# Exit 5 (no test selected) is no failure of the serial pass.
+# The tests that may share the machine run on every core (xdist; one worker takes a whole
+# file, so a module's server starts once), then those marked serial, alone. Exit 5 (no
+# test selected) is no failure of the serial pass.
 rc=0
-.venv/bin/python -m pytest -q -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile -m "not serial" \
-  || rc=$?
+.venv/bin/python -m pytest -q -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile \
+  -m "${tier:+$tier and }not serial" || rc=$?
 serial=0
-.venv/bin/python -m pytest -q -m serial || serial=$?
+.venv/bin/python -m pytest -q -m "${tier:+$tier and }serial" || serial=$?
 [ "$serial" = 5 ] && serial=0
 [ "$rc" = 0 ] && rc=$serial
 exit "$rc"
