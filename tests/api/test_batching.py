@@ -123,7 +123,7 @@ def test_admission_queue_full_is_429_with_retry_after(start_server, long_llama):
             assert r3.headers["retry-after"] == "1"
             err = r3.json()["error"]
             assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
-    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=60)
     r = httpx.post(srv.url + "/v1/completions",
                    json={"model": "long-llama", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200
@@ -146,6 +146,6 @@ def test_streaming_disconnect_frees_every_choice(start_server, long_llama):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(8)]
             assert any(line.startswith("data: ") for line in got)
-            assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 2, 5)
-    assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=5)
-    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=5)
+            assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 2, 60)
+    assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=60)
+    assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=60)

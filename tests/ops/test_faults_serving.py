@@ -152,7 +152,7 @@ def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server
         time.sleep(4)
     finally:
         os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 8
+    deadline = time.monotonic() + 120  # a bound to wait only: no outage for good
     status = None
     while time.monotonic() < deadline:
         r = httpx.post(srv.url + "/v1/chat/completions",
@@ -161,5 +161,5 @@ def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server
         if status == 200:
             break
         time.sleep(0.5)
-    assert status == 200, "still refusing 8 s after the core ran again"
+    assert status == 200, "still refusing 2 min after the core ran again"
     assert srv.health()["status"] == "ok"
