@@ -43,11 +43,16 @@ fi
 # The tests that may share the machine run on every core (xdist; one worker takes a whole
 # file, so a module's server starts once), then those marked serial, alone. Exit 5 (no
 # test selected) is no failure of the serial pass.
+# The order is shuffled (pytest-randomly); -q hides its header, so the seed is said here:
+# MLXD_TEST_SEED=N repeats an order.
+seed=${MLXD_TEST_SEED:-$RANDOM}
+echo "test order: --randomly-seed=$seed"
 rc=0
-.venv/bin/python -m pytest -q -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile \
-  -m "${tier:+$tier and }not serial" || rc=$?
+.venv/bin/python -m pytest -q -p randomly --randomly-seed="$seed" \
+  -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile -m "${tier:+$tier and }not serial" || rc=$?
 serial=0
-.venv/bin/python -m pytest -q -m "${tier:+$tier and }serial" || serial=$?
+.venv/bin/python -m pytest -q -p randomly --randomly-seed="$seed" \
+  -m "${tier:+$tier and }serial" || serial=$?
 [ "$serial" = 5 ] && serial=0
 [ "$rc" = 0 ] && rc=$serial
 exit "$rc"

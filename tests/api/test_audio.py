@@ -379,8 +379,11 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
 def test_a_server_without_the_audio_extra_says_501_not_400(asrv, monkeypatch):
     """No PyAV on the server is the operator's to fix: 501 naming the extra, not a 400
     blaming the caller's file."""
+    import av  # noqa: F401 - loaded first, so that undo() puts the loaded package back
+
+    upload = wav(1.0)  # made before PyAV is hidden: the helper encodes with it
     monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
-    err = _err(_post(asrv, wav(1.0)), 501)
+    err = _err(_post(asrv, upload), 501)
     assert err["code"] == "not_installed" and "mlxd[audio]" in err["message"]
     monkeypatch.undo()
     assert _post(asrv, wav(1.0)).status_code == 200

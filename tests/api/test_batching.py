@@ -80,7 +80,8 @@ def test_streaming_disconnect_frees_the_slot(start_server, long_llama):
     assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=60)
     assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=60)
     # freed because it was cancelled, not because it ran its 4000 tokens out
-    assert _finished(srv, since=before) == {"cancelled": 1}
+    assert _wait_for(lambda: _finished(srv, since=before) == {"cancelled": 1}, timeout=60), \
+        _finished(srv, since=before)
 
 
 def test_non_streaming_disconnect_frees_the_slot(start_server, long_llama):
@@ -106,7 +107,8 @@ def test_non_streaming_disconnect_frees_the_slot(start_server, long_llama):
     asyncio.run(main())
     assert _wait_for(lambda: _model_status(srv, "long-llama")["running"] == 0, timeout=60)
     assert _wait_for(lambda: srv.health()["requests_in_flight"] == 0, timeout=60)
-    assert _finished(srv, since=before) == {"cancelled": 1}
+    assert _wait_for(lambda: _finished(srv, since=before) == {"cancelled": 1}, timeout=60), \
+        _finished(srv, since=before)
 
 
 def test_admission_queue_full_is_429_with_retry_after(start_server, long_llama):

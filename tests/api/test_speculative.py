@@ -257,6 +257,8 @@ def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_dra
 
 
 def test_prefix_cache_hits_under_speculation(lookup):
+    for _ in range(2):  # the same prompt twice: the second finds the first's prefix
+        _complete(lookup, PROMPTS[0] * 4)
     stats = next(m for m in lookup.health()["models"] if m["name"] == MODEL)["prefix_cache"]
     assert stats["hits"] > 0
 

@@ -58,7 +58,7 @@ def test_health_api_ps_and_mlxd_ps_show_every_core(dp, tmp_path):
     assert all(c["state"] == "ok" and c["models"] == ["tiny-llama"] for c in cores)
     assert h["status"] == "ok" and h["engine_core"]["pid"] == pids[0]
     # each core loaded its own copy; the model is listed once, naming both cores
-    assert h["model_loads"] == {"tiny-llama": 2}
+    assert h["model_loads"]["tiny-llama"] == 2  # (another test may have loaded "spare")
     assert [(m["name"], m["engine_cores"]) for m in h["models"]] == [("tiny-llama", [0, 1])]
     from prometheus_client.parser import text_string_to_metric_families
 
