@@ -247,10 +247,13 @@ def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_dra
     stats = _spec_stats(self_drafted)
     drafted = stats["draft_tokens"] - before["draft_tokens"]
     assert stats["accepted_tokens"] - before["accepted_tokens"] == drafted > 0
-    assert stats["tokens_per_step"] > 2
+    # this test's own verify steps (the server's lifetime mixes in other tests' plain rows)
+    emitted = stats["emitted_tokens"] - before["emitted_tokens"]
+    assert emitted / (stats["row_steps"] - before["row_steps"]) > 2
     assert _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == \
         stats["acceptance_rate"]
-    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") > 2
+    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") == \
+        pytest.approx(stats["tokens_per_step"])
     for k in ("draft", "accepted"):
         assert _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total") - \
             metric_before[k] == drafted
