@@ -28,4 +28,31 @@ command -v redis-server >/dev/null 2>&1 \
 
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests scripts benchmarks
-.venv/bin/python -m pytest -q "$@"
+
+# --fast: the contributor's tier (CONTRIBUTING.md): no `mlxd serve` subprocesses, no
+# browser, no campaign. Other arguments go to pytest as they are (a file, -k, -x...).
+tier="not slow and not browser and not campaign"
+if [ "${1:-}" = "--fast" ]; then
+  shift
+else
+  tier=""
+fi
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q ${tier:+-m "$tier"} "$@"
+fi
+# The tests that may share the machine run on every core (xdist; one worker takes a whole
+# file, so a module's server starts once), then those marked serial, alone. Exit 5 (no
+# test selected) is no failure of the serial pass.
+# The order is shuffled (pytest-randomly); -q hides its header, so the seed is said here:
+# MLXD_TEST_SEED=N repeats an order.
+seed=${MLXD_TEST_SEED:-$RANDOM}
+echo "test order: --randomly-seed=$seed"
+rc=0
+.venv/bin/python -m pytest -q -p randomly --randomly-seed="$seed" \
+  -n "${MLXD_TEST_WORKERS:-auto}" --dist loadfile -m "${tier:+$tier and }not serial" || rc=$?
+serial=0
+.venv/bin/python -m pytest -q -p randomly --randomly-seed="$seed" \
+  -m "${tier:+$tier and }serial" || serial=$?
+[ "$serial" = 5 ] && serial=0
+[ "$rc" = 0 ] && rc=$serial
+exit "$rc"

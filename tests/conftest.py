@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +16,74 @@ import httpx
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
+
+
+# -- every test in a home of its own ---------------------------------------------------------
+# HOME, MLXD_HOME, the XDG folders and HF_HOME point into temporary folders: first one for
+# the whole run (collection and session fixtures), then a fresh one for each test. The real
+# homes are watched: a test that adds or removes anything there fails, naming the paths.
+
+
+def _home_env(root: Path) -> dict[str, str]:
+    return {"HOME": str(root), "MLXD_HOME": str(root / ".mlxd"),
+            "XDG_CONFIG_HOME": str(root / ".config"), "XDG_CACHE_HOME": str(root / ".cache"),
+            "XDG_DATA_HOME": str(root / ".local" / "share"),
+            "XDG_STATE_HOME": str(root / ".local" / "state"),
+            "HF_HOME": str(root / ".cache" / "huggingface")}
+
+
+def _entries(root: Path, depth: int = 2) -> set[str]:
+    """The paths up to ``depth`` levels below ``root`` (cheap enough to take per test)."""
+    if depth < 0 or not root.is_dir() or root.is_symlink():
+        return set()
+    out = set()
+    with contextlib.suppress(OSError):  # a folder removed while being read: seen next time
+        for child in root.iterdir():
+            out.add(str(child))
+            out |= _entries(child, depth - 1)
+    return out
+
+
+# the developer's own store and homes, as they were before this run
+_REAL_HOMES = [Path(p).expanduser() for p in {os.environ.get("MLXD_HOME") or "~/.mlxd",
+                                              "~/.mlxd"}]
+
+
+def _real_state() -> set[str]:
+    return set().union(*({f"{h} (exists)"} if h.exists() else set() for h in _REAL_HOMES),
+                       *(_entries(h) for h in _REAL_HOMES))
+
+
+_real_seen = [_real_state()]
+_run_home = Path(tempfile.mkdtemp(prefix="mlxd-test-home-"))
+os.environ.update(_home_env(_run_home))
+_real_at_start = _real_seen[0]
+
+
+@pytest.fixture(autouse=True)
+def _own_home(tmp_path_factory, monkeypatch) -> Iterator[Path]:
+    """A fresh home for the test; afterwards, the real homes must be as they were."""
+    home = tmp_path_factory.mktemp("home")
+    for k, v in _home_env(home).items():
+        monkeypatch.setenv(k, v)
+    yield home
+    now = _real_state()
+    changed, _real_seen[0] = sorted(now ^ _real_seen[0]), now
+    assert not changed, ("this test (or a fixture it started) changed the real home: "
+                         f"{changed[:10]}")
+
+
+def pytest_sessionfinish(session) -> None:
+    """Session fixtures' teardowns run after the last test's check: the run's end checks
+    again (in the controller only, which sees what every xdist worker did)."""
+    if not hasattr(session.config, "workerinput"):
+        changed = sorted(_real_state() ^ _real_at_start)
+        if changed:
+            session.config.get_terminal_writer().line(
+                f"the test run changed the real home: {changed[:10]}", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(_run_home, ignore_errors=True)
+
 os.environ["MLXD_TEST_FAULTS"] = "1"  # engine cores started by tests take failure drills
 
 # The optimised BLAS the server loads (mlxd.blas), loaded here too before anything imports
@@ -23,6 +94,38 @@ from mlxd import blas  # noqa: E402
 blas.preload(os.environ.get("MLXD_BLAS", "auto"))
 
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
+
+# -- tiers (markers registered in pyproject.toml; CONTRIBUTING.md says how to run each) -------
+# Whole files by their path below tests/; a single slow test in a fast file carries
+# @pytest.mark.slow itself. A campaign also runs serial: it loads the machine on purpose.
+_TIER_FILES = {
+    "browser": {"ui/test_ui_browser.py"},
+    "campaign": {"ops/test_fuzz.py", "ops/test_soak.py"},
+    "slow": {
+        # `mlxd serve`, `mlxd start` or the CLI as subprocesses
+        "cli/test_serve.py", "cli/test_models_cli.py", "cli/test_doctor.py",
+        "ops/test_ops_daemon.py", "ops/test_deploy.py", "ops/test_packaging.py",
+        "ops/test_tensor_parallel.py", "ops/test_data_parallel.py",
+        "ops/test_ratelimit_redis.py", "ops/test_faults_store.py", "store/test_hub_pull.py",
+        # servers started, killed and restarted per test, or real weights
+        "ops/test_ops_resilience.py", "ops/test_faults_serving.py",
+        "runtime/test_model_manager.py", "api/test_prefix_disk.py", "api/test_vision.py",
+        "api/test_real_model.py",
+    },
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(root):
+            continue
+        rel = item.path.relative_to(root).as_posix()
+        for marker, files in _TIER_FILES.items():
+            if rel in files:
+                item.add_marker(marker)
+        if item.get_closest_marker("campaign"):
+            item.add_marker("serial")
 
 
 def require(module: str):

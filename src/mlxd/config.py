@@ -460,11 +460,13 @@ class EngineSettings(_Section):
             "the prompts being prefilled (padding counted, at least 16 tokens each), so a "
             "long prompt arriving beside running streams delays their next token by one "
             "such step at most, where each prompt's prefill_step_size chunk (up to "
-            "prefill_batch_size of them) went in one step before. 'auto': 2048 on a GPU, "
-            "where a pass of that many tokens still runs near full prefill throughput and "
-            "costs a few decode steps; 256 on the CPU, where prefill costs its arithmetic "
-            "from small chunks on, so a smaller step loses little throughput and keeps "
-            "streams moving. 0: no budget (mlx-lm's chunks). Never raises "
+            "prefill_batch_size of them) went in one step before. 'auto': no budget on a "
+            "GPU, where those chunks already keep streams within 4x their usual gap while a "
+            "16k-token prompt prefills (H200, docs/benchmarks.md), and 64-128 clients ran "
+            "slower with 2048 than before the budget (not yet isolated); 256 on the CPU, "
+            "where prefill costs its "
+            "arithmetic from small chunks on, so a smaller step loses little throughput and "
+            "keeps streams moving. 0: no budget (mlx-lm's chunks). Never raises "
             "prefill_step_size."
         ),
     )

@@ -379,8 +379,11 @@ def test_broken_empty_and_non_audio_files_are_400(asrv):
 def test_a_server_without_the_audio_extra_says_501_not_400(asrv, monkeypatch):
     """No PyAV on the server is the operator's to fix: 501 naming the extra, not a 400
     blaming the caller's file."""
+    import av  # noqa: F401 - loaded first, so that undo() puts the loaded package back
+
+    upload = wav(1.0)  # made before PyAV is hidden: the helper encodes with it
     monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
-    err = _err(_post(asrv, wav(1.0)), 501)
+    err = _err(_post(asrv, upload), 501)
     assert err["code"] == "not_installed" and "mlxd[audio]" in err["message"]
     monkeypatch.undo()
     assert _post(asrv, wav(1.0)).status_code == 200
@@ -540,18 +543,18 @@ def test_transcription_and_speech_run_next_to_chat(asrv, oai):
                                                      response_format="wav").content)
 
     threads = [threading.Thread(target=f) for f in (chat, stt, tts)]
-    t0 = time.time()
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(300)  # a bound to wait only
+    assert not any(t.is_alive() for t in threads)
     assert results["chat"] == 200 and isinstance(results["stt"], str) and results["tts"] > 44
-    assert time.time() - t0 < 120
 
 
 # -- the model manager -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # audio models loaded and evicted in turn, on a server of its own
 def test_audio_models_follow_the_lru_caps_keep_alive_and_the_memory_budget(
         tmp_path, tiny_llama, audio_dirs):
     """Two Whispers and two Sopranos under max_stt_models 1, max_tts_models 1 and a memory
@@ -610,14 +613,14 @@ def test_audio_models_follow_the_lru_caps_keep_alive_and_the_memory_budget(
         assert loaded() == {STT} and evicted(tts_b, "memory") == 1
         entry = engine(srv, STT)
         assert t0 < entry["expires_at"] <= time.time() + 1.0
-        gone_within(STT, 5)
+        gone_within(STT, 60)
         assert evicted(STT, "idle") == 1
         tts(TTS, keep_alive="1s")
         assert loaded() == {TTS}
-        gone_within(TTS, 5)
+        gone_within(TTS, 60)
         assert evicted(TTS, "idle") == 1
         stt(stt_b, keep_alive="0")  # unloaded as the request ends: no eviction
-        gone_within(stt_b, 2)
+        gone_within(stt_b, 60)
         assert evicted(stt_b, "idle") == 0
     finally:
         srv.stop()

@@ -86,7 +86,7 @@ def test_ps_and_keep_alive_load_unload_without_prompt(client, srv):
     assert r.done_reason == "unload"
     assert "m1" not in {m.model for m in client.ps().models}
     client.generate(model="m1", keep_alive="1s")
-    deadline = time.time() + 6
+    deadline = time.time() + 60
     while "m1" in {m.model for m in client.ps().models} and time.time() < deadline:
         time.sleep(0.1)
     assert "m1" not in {m.model for m in client.ps().models}

@@ -157,8 +157,14 @@ def _post_all(osrv, bodies: list[dict]) -> tuple[list[dict], list[dict], int]:
 
         solo = [post(b) for b in bodies]
         assert _batch_seen(osrv) == 1
-        with ThreadPoolExecutor(len(bodies)) as pool:
-            together = list(pool.map(post, bodies))
+        # slow steps keep the first arrival decoding while the others' media are prepared,
+        # however fast this machine decodes
+        osrv.fault("slow_steps", model=OMNI, seconds=0.1)
+        try:
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                together = list(pool.map(post, bodies))
+        finally:
+            osrv.fault("slow_steps", model=OMNI, seconds=0)
     return solo, together, _batch_seen(osrv)
 
 

@@ -247,16 +247,21 @@ def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_dra
     stats = _spec_stats(self_drafted)
     drafted = stats["draft_tokens"] - before["draft_tokens"]
     assert stats["accepted_tokens"] - before["accepted_tokens"] == drafted > 0
-    assert stats["tokens_per_step"] > 2
+    # this test's own verify steps (the server's lifetime mixes in other tests' plain rows)
+    emitted = stats["emitted_tokens"] - before["emitted_tokens"]
+    assert emitted / (stats["row_steps"] - before["row_steps"]) > 2
     assert _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == \
         stats["acceptance_rate"]
-    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") > 2
+    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") == \
+        pytest.approx(stats["tokens_per_step"])
     for k in ("draft", "accepted"):
         assert _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total") - \
             metric_before[k] == drafted
 
 
 def test_prefix_cache_hits_under_speculation(lookup):
+    for _ in range(2):  # the same prompt twice: the second finds the first's prefix
+        _complete(lookup, PROMPTS[0] * 4)
     stats = next(m for m in lookup.health()["models"] if m["name"] == MODEL)["prefix_cache"]
     assert stats["hits"] > 0
 
@@ -380,6 +385,7 @@ def _serve(home, *args: str) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # `mlxd serve` subprocesses
 def test_a_draft_model_with_another_tokenizer_stops_the_server_with_a_clear_error(
         tmp_path, tiny_llama):
     other = make_tiny_chat_model(tmp_path / "other-vocab", "llama", vocab_size=640)
@@ -417,6 +423,7 @@ class _Served:
         return self.log.read_text()
 
 
+@pytest.mark.slow
 def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
         tmp_path, tiny_llama, plain):
     srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "prompt-lookup")
@@ -429,6 +436,7 @@ def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
     assert stats["mode"] == "prompt-lookup" and stats["accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_serve_draft_model_flag_takes_a_store_name_and_warns_when_its_eos_differs(
         tmp_path, tiny_llama, partial_draft, plain):
     """The draft ends sequences on <|im_end|> alone, the target on <|endoftext|> too: a

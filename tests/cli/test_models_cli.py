@@ -43,6 +43,15 @@ def listed(env: dict, *args: str) -> list[dict]:
     return json.loads(mlxd(env, "list", "--json", *args).stdout)
 
 
+def _ago(seconds: int) -> str:
+    """How `mlxd list` shows an age: "just now", "5 seconds ago", "1 minute ago"..."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = seconds // size
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return "just now" if seconds < 2 else f"{seconds} seconds ago"
+
+
 def one_error_line(p: subprocess.CompletedProcess) -> str:
     lines = p.stderr.strip().splitlines()
     assert p.returncode != 0 and lines and lines[-1].startswith("mlxd: "), p.stderr
@@ -62,10 +71,17 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
                                      "verifying sha256 digest", "writing manifest", "success"]
     assert (tmp_path / "home" / "models" / "tiny-llama" / "mlxd.json").is_file()
 
+    before = datetime.now(timezone.utc)
     table = mlxd(env, "list").stdout.splitlines()
+    after = datetime.now(timezone.utc)
     assert table[0].split() == ["NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED"]
-    assert table[2].split()[:6] == ["tiny-llama", "chat", "552", "KB", "F32", "just"]
+    assert table[2].split()[:5] == ["tiny-llama", "chat", "552", "KB", "F32"]
     [m] = listed(env)
+    # MODIFIED: the pull's time as the relative time `list` saw, whenever it ran
+    pulled = datetime.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    ages = range(int((before - pulled).total_seconds()) - 1,
+                 int((after - pulled).total_seconds()) + 2)
+    assert " ".join(table[2].split()[5:]) in {_ago(a) for a in ages}, table[2]
     assert {k: m[k] for k in ("name", "kind", "format", "source", "architecture",
                               "context_length")} == {
         "name": "tiny-llama", "kind": "chat", "format": "mlx", "source": str(tiny),

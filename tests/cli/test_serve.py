@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,17 +111,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
+def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
     """`--api-workers 2`: two front-end processes on one port, one engine core (the model
     loaded once), and SIGTERM takes all of them down."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    metric_dirs = set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*"))
+    # the server's own temporary folder, no other test's files in it (short: the engine
+    # core's IPC socket paths live there, and a socket path holds 107 bytes at most)
+    tmp = Path(tempfile.mkdtemp(prefix="mlxd-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
-              env=_env(tmp_path), start_new_session=True)
+              env={**_env(tmp_path), "TMPDIR": str(tmp)}, start_new_session=True)
     core_pid = None
     try:
         _wait_healthy(url, p)
+        assert len(list(tmp.glob("mlxd-metrics-*"))) == 1  # the front ends' shared files
         frontends, cores = set(), set()
         deadline = time.time() + 30
         while len(frontends) < 2 and time.time() < deadline:
@@ -182,7 +187,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama):
         time.sleep(0.1)
     assert core_pid is None or not _alive(core_pid)
     # the front ends' shared metric files go with the server
-    assert set(Path(tempfile.gettempdir()).glob("mlxd-metrics-*")) <= metric_dirs
+    assert not list(tmp.glob("mlxd-metrics-*"))
 
 
 def test_max_num_seqs_flag_takes_auto_or_a_number(tmp_path, tiny_llama):

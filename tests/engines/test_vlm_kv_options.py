@@ -4,7 +4,6 @@ the memory budget counts)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -56,9 +55,7 @@ def test_each_scheme_builds_its_cache_and_shrinks_the_kv(vlm_dir):
         engine = VisionEngine("v", vlm_dir, VisionEngineOptions(**opts))
         try:
             assert engine.batching
-            t0 = time.monotonic()
             seen[label] = _mid_generation(engine)
-            assert time.monotonic() - t0 < 120
         finally:
             engine.close()
     assert "BatchKVCache" in seen["full"][0]

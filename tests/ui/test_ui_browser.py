@@ -1,8 +1,9 @@
 """The web UI in a real browser: Playwright driving Debian's Chromium against a real
 ``mlxd serve`` (a subprocess, API keys configured) with the tiny fixtures.
 
-One server and one browser for the module; the tests run in order and build on each
-other's traffic (the chat feeds the charts and the request list). The browser download
+One server and one browser for the module, a fresh tab for each test: each test opens
+its view and makes the traffic and the store it looks at, so they pass in any order and
+alone. The browser download
 hosts are unreachable here, so Playwright drives the system's Chromium
 (``executable_path``); .ci/run installs it, and on CI its absence fails these tests.
 
@@ -152,9 +153,9 @@ def browser() -> Iterator[object]:
         b.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def page(browser, served):
-    """One tab with the key in its session storage (as the key form leaves it), every
+    """A fresh tab with the key in its session storage (as the key form leaves it), every
     console error and page error recorded."""
     ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
     ctx.add_init_script(f"sessionStorage.setItem('mlxd-api-key', {json.dumps(KEY)})")
@@ -165,6 +166,12 @@ def page(browser, served):
     pg.set_default_timeout(30_000)
     yield pg
     ctx.close()
+
+
+def playground(page, served: Served) -> None:
+    """Open the playground's chat, empty (a fresh tab's)."""
+    page.goto(served.url + "/#playground")
+    page.locator("textarea[name=prompt]").wait_for()
 
 
 def shot(page, name: str) -> None:
@@ -180,7 +187,7 @@ def access_log(served: Served) -> list[str]:
             if marker in ln]
 
 
-def settle(served: Served, timeout: float = 15) -> dict:
+def settle(served: Served, timeout: float = 60) -> dict:
     """/health once no request is in flight and no model has one running (a cancelled
     stream's slot freed)."""
     deadline = time.time() + timeout
@@ -236,7 +243,7 @@ def test_overview_loads_without_console_errors(page, served):
 
 
 def test_chat_streams_tokens_into_the_page(page, served):
-    page.goto(served.url + "/#playground")
+    playground(page, served)
     page.select_option("select[name=model]", SLOW)
     page.fill("input[name=max_tokens]", "400")
     page.fill("input[name=temperature]", "0")
@@ -260,18 +267,17 @@ def test_chat_streams_tokens_into_the_page(page, served):
     seen = [(t, s) for t, s in page.evaluate("window.__seen") if s]
     final = page.inner_text("[data-testid=reply] .content")
     assert all(final.startswith(s) for _, s in seen)
-    # the text arrived in pieces: a part of it was on the page well before all of it
-    # (400 tokens of the slow model take more than a second)
-    first_part = next(t for t, s in seen if s != final)
-    all_of_it = next(t for t, s in seen if s == final)
-    assert all_of_it - first_part > 300, seen
-    assert len({s for _, s in seen}) >= 3, seen
+    # the text arrived in pieces: the page showed several growing parts of it before all
+    assert len({s for _, s in seen if s != final}) >= 3, seen
     shot(page, "playground")
 
 
 def test_copy_as_snippets(page, served):
     from playwright.sync_api import expect
 
+    playground(page, served)
+    page.select_option("select[name=model]", SLOW)
+    page.fill("input[name=max_tokens]", "400")
     snippet = page.locator("[data-testid=snippet] pre")
     page.click("button:text-is('curl')")
     expect(snippet).to_contain_text("/v1/chat/completions")
@@ -285,7 +291,7 @@ def test_copy_as_snippets(page, served):
 
 
 def test_json_schema_mode_constrains_the_reply(page, served):
-    page.click("text=Clear")
+    playground(page, served)
     page.select_option("select[name=model]", "tiny-llama")
     page.fill("input[name=max_tokens]", "48")
     page.check("input[name=schema-on]")
@@ -297,11 +303,10 @@ def test_json_schema_mode_constrains_the_reply(page, served):
     page.locator("[data-testid=reply-stats]").wait_for()
     # random weights, and still the schema's JSON: the grammar held while decoding
     assert json.loads(page.inner_text("[data-testid=reply] .content"))["answer"] in ("yes", "no")
-    page.uncheck("input[name=schema-on]")
 
 
 def test_tool_calls_are_shown_apart_from_the_answer(page, served):
-    page.click("text=Clear")
+    playground(page, served)
     page.select_option("select[name=model]", TOOLS)
     page.fill("input[name=max_tokens]", "64")
     page.check("input[name=tools-on]")
@@ -322,12 +327,10 @@ def test_tool_calls_are_shown_apart_from_the_answer(page, served):
     assert args["city"] in ("Paris", "Rome")
     assert "<tool_call>" not in page.inner_text("[data-testid=reply] .content")
     assert "tool_calls" in page.inner_text("[data-testid=reply-stats]")  # finish reason
-    page.uncheck("input[name=tools-on]")
 
 
 def test_reasoning_streams_into_its_own_panel(page, served):
-    page.goto(served.url + "/#playground")
-    page.reload()  # a fresh playground: no earlier settings or snippet
+    playground(page, served)
     page.select_option("select[name=model]", THINK)
     page.fill("input[name=max_tokens]", "300")
     page.fill("input[name=temperature]", "0")
@@ -356,16 +359,14 @@ def test_reasoning_streams_into_its_own_panel(page, served):
     assert all(answer == "" for _, _, answer in seen), seen
     seen = [(t, s) for t, s, _ in seen if s]
     assert all(final.startswith(s) for _, s in seen)
-    # streamed: part of it was on the page well before all of it
-    first_part = next(t for t, s in seen if s != final)
-    all_of_it = next(t for t, s in seen if s == final)
-    assert all_of_it - first_part > 300, seen
-    assert len({s for _, s in seen}) >= 3, seen
+    # streamed: the page showed several growing parts of it before all of it
+    assert len({s for _, s in seen if s != final}) >= 3, seen
     shot(page, "reasoning")
     assert page.errors == []
 
 
 def test_system_prompt_sampling_fields_and_stop_strings(page, served):
+    playground(page, served)
     page.select_option("select[name=model]", "tiny-llama")
     page.fill("textarea[name=system]", "Answer in one line.")
     page.fill("input[name=temperature]", "1")  # sampled: the seed decides the text
@@ -405,8 +406,6 @@ def test_system_prompt_sampling_fields_and_stop_strings(page, served):
     options = json.loads(argv[argv.index("-d") + 1])["options"]
     assert options == {"temperature": 1, "top_p": 0.9, "seed": 1234, "num_predict": 24,
                        "stop": [stop]}
-    for field in ("textarea[name=system]", "textarea[name=stop]", "input[name=seed]"):
-        page.fill(field, "")  # the next tests' requests carry none of them
     assert page.errors == []
 
 
@@ -417,7 +416,7 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
         return float(m.group(1)) if m else 0.0
 
     before = images_seen()
-    page.click("text=Clear")
+    playground(page, served)
     page.select_option("select[name=model]", VLM)
     # drag and drop, and paste, each attach an image
     page.evaluate("""async (b64) => {
@@ -451,7 +450,7 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
 
 
 def test_stop_ends_the_reply_and_frees_the_slot(page, served):
-    page.click("text=Clear")
+    playground(page, served)
     page.select_option("select[name=model]", SLOW)
     page.fill("input[name=max_tokens]", "4000")  # the slow model: tens of seconds of it
     page.fill("textarea[name=prompt]", "Tell me a long story.")
@@ -468,7 +467,7 @@ def test_stop_ends_the_reply_and_frees_the_slot(page, served):
     # the tokens it sent before the client went, fewer than asked for
     link = page.locator("[data-testid=reply-request]")
     rid = link.get_attribute("href").removeprefix("#requests/")
-    deadline = time.time() + 15
+    deadline = time.time() + 60
     with served.client() as c:
         while not (mine := [r for r in c.get("/ui/api/requests").json()["requests"]
                             if r["request_id"] == rid]):
@@ -485,6 +484,9 @@ def test_stop_ends_the_reply_and_frees_the_slot(page, served):
 
 
 def test_pull_shows_progress_and_the_model_appears(page, served, hub):
+    with served.client() as c:  # not in the store (an earlier test may have pulled it)
+        c.request("DELETE", "/api/delete", json={"model": HUB_REPO})
+        assert HUB_REPO not in {m["name"] for m in c.get("/api/tags").json()["models"]}
     page.goto(served.url + "/#overview")
     # every text the progress display shows, as the page changes it
     page.evaluate("""() => { window.__pull = [];
@@ -516,7 +518,7 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     assert page.errors == []
 
 
-def test_remove_and_unload_ask_then_the_rows_go(page, served):
+def test_remove_and_unload_ask_then_the_rows_go(page, served, hub):
     with served.client() as c:
         def tags() -> set[str]:
             return {m["name"] for m in c.get("/api/tags").json()["models"]}
@@ -524,11 +526,18 @@ def test_remove_and_unload_ask_then_the_rows_go(page, served):
         def loaded() -> set[str]:
             return {m["name"] for m in c.get("/health").json()["models"]}
 
+        # a model in the store to remove, a loaded one to unload
+        if HUB_REPO not in tags():
+            r = c.post("/api/pull", json={"model": HUB_REPO, "stream": False}, timeout=300)
+            assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json={
+            "model": VLM, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        page.goto(served.url + "/#overview")
         # the expiry column: never for the pinned default, the keep-alive left for others
-        # (the vision model is loaded since the image test; the tool model was evicted)
         expires = page.locator(f"[data-testid=loaded] tr[data-model={VLM}] td").nth(4)
         m = re.fullmatch(r"in (\d+)m \d+s", expires.inner_text())
-        assert m and int(m.group(1)) < 30, expires.inner_text()  # keep_alive: 30m
+        assert m and int(m.group(1)) <= 30, expires.inner_text()  # keep_alive: 30m
         assert page.locator("[data-testid=loaded] tr[data-model=tiny-llama] td").nth(4
                             ).inner_text() == "never"
         row = page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']")
@@ -560,6 +569,8 @@ def chart_sums(page) -> dict[str, float]:
 
 
 def test_charts_update_after_traffic(page, served):
+    page.goto(served.url + "/#overview")
+    page.locator("[data-testid=charts]").wait_for()
     # what the charts held before this test's traffic: wait for a point sampled after now,
     # so that no earlier request can still arrive and pass for this test's
     now = time.time()
@@ -619,8 +630,14 @@ def test_charts_update_after_traffic(page, served):
 
 
 def test_requests_view_lists_filters_and_links_the_log_line(page, served):
-    with served.client() as c:  # a refusal of this key's own, for the 4xx filter below
-        assert c.post("/v1/chat/completions", json={}).status_code in (400, 422)
+    with served.client() as c:  # its own traffic: a chat, a refusal, an embedding
+        assert c.post("/v1/chat/completions", json={
+            "model": "tiny-llama", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+        assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
+                      ).status_code in (400, 404)
+        assert c.post("/v1/embeddings", json={"model": EMBED, "input": "x"}).status_code == 200
+        # a caller without this key's identity: its request is not this key's to see
         assert c.get("/v1/models", headers={"Authorization": "Bearer not-a-key",
                                             "X-Request-ID": "ui-someone-else"}
                      ).status_code == 401
@@ -642,10 +659,11 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
         "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
         "rows.every(r => r.querySelector('td.num').innerText.startsWith('4')); }")
     page.select_option("select[name=status]", "all")
-    page.fill("input[name=filter]", VLM)
-    page.wait_for_function("() => document.querySelectorAll('[data-testid=requests] tr[data-rid]')"
-                           ".length >= 1")
-    assert all(VLM in rows.nth(i).inner_text() for i in range(rows.count()))
+    page.fill("input[name=filter]", EMBED)
+    page.wait_for_function(  # only the rows that name it
+        "(name) => { const rows = [...document.querySelectorAll("
+        "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
+        "rows.every(r => r.innerText.includes(name)); }", arg=EMBED)
     page.fill("input[name=filter]", "")
     first = rows.first
     rid = first.get_attribute("data-rid")

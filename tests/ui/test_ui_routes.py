@@ -134,6 +134,7 @@ def test_ui_off_is_404(tmp_path, tiny_llama):
         assert client.get(path).status_code == 404, path
 
 
+@pytest.mark.slow  # a server of its own
 def test_ui_off_on_a_running_server(start_server, tiny_llama, monkeypatch):
     """The switch as an operator flips it (the environment), on a server that started:
     the page, its files and its data routes are gone while the API still answers."""

@@ -8,6 +8,7 @@ request's type to it. Errors travel back as :class:`~.protocol.WireError`.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -171,19 +172,29 @@ async def scorers(core: Any, req: p.Scorers) -> p.ScorerCount:
     return p.ScorerCount(len(core.encoders.scorers()))
 
 
-async def fault(core: Any, req: p.Fault) -> p.Done:
+async def fault(core: Any, req: p.Fault) -> p.Faulted:
     """Failure drills (only with MLXD_TEST_FAULTS=1): how a core dies or fails in the field.
 
     ``kill``/``abort``: the process dies (SIGKILL; SIGABRT as a Metal/CUDA abort does);
     ``worker``: the device thread dies; ``step_error``: ``model``'s next step raises
     RuntimeError(``message``); ``slow_steps``: each step of ``model`` sleeps ``seconds``
-    first (0 ends it); ``load_error``: the next load raises MemoryError(``message``);
-    ``scorer_plain_head``: LLM rerank scorers take their LM-head shortcut or not (``value``:
-    the path of architectures without a plain head, on any model).
+    first (0 ends it and wakes a step asleep); ``load_error``: the next load raises
+    MemoryError(``message``); ``hold_load``: the next load waits before reading its weights
+    until ``release_load`` (``held_loads``: how many wait now), so that tests order events
+    around a load without timing it; ``scorer_plain_head``: LLM rerank scorers take their
+    LM-head shortcut or not (``value``: the path of architectures without a plain head).
     """
     import signal
 
     kind, model, message = req.kind, req.model, req.message
+    if kind == "hold_load":
+        _LOAD_GATE.hold()
+        return p.Faulted()
+    if kind == "held_loads":
+        return p.Faulted(held_loads=_LOAD_GATE.waiting)
+    if kind == "release_load":
+        _LOAD_GATE.release()
+        return p.Faulted()
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "abort":
@@ -210,19 +221,64 @@ async def fault(core: Any, req: p.Fault) -> p.Done:
             scorer._plain_head = req.value
     else:
         raise ModelNotFound(f"unknown fault '{kind}'")
-    return p.Done()
+    return p.Faulted()
+
+
+class _LoadGate:
+    """``hold_load``'s gate: the next ``create_engine`` call waits at it until released."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: threading.Event | None = None
+        self.waiting = 0
+
+    def hold(self) -> None:
+        import mlxd.engines.registry as registry
+
+        with self._lock:
+            if self._open is not None:
+                return
+            self._open = opened = threading.Event()
+        real = registry.create_engine
+
+        def held(*args: Any, **kw: Any) -> Any:
+            registry.create_engine = real
+            with self._lock:
+                self.waiting += 1
+            try:
+                opened.wait()
+            finally:
+                with self._lock:
+                    self.waiting -= 1
+            return real(*args, **kw)
+
+        registry.create_engine = held
+
+    def release(self) -> None:
+        with self._lock:
+            opened, self._open = self._open, None
+        if opened is not None:
+            opened.set()
+
+
+_LOAD_GATE = _LoadGate()
 
 
 def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
     real = type(engine).step
+    woken = engine.__dict__.pop("_slow_steps_end", None)
+    if woken is not None:  # a step asleep under the previous setting wakes now
+        woken.set()
 
     if kind == "step_error":
         def step() -> Any:
             del engine.step  # once
             raise RuntimeError(message)
     elif seconds > 0:
+        end = engine._slow_steps_end = threading.Event()
+
         def step() -> Any:
-            time.sleep(seconds)
+            end.wait(seconds)
             return real(engine)
     else:
         engine.__dict__.pop("step", None)

@@ -350,6 +350,13 @@ class Done(Result, tag="done"):
     """A call that answers nothing but its success."""
 
 
+class Faulted(Result, tag="faulted"):
+    """A failure drill done; ``held_loads``: with kind ``held_loads``, the loads waiting at
+    the ``hold_load`` gate."""
+
+    held_loads: int = 0
+
+
 # requests
 
 
@@ -435,7 +442,7 @@ class Scorers(Request[ScorerCount], tag="scorers"):
     pass
 
 
-class Fault(Request[Done], tag="fault"):
+class Fault(Request[Faulted], tag="fault"):
     """A failure drill (only in a core started with MLXD_TEST_FAULTS=1; enginecore/calls.py
     ``fault`` lists the kinds)."""
 
@@ -450,7 +457,7 @@ class Fault(Request[Done], tag="fault"):
 CallRequest = (Touch | Unload | Loaded | Forget | Status | Metrics | Embed | Rerank | Tokenize
                | Transcribe | Speak | Scorers | Fault)
 CallResult = (ModelInfo | Unloaded | LoadedModels | CoreStatus | MetricsText | Embedded
-              | Reranked | Tokenized | Transcribed | Spoken | ScorerCount | Done)
+              | Reranked | Tokenized | Transcribed | Spoken | ScorerCount | Done | Faulted)
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -62,7 +62,7 @@ CACHE_KEEP_BYTES = 1 << 30
 # the least a prompt being prefilled gets per step, however full the decode batch is
 MIN_PREFILL_TOKENS = 16
 # engine.max_step_tokens 'auto', per backend (config.py's description says why)
-AUTO_STEP_TOKENS = {"gpu": 2048, "cpu": 256}
+AUTO_STEP_TOKENS = {"gpu": 0, "cpu": 256}
 
 
 def step_budget(setting: int | str, on_gpu: bool) -> int:

@@ -148,6 +148,8 @@ class SpecStats:
             "max_verify_batch": self.max_verify_batch,
             "pauses": self.pauses, "paused_row_steps": self.paused_row_steps,
             "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            # the two counts behind tokens_per_step, so an interval's rate can be taken
+            "emitted_tokens": self.emitted_tokens, "row_steps": self.row_steps,
             "acceptance_rate": (self.accepted_tokens / self.draft_tokens
                                 if self.draft_tokens else None),
             "tokens_per_step": (self.emitted_tokens / self.row_steps
