@@ -46,6 +46,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).parent)]
 from conftest import core_call  # noqa: E402
 from mlxd_proc import UNHANDLED, free_port  # noqa: E402
 
+from mlxd.enginecore.protocol import Fault  # noqa: E402
+
 EVIL = "http://evil.example"
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4}
@@ -441,7 +443,7 @@ def phase_frontend_kill(checks: Checks, srv: Server) -> None:
 def phase_sigterm(checks: Checks, srv: Server, workers: int) -> None:
     phase = f"SIGTERM drain ({workers} front end{'s' * (workers > 1)})"
     # steps of 50 ms: the streams are still running while the drain is probed
-    core_call(srv.url, "fault", kind="slow_steps", model="tiny-llama", seconds=0.05)
+    core_call(srv.url, Fault("slow_steps", model="tiny-llama", seconds=0.05))
     out, threads = _load(srv.url, 4, max_tokens=150)
     time.sleep(1.0)
     srv.proc.send_signal(signal.SIGTERM)
