@@ -96,8 +96,13 @@ print("RESULT " + json.dumps(out))
 
 def run(model_dir: str, cudnn: str) -> dict:
     env = dict(os.environ, MLX_CUDA_USE_CUDNN_SDPA=cudnn)
-    p = subprocess.run([sys.executable, "-c", CHILD, model_dir], env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, model_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-3000:])
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
@@ -109,18 +114,24 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    res = {"command": " ".join(sys.argv), "machine": f"{platform.node()} {os.cpu_count()} cpus",
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    res = {
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.node()} {os.cpu_count()} cpus",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     for name, val in (("cudnn_on", "1"), ("cudnn_off", "0")):
         res[name] = run(args.model_dir, val)
         r = res[name]
-        print(f"{name}: prefill " + ", ".join(f"{x['batch']}x{x['tokens']}={x['ms']}"
-                                              for x in r["prefill"]))
-        print(f"{name}: long " + ", ".join(f"{x['tokens']}={x['ms']}"
-                                           for x in r["long_prefill"]))
+        print(
+            f"{name}: prefill "
+            + ", ".join(f"{x['batch']}x{x['tokens']}={x['ms']}" for x in r["prefill"])
+        )
+        print(f"{name}: long " + ", ".join(f"{x['tokens']}={x['ms']}" for x in r["long_prefill"]))
         v, d = r["verify_5_ms"], r["decode_b16_ms"]
-        print(f"{name}: verify first 6 {v[:6]} median {sorted(v)[len(v) // 2]}; "
-              f"decode b16 median {sorted(d)[len(d) // 2]}")
+        print(
+            f"{name}: verify first 6 {v[:6]} median {sorted(v)[len(v) // 2]}; "
+            f"decode b16 median {sorted(d)[len(d) // 2]}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -45,12 +45,11 @@ def make_wav(seconds: float, rate: int = 16000) -> bytes:
     import numpy as np
 
     t = np.arange(int(seconds * rate)) / rate
-    x = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * np.random.RandomState(0).randn(t.size))
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.01 * np.random.RandomState(0).randn(t.size)
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="wav") as c:
         s = c.add_stream("pcm_s16le", rate=rate, layout="mono")
-        f = av.AudioFrame.from_ndarray(x[None, :].astype(np.float32), format="fltp",
-                                       layout="mono")
+        f = av.AudioFrame.from_ndarray(x[None, :].astype(np.float32), format="fltp", layout="mono")
         f.sample_rate = rate
         for p in list(s.encode(f)) + list(s.encode(None)):
             c.mux(p)
@@ -74,8 +73,9 @@ def prepare_models(home: Path, stt: str | None) -> tuple[str, str]:
     return str(chat), m["name"]
 
 
-async def run_clients(port: int, model: str, wav: bytes, clients: int, seconds: float,
-                      audio_seconds: float) -> dict:
+async def run_clients(
+    port: int, model: str, wav: bytes, clients: int, seconds: float, audio_seconds: float
+) -> dict:
     import httpx
 
     lat: list[float] = []
@@ -86,8 +86,11 @@ async def run_clients(port: int, model: str, wav: bytes, clients: int, seconds: 
         nonlocal errors
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
-            r = await c.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav)},
-                             data={"model": model, "response_format": "json"})
+            r = await c.post(
+                "/v1/audio/transcriptions",
+                files={"file": ("a.wav", wav)},
+                data={"model": model, "response_format": "json"},
+            )
             if r.status_code == 200:
                 lat.append(time.perf_counter() - t0)
             else:
@@ -102,25 +105,51 @@ async def run_clients(port: int, model: str, wav: bytes, clients: int, seconds: 
     def pct(p: float) -> float:
         return round(lat[min(int(p * len(lat)), len(lat) - 1)] * 1000, 1) if lat else 0.0
 
-    return {"clients": clients, "requests": len(lat), "errors": errors,
-            "wall_s": round(wall, 2),
-            "audio_s_per_s": round(len(lat) * audio_seconds / wall, 3),
-            "requests_per_s": round(len(lat) / wall, 3), "p50_ms": pct(0.5), "p95_ms": pct(0.95)}
+    return {
+        "clients": clients,
+        "requests": len(lat),
+        "errors": errors,
+        "wall_s": round(wall, 2),
+        "audio_s_per_s": round(len(lat) * audio_seconds / wall, 3),
+        "requests_per_s": round(len(lat) / wall, 3),
+        "p50_ms": pct(0.5),
+        "p95_ms": pct(0.95),
+    }
 
 
 def bench(args, chat: str, model: str, wav: bytes, clients: int, batch: int) -> dict:
     port = free_port()
-    env = dict(os.environ, MLXD_HOME=str(args.home), HF_HUB_OFFLINE="1",
-               MLXD_AUDIO__MAX_BATCH_SIZE=str(batch),
-               MLXD_AUDIO__MAX_TOKENS_PER_WINDOW=str(args.max_tokens),
-               MLXD_MODELS__DIR=str(Path(args.home) / "models"),
-               MLXD_MODELS__AUTO_DOWNLOAD_DEFAULTS="false")
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(args.home),
+        HF_HUB_OFFLINE="1",
+        MLXD_AUDIO__MAX_BATCH_SIZE=str(batch),
+        MLXD_AUDIO__MAX_TOKENS_PER_WINDOW=str(args.max_tokens),
+        MLXD_MODELS__DIR=str(Path(args.home) / "models"),
+        MLXD_MODELS__AUTO_DOWNLOAD_DEFAULTS="false",
+    )
     log_path = Path(args.home) / f"server-{clients}-{batch}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd", "serve", "--port", str(port), "--model", chat,
-             "--preload", model, "--log-level", "warning"],
-            env=env, stdout=log, stderr=log, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "mlxd",
+                "serve",
+                "--port",
+                str(port),
+                "--model",
+                chat,
+                "--preload",
+                model,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            cwd=ROOT,
+        )
         try:
             import httpx
 
@@ -129,9 +158,12 @@ def bench(args, chat: str, model: str, wav: bytes, clients: int, batch: int) -> 
                 if proc.poll() is not None:
                     raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
                 try:
-                    r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/transcriptions",
-                                   files={"file": ("a.wav", wav)}, data={"model": model},
-                                   timeout=600)
+                    r = httpx.post(
+                        f"http://127.0.0.1:{port}/v1/audio/transcriptions",
+                        files={"file": ("a.wav", wav)},
+                        data={"model": model},
+                        timeout=600,
+                    )
                     if r.status_code == 200:
                         break
                 except httpx.TransportError:
@@ -139,8 +171,9 @@ def bench(args, chat: str, model: str, wav: bytes, clients: int, batch: int) -> 
                 if time.time() > deadline:
                     raise TimeoutError("server did not become ready")
                 time.sleep(0.5)
-            res = asyncio.run(run_clients(port, model, wav, clients, args.seconds,
-                                          args.audio_seconds))
+            res = asyncio.run(
+                run_clients(port, model, wav, clients, args.seconds, args.audio_seconds)
+            )
             health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
             m = next((x for x in health.get("models", []) if x["name"] == model), {})
             res["max_batch_size"] = batch
@@ -174,16 +207,19 @@ def main() -> None:
             r = bench(args, chat, model, wav, clients, batch)
             runs.append(r)
             print(json.dumps(r), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     result = {
         "command": "python benchmarks/audio_throughput.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()} {platform.system()} {os.cpu_count()} CPUs "
-                   f"({platform.processor() or 'unknown cpu'})",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
+        f"({platform.processor() or 'unknown cpu'})",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": commit,
         "model": args.stt or "tiny random-weight Whisper (tests/fixtures/tiny_audio.py)",
-        "audio_seconds_per_request": args.audio_seconds, "max_tokens_per_window":
-        args.max_tokens, "runs": runs,
+        "audio_seconds_per_request": args.audio_seconds,
+        "max_tokens_per_window": args.max_tokens,
+        "runs": runs,
     }
     text = json.dumps(result, indent=2)
     print(text)

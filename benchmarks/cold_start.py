@@ -26,8 +26,12 @@ from serve_compare import free_port, wait_healthy  # noqa: E402
 
 def request(url: str, model: str, i: int) -> float:
     question = ("What is MLX?", "Name a river.", "Why is the sky blue?")[i % 3]
-    body = {"model": model, "messages": [{"role": "user", "content": question}],
-            "max_tokens": 16, "temperature": 0.7}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 16,
+        "temperature": 0.7,
+    }
     t0 = time.perf_counter()
     httpx.post(url + "/v1/chat/completions", json=body, timeout=300).raise_for_status()
     return time.perf_counter() - t0
@@ -49,8 +53,21 @@ def main() -> None:
         if args.no_warmup:
             env["MLXD_ENGINE__WARMUP"] = "false"
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", args.model,
-                                 "--port", str(port), "--log-level", "warning"], env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxd",
+                "serve",
+                "--model",
+                args.model,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+        )
         try:
             wait_healthy(url, proc, "/health")
             ready = time.perf_counter() - t0
@@ -58,8 +75,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-        rows.append({"to_healthy_s": ready, "first_s": first, "second_s": second,
-                     "third_s": third})
+        rows.append({"to_healthy_s": ready, "first_s": first, "second_s": second, "third_s": third})
         print(json.dumps(rows[-1]), flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(json.dumps({"median": med, "first_over_second": med["first_s"] / med["second_s"]}))

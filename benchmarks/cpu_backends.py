@@ -144,15 +144,22 @@ def run(dtype: str, spec: str) -> dict:
     emb = minilm_dir() if dtype == "float32" else None
     t0 = time.time()
     load0 = os.getloadavg()[0]
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir(dtype)), blas,
-                           str(emb or "")], capture_output=True, text=True, env=env,
-                          timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model_dir(dtype)), blas, str(emb or "")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr[-800:]}
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out.update(started=datetime.fromtimestamp(t0, timezone.utc).strftime("%H:%M:%S"),
-               seconds=round(time.time() - t0, 1), loadavg_before=load0,
-               loadavg_after=os.getloadavg()[0])
+    out.update(
+        started=datetime.fromtimestamp(t0, timezone.utc).strftime("%H:%M:%S"),
+        seconds=round(time.time() - t0, 1),
+        loadavg_before=load0,
+        loadavg_after=os.getloadavg()[0],
+    )
     return out
 
 
@@ -161,8 +168,9 @@ def medians(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     out: dict = {"runs": len(ok), "errors": len(runs) - len(ok)}
     if ok:
-        out.update(blas=ok[0]["blas"], blas_name=ok[0]["blas_name"],
-                   weights_bytes=ok[0]["weights_bytes"])
+        out.update(
+            blas=ok[0]["blas"], blas_name=ok[0]["blas_name"], weights_bytes=ok[0]["weights_bytes"]
+        )
     for m in METRICS:
         vals = [r[m] for r in ok if m in r]
         if vals:
@@ -175,47 +183,78 @@ def machine() -> dict:
     """What the figures were measured on: CPU, versions, commit, date."""
     import importlib.metadata as md
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text()
-                .splitlines() if ln.startswith("model name")), platform.processor()) \
-        if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     root = Path(__file__).resolve().parents[1]
-    git = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True)
+    git = subprocess.run(
+        ["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
     versions = {}
     for dist in ("mlx", "mlx-lm", "mkl", "numpy"):
         try:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             versions[dist] = None
-    return {"date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "commit": git.stdout.strip() or None, "cpu": cpu, "cores": os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "versions": versions,
-            "env": {k: v for k, v in os.environ.items()
-                    if k.startswith(("MKL_", "OPENBLAS_", "OMP_", "BLIS_"))}}
+    return {
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": git.stdout.strip() or None,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("MKL_", "OPENBLAS_", "OMP_", "BLIS_"))
+        },
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--blas", default="off,openblas,blis,mkl",
-                    help="comma-separated settings; mkl:LAYER sets MKL_THREADING_LAYER")
+    ap.add_argument(
+        "--blas",
+        default="off,openblas,blis,mkl",
+        help="comma-separated settings; mkl:LAYER sets MKL_THREADING_LAYER",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16,native")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true",
-                    help="one repetition, fewer tokens (for the slow half/4-bit dtypes)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="fresh-process runs per configuration, in rotated order; medians")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repetition, fewer tokens (for the slow half/4-bit dtypes)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="fresh-process runs per configuration, in rotated order; medians",
+    )
     args = ap.parse_args()
     if args.quick:
         os.environ["MLXD_BENCH_QUICK"] = "1"
     info = machine()
     bw = memory_bandwidth_gbs()
     print(f"memory bandwidth (numpy copy, read+write): {bw:.1f} GB/s")
-    configs = [(dtype, blas) for dtype in args.dtypes.split(",")
-               for blas in (args.blas.split(",") if dtype == "float32" else ["auto"])]
+    configs = [
+        (dtype, blas)
+        for dtype in args.dtypes.split(",")
+        for blas in (args.blas.split(",") if dtype == "float32" else ["auto"])
+    ]
     runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
     for i in range(args.repeat):
-        for dtype, blas in configs[i % len(configs):] + configs[:i % len(configs)]:
+        for dtype, blas in configs[i % len(configs) :] + configs[: i % len(configs)]:
             r = run(dtype, blas)
             r.update(dtype=dtype, blas_setting=blas, round=i + 1)
             runs[(dtype, blas)].append(r)
@@ -229,9 +268,18 @@ def main() -> None:
         print("median", json.dumps(row), flush=True)
     if args.out:
         info["date_utc_end"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        Path(args.out).write_text(json.dumps(
-            {"machine": info, "bandwidth_gbs": bw, "repeat": args.repeat, "rows": rows,
-             "runs": [r for rs in runs.values() for r in rs]}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "bandwidth_gbs": bw,
+                    "repeat": args.repeat,
+                    "rows": rows,
+                    "runs": [r for rs in runs.values() for r in rs],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

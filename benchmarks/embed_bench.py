@@ -79,8 +79,11 @@ class Conn:
         if self.w is None:
             self.r, self.w = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
-        self.w.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
-                     f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        self.w.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         assert self.r is not None
         head = await self.r.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
@@ -94,8 +97,9 @@ class Conn:
         return status, payload
 
 
-async def run_clients(port: int, model: str, sentences: list[str], clients: int,
-                      seconds: float, warmup: float) -> dict:
+async def run_clients(
+    port: int, model: str, sentences: list[str], clients: int, seconds: float, warmup: float
+) -> dict:
     lat: list[float] = []
     done = 0
     errors = 0
@@ -112,7 +116,8 @@ async def run_clients(port: int, model: str, sentences: list[str], clients: int,
             if t0 >= t_end:
                 return
             status, payload = await conn.post_json(
-                "/v1/embeddings", {"model": model, "input": sentences[i % len(sentences)]})
+                "/v1/embeddings", {"model": model, "input": sentences[i % len(sentences)]}
+            )
             t1 = time.perf_counter()
             if status != 200:
                 errors += 1
@@ -127,8 +132,14 @@ async def run_clients(port: int, model: str, sentences: list[str], clients: int,
     def pct(p: float) -> float:
         return lat[min(int(p * len(lat)), len(lat) - 1)] * 1000 if lat else float("nan")
 
-    return {"sentences_per_s": done / seconds, "requests": done, "errors": errors,
-            "p50_ms": pct(0.50), "p95_ms": pct(0.95), "p99_ms": pct(0.99)}
+    return {
+        "sentences_per_s": done / seconds,
+        "requests": done,
+        "errors": errors,
+        "p50_ms": pct(0.50),
+        "p95_ms": pct(0.95),
+        "p99_ms": pct(0.99),
+    }
 
 
 def wait_ready(port: int, proc: subprocess.Popen, model: str, timeout: float = 600) -> None:
@@ -139,8 +150,11 @@ def wait_ready(port: int, proc: subprocess.Popen, model: str, timeout: float = 6
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings",
-                           json={"model": model, "input": "warm up"}, timeout=60)
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/embeddings",
+                json={"model": model, "input": "warm up"},
+                timeout=60,
+            )
             if r.status_code == 200:
                 return
         except httpx.TransportError:
@@ -155,13 +169,28 @@ def bench_server(args, env_extra: dict, label: str, sentences: list[str]) -> dic
     log_path = Path(args.home) / f"server-{label}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd", "serve", "--port", str(port),
-             "--preload", args.model, "--log-level", "warning"],
-            env=env, stdout=log, stderr=log, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "mlxd",
+                "serve",
+                "--port",
+                str(port),
+                "--preload",
+                args.model,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            stdout=log,
+            stderr=log,
+            cwd=ROOT,
+        )
         try:
             wait_ready(port, proc, args.model)
-            res = asyncio.run(run_clients(port, args.model, sentences, args.clients,
-                                          args.seconds, args.warmup))
+            res = asyncio.run(
+                run_clients(port, args.model, sentences, args.clients, args.seconds, args.warmup)
+            )
             import httpx
 
             health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
@@ -207,8 +236,11 @@ def bench_engine(args, sentences: list[str]) -> dict:
         eng.embed_batch(ids)
         i += bs
         done += bs
-    return {"sentences_per_s": done / (time.perf_counter() - t_measure), "batch_size": bs,
-            "blas": info.describe()}
+    return {
+        "sentences_per_s": done / (time.perf_counter() - t_measure),
+        "batch_size": bs,
+        "blas": info.describe(),
+    }
 
 
 def main() -> None:
@@ -222,30 +254,47 @@ def main() -> None:
     ap.add_argument("--home", default="/tmp/mlxd-embed-bench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", choices=["engine", "batching", "off"], action="append")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="rounds of all phases (order rotated); medians are reported")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of all phases (order rotated); medians are reported",
+    )
     args = ap.parse_args()
     Path(args.home).mkdir(parents=True, exist_ok=True)
     sentences = make_sentences(4096)
-    only = [x for x in ("engine", "batching", "off") if x in set(args.only or
-                                                                 ["engine", "batching", "off"])]
-    results: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cores "
-                                f"{platform.processor() or ''}".strip(),
-                     "python": platform.python_version(), "args": vars(args), "runs": []}
-    batching = {"MLXD_BATCH_MAX_BATCH_SIZE": str(args.max_batch_size),
-                "MLXD_BATCH_MAX_WAIT_MS": str(args.max_wait_ms)}
-    labels = {"batching": "server, dynamic batching", "off": "server, batching off",
-              "engine": "engine alone, offline"}
+    only = [
+        x
+        for x in ("engine", "batching", "off")
+        if x in set(args.only or ["engine", "batching", "off"])
+    ]
+    results: dict = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores "
+        f"{platform.processor() or ''}".strip(),
+        "python": platform.python_version(),
+        "args": vars(args),
+        "runs": [],
+    }
+    batching = {
+        "MLXD_BATCH_MAX_BATCH_SIZE": str(args.max_batch_size),
+        "MLXD_BATCH_MAX_WAIT_MS": str(args.max_wait_ms),
+    }
+    labels = {
+        "batching": "server, dynamic batching",
+        "off": "server, batching off",
+        "engine": "engine alone, offline",
+    }
     for r in range(args.repeat):
         # Rotate the order each round: a shared machine's background load drifts.
-        order = only[r % len(only):] + only[: r % len(only)]
+        order = only[r % len(only) :] + only[: r % len(only)]
         run: dict = {}
         for phase in order:
             if phase == "batching":
                 run[phase] = bench_server(args, batching, "batching", sentences)
             elif phase == "off":
-                run[phase] = bench_server(args, {"MLXD_BATCH_MAX_BATCH_SIZE": "1"}, "off",
-                                          sentences)
+                run[phase] = bench_server(
+                    args, {"MLXD_BATCH_MAX_BATCH_SIZE": "1"}, "off", sentences
+                )
             else:
                 run[phase] = bench_engine(args, sentences)
             print(f"round {r + 1} {labels[phase]}: {run[phase]}", flush=True)
@@ -253,11 +302,20 @@ def main() -> None:
 
     def median(phase: str, key: str) -> float:
         vals = sorted(run[phase][key] for run in results["runs"])
-        return vals[len(vals) // 2] if len(vals) % 2 else sum(vals[len(vals) // 2 - 1:
-                                                                    len(vals) // 2 + 1]) / 2
+        return (
+            vals[len(vals) // 2]
+            if len(vals) % 2
+            else sum(vals[len(vals) // 2 - 1 : len(vals) // 2 + 1]) / 2
+        )
 
-    results["median"] = {p: {k: median(p, k) for k in ("sentences_per_s", "p50_ms", "p95_ms")
-                             if k in results["runs"][0][p]} for p in only}
+    results["median"] = {
+        p: {
+            k: median(p, k)
+            for k in ("sentences_per_s", "p50_ms", "p95_ms")
+            if k in results["runs"][0][p]
+        }
+        for p in only
+    }
     for p in only:
         print(f"median {labels[p]}: {results['median'][p]}")
     if len(only) == 3:
@@ -265,8 +323,10 @@ def main() -> None:
         sb = m["batching"]["sentences_per_s"]
         results["ratio_vs_engine"] = sb / m["engine"]["sentences_per_s"]
         results["ratio_vs_batching_off"] = sb / m["off"]["sentences_per_s"]
-        print(f"batching / engine = {results['ratio_vs_engine']:.2f} (goal >= 0.8); "
-              f"batching / off = {results['ratio_vs_batching_off']:.2f} (goal >= 4)")
+        print(
+            f"batching / engine = {results['ratio_vs_engine']:.2f} (goal >= 0.8); "
+            f"batching / off = {results['ratio_vs_batching_off']:.2f} (goal >= 4)"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

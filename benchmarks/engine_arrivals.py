@@ -32,8 +32,10 @@ def run_level(engine, tok, c: int, seconds: float, max_tokens: int, seed: int) -
 
     rng = random.Random(seed)
     prompts = serve_bench.make_prompts(4 * c, seed, 8, 64)
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}],
-                                   add_generation_prompt=True) for p in prompts]
+    ids = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in prompts
+    ]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     due: list[float] = [time.perf_counter() + rng.uniform(0, 0.002) for _ in range(c)]
     live, tokens, done, steps, k = set(), 0, 0, 0, 0
@@ -62,8 +64,15 @@ def run_level(engine, tok, c: int, seconds: float, max_tokens: int, seed: int) -
         else:
             time.sleep(0.0005)
     wall = time.perf_counter() - t0
-    return {"concurrency": c, "tokens": tokens, "requests": done, "wall_s": wall,
-            "output_tps": tokens / wall, "steps": steps, "ms_per_step": 1000 * wall / steps}
+    return {
+        "concurrency": c,
+        "tokens": tokens,
+        "requests": done,
+        "wall_s": wall,
+        "output_tps": tokens / wall,
+        "steps": steps,
+        "ms_per_step": 1000 * wall / steps,
+    }
 
 
 CHILD = r"""
@@ -97,23 +106,46 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    params = {"levels": [int(x) for x in args.concurrency.split(",")], "seed": args.seed,
-              "max_tokens": args.max_tokens, "seconds": args.seconds,
-              "prefix": args.prefix_cache_bytes}
-    proc = subprocess.run([sys.executable, "-c", CHILD, args.model_dir,
-                           str(Path(__file__).parent), json.dumps(params)],
-                          capture_output=True, text=True)
+    params = {
+        "levels": [int(x) for x in args.concurrency.split(",")],
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+        "seconds": args.seconds,
+        "prefix": args.prefix_cache_bytes,
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            args.model_dir,
+            str(Path(__file__).parent),
+            json.dumps(params),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     res = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
     for r in res:
-        print(f"{args.label} C={r['concurrency']}: {r['output_tps']:.0f} tok/s, "
-              f"{r['ms_per_step']:.2f} ms/step, {r['requests']} requests", flush=True)
+        print(
+            f"{args.label} C={r['concurrency']}: {r['output_tps']:.0f} tok/s, "
+            f"{r['ms_per_step']:.2f} ms/step, {r['requests']} requests",
+            flush=True,
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "label": args.label,
-                                              "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                    time.gmtime()),
-                                              "results": res}, indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "label": args.label,
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "results": res,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -49,18 +49,33 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str, Path]:
     model = make_tiny_chat_model(home / "src" / "tiny-llama", "llama")
     port = free_port()
     cfg = home / "config.yaml"
-    cfg.write_text(json.dumps({  # JSON is YAML
-        "server": {"host": "127.0.0.1", "port": port},
-        "models": {"default": str(model), "dir": str(home / "models"),
-                   "auto_download": False},
-        "engine": {"max_num_seqs": 8},
-        "log": {"level": "info"},
-    }))
-    env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT / "src")}
+    cfg.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "server": {"host": "127.0.0.1", "port": port},
+                "models": {
+                    "default": str(model),
+                    "dir": str(home / "models"),
+                    "auto_download": False,
+                },
+                "engine": {"max_num_seqs": 8},
+                "log": {"level": "info"},
+            }
+        )
+    )
+    env = {
+        **os.environ,
+        "MLXD_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+    }
     log = home / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--config", str(cfg)],
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxd", "serve", "--config", str(cfg)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc, "/health", timeout=300)
     return proc, url, log
@@ -101,29 +116,50 @@ def main() -> None:
                     for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                         if time.monotonic() >= deadline:
                             break
-                        res = fuzz_operation(op, mode, base_url=url, model="tiny-llama",
-                                             max_examples=args.examples, seed=rounds,
-                                             contained=False)
+                        res = fuzz_operation(
+                            op,
+                            mode,
+                            base_url=url,
+                            model="tiny-llama",
+                            max_examples=args.examples,
+                            seed=rounds,
+                            contained=False,
+                        )
                         key = f"{res.operation} [{res.mode}]"
-                        agg = per_op.setdefault(key, {"examples": 0, "seconds": 0.0,
-                                                      "statuses": Counter(),
-                                                      "unsatisfiable": False})
+                        agg = per_op.setdefault(
+                            key,
+                            {
+                                "examples": 0,
+                                "seconds": 0.0,
+                                "statuses": Counter(),
+                                "unsatisfiable": False,
+                            },
+                        )
                         agg["examples"] += res.examples
                         agg["seconds"] += res.seconds
                         agg["statuses"].update(res.statuses)
                         agg["unsatisfiable"] |= res.unsatisfiable
                         if res.failure:
                             kind = res.failure.split("\n- ", 1)[-1].split("\n", 1)[0]
-                            f = failures.setdefault(f"{key}: {kind}", {
-                                "count": 0, "first_round": rounds, "detail": res.failure})
+                            f = failures.setdefault(
+                                f"{key}: {kind}",
+                                {"count": 0, "first_round": rounds, "detail": res.failure},
+                            )
                             f["count"] += 1
                         for name, seen in res.known.items():
-                            k = known.setdefault(name, {"where": KNOWN_ISSUES[name].where,
-                                                        "count": 0, "routes": {},
-                                                        "example": seen})
+                            k = known.setdefault(
+                                name,
+                                {
+                                    "where": KNOWN_ISSUES[name].where,
+                                    "count": 0,
+                                    "routes": {},
+                                    "example": seen,
+                                },
+                            )
                             k["count"] += seen["count"]
-                            k["routes"][res.operation] = k["routes"].get(res.operation, 0) \
-                                + seen["count"]
+                            k["routes"][res.operation] = (
+                                k["routes"].get(res.operation, 0) + seen["count"]
+                            )
             elapsed = time.monotonic() - t0
             h = httpx.get(url + "/health", timeout=30)
             rss_after = {k: rss_kib(p) for k, p in pids.items()}
@@ -139,26 +175,46 @@ def main() -> None:
     for agg in per_op.values():
         statuses.update(agg["statuses"])
     summary = {
-        "minutes": round(elapsed / 60, 2), "rounds": rounds,
+        "minutes": round(elapsed / 60, 2),
+        "rounds": rounds,
         "examples_per_operation_mode_round": args.examples,
         "operations": len(ops),
         "requests": sum(statuses.values()),
         "statuses": {str(k): v for k, v in sorted(statuses.items())},
         "server_errors_5xx": sum(v for k, v in statuses.items() if k >= 500),
-        "failures": failures, "known_issues": known,
+        "failures": failures,
+        "known_issues": known,
         "unhandled_errors_in_server_log": len(UNHANDLED.findall(text)),
         "unhandled_error_samples": unhandled_samples(text),
         "health_after": {"status_code": h.status_code, "body": h.json()},
         "rss_kib": {"before": rss_before, "after": rss_after},
-        "per_operation": {k: {**v, "seconds": round(v["seconds"], 1),
-                              "statuses": {str(s): n for s, n in sorted(v["statuses"].items())}}
-                          for k, v in per_op.items()},
+        "per_operation": {
+            k: {
+                **v,
+                "seconds": round(v["seconds"], 1),
+                "statuses": {str(s): n for s, n in sorted(v["statuses"].items())},
+            }
+            for k, v in per_op.items()
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    print(json.dumps({k: summary[k] for k in ("minutes", "rounds", "requests", "statuses",
-                                              "server_errors_5xx",
-                                              "unhandled_errors_in_server_log")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "minutes",
+                    "rounds",
+                    "requests",
+                    "statuses",
+                    "server_errors_5xx",
+                    "unhandled_errors_in_server_log",
+                )
+            },
+            indent=1,
+        )
+    )
     print("failures:", list(failures) or "none", "| known issues:", list(known) or "none")
 
 

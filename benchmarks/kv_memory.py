@@ -34,8 +34,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(Path(__file__).parent)]
 
-SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-             num_key_value_heads=2, intermediate_size=896)
+SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=896,
+)
 TEXT_VOCAB = 4096
 
 
@@ -47,15 +52,26 @@ def make_text_model(out: Path, dtype: str) -> Path:
     from mlx_lm.models import qwen2
 
     out.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-              "vocab_size": TEXT_VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-              "max_position_embeddings": 32768, "torch_dtype": dtype,
-              "eos_token_id": SPECIAL["<|im_end|>"], "tie_word_embeddings": True, **SHAPE}
+    config = {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": TEXT_VOCAB,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+        "torch_dtype": dtype,
+        "eos_token_id": SPECIAL["<|im_end|>"],
+        "tie_word_embeddings": True,
+        **SHAPE,
+    }
     mx.random.seed(0)
     model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
     model.apply(lambda x: x.astype(getattr(mx, dtype)))
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(out / "model.safetensors"),
+        dict(tree_flatten(model.parameters())),
+        metadata={"format": "mlx"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(out)
     return out
@@ -65,10 +81,15 @@ def make_vision_model(out: Path) -> Path:
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
     return make_tiny_qwen2_vl(
-        out, vocab_size=4096, hidden_size=SHAPE["hidden_size"],
-        num_layers=SHAPE["num_hidden_layers"], max_position_embeddings=32768,
-        text_shape={k: SHAPE[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                          "intermediate_size")})
+        out,
+        vocab_size=4096,
+        hidden_size=SHAPE["hidden_size"],
+        num_layers=SHAPE["num_hidden_layers"],
+        max_position_embeddings=32768,
+        text_shape={
+            k: SHAPE[k] for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        },
+    )
 
 
 def measure(engine: Any, batch: int, context: int, decode: int, vocab: int) -> dict:
@@ -96,8 +117,11 @@ def measure(engine: Any, batch: int, context: int, decode: int, vocab: int) -> d
         peak = max(peak, kv)
         if all(s.generated >= decode - 1 for s in seqs) and not steady:
             steady = kv
-    return {"kv_bytes": steady, "peak_kv_bytes": peak,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "kv_bytes": steady,
+        "peak_kv_bytes": peak,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def main() -> None:
@@ -116,8 +140,9 @@ def main() -> None:
     from mlxd.engines.llm import LLMEngine
     from mlxd.engines.vlm import VisionEngine
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="kv-memory-"))
     text_dir = make_text_model(tmp / "text", args.dtype)
     vision_dir = make_vision_model(tmp / "vision")
@@ -142,24 +167,35 @@ def main() -> None:
             engine = VisionEngine("vision", vision_dir, **common, **opts)
             vocab = engine.vocab_size
         try:
-            row = {"engine": kind, "option": label,
-                   **measure(engine, args.batch, args.context, args.decode, vocab)}
+            row = {
+                "engine": kind,
+                "option": label,
+                **measure(engine, args.batch, args.context, args.decode, vocab),
+            }
         finally:
             engine.close()
         base = next((r for r in rows if r["engine"] == kind), row)
         row["vs_full"] = round(row["kv_bytes"] / base["kv_bytes"], 3)
         rows.append(row)
-        print(f"{kind:6} {label:26} {row['kv_bytes'] / 2**20:8.1f} MiB  peak "
-              f"{row['peak_kv_bytes'] / 2**20:8.1f} MiB  x{row['vs_full']:<6} "
-              f"({row['seconds']} s)", flush=True)
+        print(
+            f"{kind:6} {label:26} {row['kv_bytes'] / 2**20:8.1f} MiB  peak "
+            f"{row['peak_kv_bytes'] / 2**20:8.1f} MiB  x{row['vs_full']:<6} "
+            f"({row['seconds']} s)",
+            flush=True,
+        )
     per_token = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * 64
     import mlx.core as mx
 
     result = {
-        "batch": args.batch, "context": args.context, "decode": args.decode,
-        "dtype": args.dtype, "shape": SHAPE,
-        "analytic_full_bytes": per_token * mx.array(0, getattr(mx, args.dtype)).itemsize
-        * args.batch * args.context,
+        "batch": args.batch,
+        "context": args.context,
+        "decode": args.decode,
+        "dtype": args.dtype,
+        "shape": SHAPE,
+        "analytic_full_bytes": per_token
+        * mx.array(0, getattr(mx, args.dtype)).itemsize
+        * args.batch
+        * args.context,
         "machine": f"{platform.system()} {platform.machine()}, {platform.processor()}",
         "blas": blas.describe(),
         "commit": commit,

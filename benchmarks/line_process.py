@@ -15,14 +15,15 @@ import tempfile
 class LineProcess:
     def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True
+        )
         self._read("READY")
 
     def _read(self, prefix: str) -> str:
         for line in self.proc.stdout:
             if line.startswith(prefix):
-                return line[len(prefix):]
+                return line[len(prefix) :]
         self.err.seek(0)
         raise RuntimeError("the engine process ended: " + self.err.read()[-2000:])
 

@@ -39,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlxd_proc  # noqa: E402
 
-WORDS = ("river mountain city history science music market garden ocean language computer "
-         "winter summer library engine question answer story morning evening").split()
+WORDS = (
+    "river mountain city history science music market garden ocean language computer "
+    "winter summer library engine question answer story morning evening"
+).split()
 
 
 def words(n_chars: int, rng: random.Random) -> str:
@@ -61,11 +63,22 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def stream(client: httpx.AsyncClient, model: str, text: str, max_tokens: int,
-                 stamps: list[float], stop: asyncio.Event | None = None) -> None:
+async def stream(
+    client: httpx.AsyncClient,
+    model: str,
+    text: str,
+    max_tokens: int,
+    stamps: list[float],
+    stop: asyncio.Event | None = None,
+) -> None:
     """A streaming chat; one monotonic stamp per content chunk, until done or ``stop``."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -91,9 +104,19 @@ async def trial(url: str, model: str, args: argparse.Namespace, rng: random.Rand
         alone = await ttft(client, model, words(args.prompt_tokens, rng))
         stop = asyncio.Event()
         stamps: list[list[float]] = [[] for _ in range(args.streams)]
-        tasks = [asyncio.create_task(stream(client, model, f"story {i}: " + words(40, rng),
-                                            args.stream_tokens, stamps[i], stop))
-                 for i in range(args.streams)]
+        tasks = [
+            asyncio.create_task(
+                stream(
+                    client,
+                    model,
+                    f"story {i}: " + words(40, rng),
+                    args.stream_tokens,
+                    stamps[i],
+                    stop,
+                )
+            )
+            for i in range(args.streams)
+        ]
         deadline = time.monotonic() + 600
         while any(len(s) < args.warm_tokens for s in stamps):
             if time.monotonic() > deadline or any(t.done() for t in tasks):
@@ -115,17 +138,23 @@ async def trial(url: str, model: str, args: argparse.Namespace, rng: random.Rand
             elif a < first:  # a gap that overlaps the prefill
                 during.append(b - a)
     await asyncio.sleep(0.5)  # the cancelled streams leave the batch
-    return {"ttft_alone_s": alone, "ttft_beside_s": beside,
-            "gap_before_median_s": statistics.median(before) if before else None,
-            "gap_during_max_s": max(during) if during else None,
-            "gap_during_p99_s": pct(during, 99), "gaps_during": len(during)}
+    return {
+        "ttft_alone_s": alone,
+        "ttft_beside_s": beside,
+        "gap_before_median_s": statistics.median(before) if before else None,
+        "gap_during_max_s": max(during) if during else None,
+        "gap_during_p99_s": pct(during, 99),
+        "gaps_during": len(during),
+    }
 
 
 def summarise(trials: list[dict]) -> dict:
     """Medians over the trials of each figure."""
     keys = [k for k in trials[0] if k != "gaps_during"]
-    out = {k: statistics.median([t[k] for t in trials if t[k] is not None] or [float("nan")])
-           for k in keys}
+    out = {
+        k: statistics.median([t[k] for t in trials if t[k] is not None] or [float("nan")])
+        for k in keys
+    }
     out["trials"] = len(trials)
     return out
 
@@ -137,9 +166,21 @@ def loaded_model(url: str) -> dict:
 
 def start_mlx_lm(model_dir: str, streams: int) -> tuple[subprocess.Popen, str] | None:
     port = mlxd_proc.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", model_dir,
-                             "--port", str(port), "--decode-concurrency", str(streams + 1)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--decode-concurrency",
+            str(streams + 1),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -149,8 +190,10 @@ def start_mlx_lm(model_dir: str, streams: int) -> tuple[subprocess.Popen, str] |
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    print("mlx_lm.server did not start:", (proc.stderr.read().decode()[-500:]
-                                           if proc.poll() is not None else "timeout"))
+    print(
+        "mlx_lm.server did not start:",
+        (proc.stderr.read().decode()[-500:] if proc.poll() is not None else "timeout"),
+    )
     proc.kill()
     return None
 
@@ -160,10 +203,18 @@ def main() -> None:
     ap.add_argument("--model-dir", help="a model directory (default: a tiny random one)")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--stream-tokens", type=int, default=8192,
-                    help="max_tokens of each stream (they are stopped after each trial)")
-    ap.add_argument("--warm-tokens", type=int, default=8,
-                    help="tokens each stream has before the long prompt arrives")
+    ap.add_argument(
+        "--stream-tokens",
+        type=int,
+        default=8192,
+        help="max_tokens of each stream (they are stopped after each trial)",
+    )
+    ap.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=8,
+        help="tokens each stream has before the long prompt arrives",
+    )
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--budget", default="auto", help="engine.max_step_tokens of the 'on' side")
     ap.add_argument("--skip-mlx-lm", action="store_true")
@@ -179,13 +230,16 @@ def main() -> None:
         write_random_model("qwen2.5-vocab-tiny", "float32", Path(model_dir))
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
-    common = {"MLXD_ENGINE__PREFIX_CACHE_BYTES": "0",
-              "MLXD_ENGINE__MAX_NUM_SEQS": str(max(16, args.streams + 1))}
+    common = {
+        "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0",
+        "MLXD_ENGINE__MAX_NUM_SEQS": str(max(16, args.streams + 1)),
+    }
     try:
         for side, budget in (("budget_on", args.budget), ("budget_off", "0")):
             home = Path(tmp.name) / side
             procs[side], urls[side] = mlxd_proc.start(
-                str(home), model_dir, {**common, "MLXD_ENGINE__MAX_STEP_TOKENS": budget})
+                str(home), model_dir, {**common, "MLXD_ENGINE__MAX_STEP_TOKENS": budget}
+            )
         if not args.skip_mlx_lm:
             started = start_mlx_lm(model_dir, args.streams)
             if started is not None:
@@ -193,8 +247,7 @@ def main() -> None:
         mlxd_sides = [s for s in urls if s != "mlx_lm"]
         models = {side: loaded_model(urls[side])["name"] for side in mlxd_sides}
         models["mlx_lm"] = model_dir  # mlx_lm.server names its model by its path
-        budgets = {side: loaded_model(urls[side])["step_budget"]["budget"]
-                   for side in mlxd_sides}
+        budgets = {side: loaded_model(urls[side])["step_budget"]["budget"] for side in mlxd_sides}
         sides = list(urls)
         rng = random.Random(0)
         trials: dict[str, list[dict]] = {s: [] for s in sides}
@@ -203,25 +256,42 @@ def main() -> None:
             for side in order:
                 t = asyncio.run(trial(urls[side], models[side], args, rng))
                 trials[side].append(t)
-                print(f"pair {i + 1} {side}: " + ", ".join(
-                    f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float)), flush=True)
+                print(
+                    f"pair {i + 1} {side}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if isinstance(v, float)),
+                    flush=True,
+                )
         summary = {side: summarise(ts) for side, ts in trials.items()}
     finally:
         for proc in procs.values():
             mlxd_proc.stop(proc)
         tmp.cleanup()
-    print("\n| side | gap before (median) | gap during max | gap during p99 | "
-          "TTFT beside | TTFT alone |\n|---|---|---|---|---|---|")
+    print(
+        "\n| side | gap before (median) | gap during max | gap during p99 | "
+        "TTFT beside | TTFT alone |\n|---|---|---|---|---|---|"
+    )
     for side, s in summary.items():
-        print(f"| {side} | {s['gap_before_median_s'] * 1e3:.1f} ms | "
-              f"{s['gap_during_max_s'] * 1e3:.1f} ms | {s['gap_during_p99_s'] * 1e3:.1f} ms | "
-              f"{s['ttft_beside_s']:.3f} s | {s['ttft_alone_s']:.3f} s |")
+        print(
+            f"| {side} | {s['gap_before_median_s'] * 1e3:.1f} ms | "
+            f"{s['gap_during_max_s'] * 1e3:.1f} ms | {s['gap_during_p99_s'] * 1e3:.1f} ms | "
+            f"{s['ttft_beside_s']:.3f} s | {s['ttft_alone_s']:.3f} s |"
+        )
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "model_dir": args.model_dir or "qwen2.5-vocab-tiny (random, float32)",
-            "prompt_tokens": args.prompt_tokens, "streams": args.streams,
-            "budgets": budgets, "summary": summary, "trials": trials}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "command": sys.argv,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "model_dir": args.model_dir or "qwen2.5-vocab-tiny (random, float32)",
+                    "prompt_tokens": args.prompt_tokens,
+                    "streams": args.streams,
+                    "budgets": budgets,
+                    "summary": summary,
+                    "trials": trials,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -65,11 +65,15 @@ def snapshot(url: str, pid: int) -> dict:
     h = httpx.get(url + "/health", timeout=30).json()
     roles = processes(pid)
     by_role = {role: [rss_bytes(p) for p in pids] for role, pids in roles.items()}
-    return {"rss_bytes": sum(sum(v) for v in by_role.values()), "rss_by_role": by_role,
-            "mlx": h.get("memory", {}),
-            "weights_bytes": h.get("memory", {}).get("models_bytes", 0),
-            "prefix_cache_bytes": sum((m.get("prefix_cache") or {}).get("bytes", 0)
-                                      for m in h.get("models", []))}
+    return {
+        "rss_bytes": sum(sum(v) for v in by_role.values()),
+        "rss_by_role": by_role,
+        "mlx": h.get("memory", {}),
+        "weights_bytes": h.get("memory", {}).get("models_bytes", 0),
+        "prefix_cache_bytes": sum(
+            (m.get("prefix_cache") or {}).get("bytes", 0) for m in h.get("models", [])
+        ),
+    }
 
 
 async def soak(url: str, model: str, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -79,21 +83,32 @@ async def soak(url: str, model: str, n: int, concurrency: int, max_tokens: int) 
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         kind = ("stream", "plain", "cancelled", "schema")[i % 4]
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.7,
-                "messages": [{"role": "user", "content": f"Say something about {rng.random()}"}],
-                "stream": kind in ("stream", "cancelled")}
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "messages": [{"role": "user", "content": f"Say something about {rng.random()}"}],
+            "stream": kind in ("stream", "cancelled"),
+        }
         if kind == "schema":  # each a new schema: grammars are compiled, not only cached
-            body["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "x", "schema": {"type": "object", "required": [f"k{i}"],
-                                        "properties": {f"k{i}": {"type": "string"}}}}}
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "required": [f"k{i}"],
+                        "properties": {f"k{i}": {"type": "string"}},
+                    },
+                },
+            }
         async with sem:
             try:
                 if not body["stream"]:
                     r = await client.post(url + "/v1/chat/completions", json=body)
                     r.raise_for_status()
                 else:
-                    async with client.stream("POST", url + "/v1/chat/completions",
-                                             json=body) as r:
+                    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
                         r.raise_for_status()
                         seen = 0
                         async for line in r.aiter_lines():
@@ -117,17 +132,35 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--api-workers", type=int, default=1)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--prefix-cache-bytes", type=int, default=None,
-                    help="engine.prefix_cache_bytes for the server (0: off)")
+    ap.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=None,
+        help="engine.prefix_cache_bytes for the server (0: off)",
+    )
     args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if args.prefix_cache_bytes is not None:
         env["MLXD_ENGINE__PREFIX_CACHE_BYTES"] = str(args.prefix_cache_bytes)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", args.model,
-                             "--port", str(port), "--log-level", "warning",
-                             "--api-workers", str(args.api_workers)], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--api-workers",
+            str(args.api_workers),
+        ],
+        env=env,
+    )
     try:
         wait_healthy(url, proc, "/health")
         time.sleep(2)
@@ -138,25 +171,37 @@ def main() -> None:
         asyncio.run(soak(url, name, 30, args.concurrency, args.max_tokens))
         warm = snapshot(url, proc.pid)
         t0 = time.time()
-        counts = asyncio.run(soak(url, name, args.requests, args.concurrency,
-                                  args.max_tokens))
+        counts = asyncio.run(soak(url, name, args.requests, args.concurrency, args.max_tokens))
         took = time.time() - t0
         time.sleep(2)
         after = snapshot(url, proc.pid)
     finally:
         proc.terminate()
         proc.wait(30)
-    res = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": f"{os.uname().machine} {os.cpu_count()} cpus", "idle": idle, "warm": warm, "after": after, "counts": counts, "seconds": took,
-           "overhead_idle_bytes": idle["rss_bytes"] - idle["weights_bytes"],
-           # the figure that grows with --api-workers: each front end's RSS (no weights)
-           "front_end_rss_max_bytes": {k: max(v["rss_by_role"]["front_end"])
-                                       for k, v in (("idle", idle), ("warm", warm),
-                                                    ("after", after))},
-           "growth_vs_warm": (after["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"],
-           "growth_vs_warm_excluding_prefix_cache":
-               (after["rss_bytes"] - after["prefix_cache_bytes"] - warm["rss_bytes"]
-                + warm["prefix_cache_bytes"]) / warm["rss_bytes"]}
+    res = {
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.uname().machine} {os.cpu_count()} cpus",
+        "idle": idle,
+        "warm": warm,
+        "after": after,
+        "counts": counts,
+        "seconds": took,
+        "overhead_idle_bytes": idle["rss_bytes"] - idle["weights_bytes"],
+        # the figure that grows with --api-workers: each front end's RSS (no weights)
+        "front_end_rss_max_bytes": {
+            k: max(v["rss_by_role"]["front_end"])
+            for k, v in (("idle", idle), ("warm", warm), ("after", after))
+        },
+        "growth_vs_warm": (after["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"],
+        "growth_vs_warm_excluding_prefix_cache": (
+            after["rss_bytes"]
+            - after["prefix_cache_bytes"]
+            - warm["rss_bytes"]
+            + warm["prefix_cache_bytes"]
+        )
+        / warm["rss_bytes"],
+    }
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -21,7 +21,7 @@ def unhandled_samples(text: str, keep: int = 10, lines: int = 25) -> list[str]:
     traceback): a count alone says something went wrong, not what."""
     rows = text.splitlines()
     at = [i for i, row in enumerate(rows) if UNHANDLED.search(row)][:keep]
-    return ["\n".join(rows[i:i + lines]) for i in at]
+    return ["\n".join(rows[i : i + lines]) for i in at]
 
 
 def free_port() -> int:
@@ -30,16 +30,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(home: str, model: str, env: dict[str, str] | None = None,
-          timeout: float = 600) -> tuple[subprocess.Popen, str]:
+def start(
+    home: str, model: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> tuple[subprocess.Popen, str]:
     """``mlxd serve --model MODEL`` on a free port with ``MLXD_HOME=home`` and the extra
     ``env`` (settings as MLXD_* variables); returns when /health says 200."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--port", str(port),
-                             "--model", model, "--log-level", "warning"],
-                            env={**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1",
-                                 **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            model,
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -27,17 +27,34 @@ from pathlib import Path
 import httpx
 import mlxd_proc
 
-TOPICS = ["the ocean", "mountains", "old libraries", "trains", "gardens", "the moon",
-          "bread baking", "rivers", "winter", "jazz music"]
-ASKS = ["Tell me something interesting about {t}.", "Why do people like {t} so much?",
-        "Can you give me three facts about {t}, each in one sentence?",
-        "What would a child ask about {t}? Answer that question too.",
-        "Write a short poem of four lines about {t}.", "What is a common myth about {t}?",
-        "How has {t} changed over the last hundred years?",
-        "Explain {t} to someone who has never heard of it.",
-        "What questions remain open about {t}?", "Summarise our conversation so far."]
-FILLER = ("Please answer carefully and stay on topic; I am taking notes for a school project "
-          "and want clear, simple sentences that a ten year old could follow. ")
+TOPICS = [
+    "the ocean",
+    "mountains",
+    "old libraries",
+    "trains",
+    "gardens",
+    "the moon",
+    "bread baking",
+    "rivers",
+    "winter",
+    "jazz music",
+]
+ASKS = [
+    "Tell me something interesting about {t}.",
+    "Why do people like {t} so much?",
+    "Can you give me three facts about {t}, each in one sentence?",
+    "What would a child ask about {t}? Answer that question too.",
+    "Write a short poem of four lines about {t}.",
+    "What is a common myth about {t}?",
+    "How has {t} changed over the last hundred years?",
+    "Explain {t} to someone who has never heard of it.",
+    "What questions remain open about {t}?",
+    "Summarise our conversation so far.",
+]
+FILLER = (
+    "Please answer carefully and stay on topic; I am taking notes for a school project "
+    "and want clear, simple sentences that a ten year old could follow. "
+)
 
 
 def start(home: str, model: str, cache_bytes: int | None) -> tuple[subprocess.Popen, str]:
@@ -45,10 +62,17 @@ def start(home: str, model: str, cache_bytes: int | None) -> tuple[subprocess.Po
     return mlxd_proc.start(home, model, env, timeout=300)
 
 
-def turn(client: httpx.Client, url: str, model: str, messages: list[dict],
-         max_tokens: int) -> tuple[float, str, dict]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def turn(
+    client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int
+) -> tuple[float, str, dict]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     text: list[str] = []
@@ -71,25 +95,37 @@ def turn(client: httpx.Client, url: str, model: str, messages: list[dict],
 
 
 def conversation(url: str, model: str, topic: str, turns: int, max_tokens: int) -> list[dict]:
-    messages = [{"role": "system", "content": f"You are a friendly tutor. Today's topic is "
-                                              f"{topic}. Keep answers short."}]
+    messages = [
+        {
+            "role": "system",
+            "content": f"You are a friendly tutor. Today's topic is {topic}. Keep answers short.",
+        }
+    ]
     rows = []
     with httpx.Client(timeout=600) as client:
         for k in range(turns):
-            messages.append({"role": "user", "content": FILLER + ASKS[k % len(ASKS)].format(
-                t=topic)})
+            messages.append(
+                {"role": "user", "content": FILLER + ASKS[k % len(ASKS)].format(t=topic)}
+            )
             ttft, text, usage = turn(client, url, model, messages, max_tokens)
             messages.append({"role": "assistant", "content": text})
-            rows.append({"turn": k + 1, "ttft": ttft,
-                         "prompt_tokens": usage.get("prompt_tokens"),
-                         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
-                             "cached_tokens", 0)})
+            rows.append(
+                {
+                    "turn": k + 1,
+                    "ttft": ttft,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens", 0
+                    ),
+                }
+            )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--home", default=os.environ.get("MLXD_HOME") or str(Path.home() / ".mlxd"))
     ap.add_argument("--turns", type=int, default=10)
@@ -103,23 +139,29 @@ def main() -> None:
     for label, cache in (("cache on", None), ("cache off", 0)):
         proc, url = start(args.home, args.model, cache)
         try:
-            results[label] = [conversation(url, args.model, t, args.turns, args.max_tokens)
-                              for t in topics]
+            results[label] = [
+                conversation(url, args.model, t, args.turns, args.max_tokens) for t in topics
+            ]
         finally:
             mlxd_proc.stop(proc, 60)
-    print(f"model {args.model}, {args.conversations} conversations x {args.turns} turns, "
-          f"{args.max_tokens} tokens per answer, greedy; medians")
-    print("| turn | prompt tokens | cached (on) | TTFT cache on (s) | TTFT cache off (s) "
-          "| speed-up |")
+    print(
+        f"model {args.model}, {args.conversations} conversations x {args.turns} turns, "
+        f"{args.max_tokens} tokens per answer, greedy; medians"
+    )
+    print(
+        "| turn | prompt tokens | cached (on) | TTFT cache on (s) | TTFT cache off (s) | speed-up |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for k in range(args.turns):
         on = [c[k] for c in results["cache on"]]
         off = [c[k] for c in results["cache off"]]
         t_on = statistics.median(r["ttft"] for r in on)
         t_off = statistics.median(r["ttft"] for r in off)
-        print(f"| {k + 1} | {statistics.median(r['prompt_tokens'] for r in off):.0f} "
-              f"| {statistics.median(r['cached_tokens'] for r in on):.0f} "
-              f"| {t_on:.3f} | {t_off:.3f} | {t_off / t_on:.1f}x |")
+        print(
+            f"| {k + 1} | {statistics.median(r['prompt_tokens'] for r in off):.0f} "
+            f"| {statistics.median(r['cached_tokens'] for r in on):.0f} "
+            f"| {t_on:.3f} | {t_off:.3f} | {t_off / t_on:.1f}x |"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -38,30 +38,65 @@ from pathlib import Path
 import httpx
 import mlxd_proc
 
-TOOLS = ["read_file", "write_file", "list_directory", "search_code", "run_tests",
-         "run_shell", "git_diff", "git_commit", "open_issue", "comment_on_issue",
-         "fetch_url", "query_database", "send_email", "schedule_job", "resize_image",
-         "translate_text", "summarise_document", "create_calendar_event"]
-TASKS = ["the failing unit test in the parser", "the slow database query in reports",
-         "the broken link checker", "the flaky upload test", "the memory leak in the cache"]
-ASKS = ["Start by looking at the repository layout.", "Which file should we open first?",
-        "Read it and tell me what looks wrong.", "Search for other callers of that function.",
-        "Propose a minimal fix.", "Write the fix.", "Run the tests.",
-        "One test still fails; what do you check next?", "Fix that too and rerun.",
-        "Summarise what we changed and why, for the commit message."]
+TOOLS = [
+    "read_file",
+    "write_file",
+    "list_directory",
+    "search_code",
+    "run_tests",
+    "run_shell",
+    "git_diff",
+    "git_commit",
+    "open_issue",
+    "comment_on_issue",
+    "fetch_url",
+    "query_database",
+    "send_email",
+    "schedule_job",
+    "resize_image",
+    "translate_text",
+    "summarise_document",
+    "create_calendar_event",
+]
+TASKS = [
+    "the failing unit test in the parser",
+    "the slow database query in reports",
+    "the broken link checker",
+    "the flaky upload test",
+    "the memory leak in the cache",
+]
+ASKS = [
+    "Start by looking at the repository layout.",
+    "Which file should we open first?",
+    "Read it and tell me what looks wrong.",
+    "Search for other callers of that function.",
+    "Propose a minimal fix.",
+    "Write the fix.",
+    "Run the tests.",
+    "One test still fails; what do you check next?",
+    "Fix that too and rerun.",
+    "Summarise what we changed and why, for the commit message.",
+]
 
 
 def system_prompt() -> str:
-    lines = ["You are a coding agent working in a software repository. You can call these "
-             "tools; answer with one tool call or a short message.", ""]
+    lines = [
+        "You are a coding agent working in a software repository. You can call these "
+        "tools; answer with one tool call or a short message.",
+        "",
+    ]
     for i, t in enumerate(TOOLS):
         lines.append(
             f"- {t}(path: string, options: object) -> result. Use {t} when the task needs "
             f"it; arguments are validated, errors come back as text. Tool number {i}: never "
             f"call it twice with the same arguments, prefer the narrowest query, and report "
-            f"what you learned in one sentence after each call.")
-    lines += ["", "Rules: keep answers short; never invent file contents; ask before "
-              "deleting anything; explain each change in one line."]
+            f"what you learned in one sentence after each call."
+        )
+    lines += [
+        "",
+        "Rules: keep answers short; never invent file contents; ask before "
+        "deleting anything; explain each change in one line.",
+    ]
     return "\n".join(lines)
 
 
@@ -70,10 +105,17 @@ def start(home: str, model: str, disk_bytes: int | None) -> tuple[subprocess.Pop
     return mlxd_proc.start(home, model, env)
 
 
-def turn(client: httpx.Client, url: str, model: str, messages: list[dict],
-         max_tokens: int) -> tuple[float, str, dict]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def turn(
+    client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int
+) -> tuple[float, str, dict]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     text: list[str] = []
@@ -119,8 +161,9 @@ def warm_request(client: httpx.Client, url: str, model: str) -> None:
     turn(client, url, model, [{"role": "user", "content": "Hi"}], 1)
 
 
-def last_turn(url: str, model: str, convs: list[list[dict]], max_tokens: int,
-              warm_up: bool = True) -> list[dict]:
+def last_turn(
+    url: str, model: str, convs: list[list[dict]], max_tokens: int, warm_up: bool = True
+) -> list[dict]:
     rows = []
     with httpx.Client(timeout=600) as client:
         if warm_up:
@@ -128,22 +171,33 @@ def last_turn(url: str, model: str, convs: list[list[dict]], max_tokens: int,
         for messages in convs:
             settle(url)
             ttft, text, usage = turn(client, url, model, messages, max_tokens)
-            rows.append({"ttft": ttft, "text": text, "prompt_tokens": usage.get("prompt_tokens"),
-                         "cached_tokens": cached(usage)})
+            rows.append(
+                {
+                    "ttft": ttft,
+                    "text": text,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": cached(usage),
+                }
+            )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--model-dir", default=None, help="serve this model directory instead")
     ap.add_argument("--home", default=None, help="MLXD_HOME (default: a fresh temporary one)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--disk-bytes", type=int, default=None,
-                    help="engine.prefix_cache_disk_bytes for the disk runs (default: mlxd's)")
+    ap.add_argument(
+        "--disk-bytes",
+        type=int,
+        default=None,
+        help="engine.prefix_cache_disk_bytes for the disk runs (default: mlxd's)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     home = args.home or tempfile.mkdtemp(prefix="mlxd-prefix-disk-")
@@ -167,8 +221,9 @@ def main() -> None:
                 messages = [system]
                 for k in range(args.turns):
                     ask = ASKS[k % len(ASKS)]
-                    messages.append({"role": "user",
-                                     "content": f"Task: {TASKS[c % len(TASKS)]}. {ask}"})
+                    messages.append(
+                        {"role": "user", "content": f"Task: {TASKS[c % len(TASKS)]}. {ask}"}
+                    )
                     if k == args.turns - 1:
                         break
                     _, text, _ = turn(client, url, name, messages, args.max_tokens)
@@ -198,34 +253,55 @@ def main() -> None:
         mlxd_proc.stop(proc)
         del os.environ["MLXD_ENGINE__PREFIX_CACHE_BYTES"]
 
-    med = {k: statistics.median(r["ttft"] for r in rows)
-           for k, rows in (("warm", warm), ("disk", disk), ("cold", cold))}
-    same = all(d["text"] == c["text"] == w["text"] for w, d, c in zip(warm, disk, cold,
-                                                                      strict=True))
+    med = {
+        k: statistics.median(r["ttft"] for r in rows)
+        for k, rows in (("warm", warm), ("disk", disk), ("cold", cold))
+    }
+    same = all(
+        d["text"] == c["text"] == w["text"] for w, d, c in zip(warm, disk, cold, strict=True)
+    )
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": machine(), "commit": commit(), "model": model,
-        "turns": args.turns, "conversations": args.conversations,
-        "max_tokens": args.max_tokens, "median_ttft_s": med,
-        "disk_vs_warm": med["disk"] / med["warm"], "cold_vs_warm": med["cold"] / med["warm"],
+        "machine": machine(),
+        "commit": commit(),
+        "model": model,
+        "turns": args.turns,
+        "conversations": args.conversations,
+        "max_tokens": args.max_tokens,
+        "median_ttft_s": med,
+        "disk_vs_warm": med["disk"] / med["warm"],
+        "cold_vs_warm": med["cold"] / med["warm"],
         "greedy_text_identical": same,
-        "disk_files": len(files), "disk_bytes": disk_bytes,
-        "disk_stats_before_restart": disk_before, "disk_stats_after_restart": disk_after,
-        "warm": warm, "disk": disk, "cold": cold,
+        "disk_files": len(files),
+        "disk_bytes": disk_bytes,
+        "disk_stats_before_restart": disk_before,
+        "disk_stats_after_restart": disk_after,
+        "warm": warm,
+        "disk": disk,
+        "cold": cold,
     }
     print(f"{result['machine']}, commit {result['commit']}, {result['date']}")
-    print(f"model {model}: {args.conversations} conversations x {args.turns} turns, "
-          f"{args.max_tokens} tokens per answer, greedy; turn {args.turns}, medians")
+    print(
+        f"model {model}: {args.conversations} conversations x {args.turns} turns, "
+        f"{args.max_tokens} tokens per answer, greedy; turn {args.turns}, medians"
+    )
     print("| server | prompt tokens | cached tokens | TTFT (s) | vs warm |")
     print("| --- | --- | --- | --- | --- |")
-    for label, key, rows in (("warm", "warm", warm), ("restarted, disk tier", "disk", disk),
-                             ("restarted, prefix cache off", "cold", cold)):
-        print(f"| {label} | {statistics.median(r['prompt_tokens'] for r in rows):.0f} "
-              f"| {statistics.median(r['cached_tokens'] for r in rows):.0f} "
-              f"| {med[key]:.3f} | {med[key] / med['warm']:.2f}x |")
-    print(f"greedy answers identical in all three: {same}; disk: {len(files)} files, "
-          f"{disk_bytes / 1e6:.1f} MB")
+    for label, key, rows in (
+        ("warm", "warm", warm),
+        ("restarted, disk tier", "disk", disk),
+        ("restarted, prefix cache off", "cold", cold),
+    ):
+        print(
+            f"| {label} | {statistics.median(r['prompt_tokens'] for r in rows):.0f} "
+            f"| {statistics.median(r['cached_tokens'] for r in rows):.0f} "
+            f"| {med[key]:.3f} | {med[key] / med['warm']:.2f}x |"
+        )
+    print(
+        f"greedy answers identical in all three: {same}; disk: {len(files)} files, "
+        f"{disk_bytes / 1e6:.1f} MB"
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.home is None:
@@ -243,21 +319,36 @@ def machine() -> str:
         pass
     gpu = ""
     try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
     return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu})" + (
-        f", {gpu}" if gpu else "")
+        f", {gpu}" if gpu else ""
+    )
 
 
 def commit() -> str:
     try:
         here = Path(__file__).resolve().parent
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         return out + ("+dirty" if dirty.strip() else "") if out else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

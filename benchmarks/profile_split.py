@@ -42,8 +42,11 @@ def children(pid: int) -> list[int]:
 
 def gen_tokens(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("mlxd:generation_tokens_total"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("mlxd:generation_tokens_total")
+    )
 
 
 def busy_by_thread(raw: Path, rate: int, window: float) -> dict[str, float]:
@@ -69,9 +72,12 @@ def main() -> None:
     ap.add_argument("--warm", type=float, default=6.0, help="seconds of load before measuring")
     ap.add_argument("--rate", type=int, default=200)
     ap.add_argument("--port", type=int, default=8799)
-    ap.add_argument("--pyspy-args", default="",
-                    help="more py-spy record flags, e.g. '--idle --native' (where each "
-                         "thread waits) or '--gil' (who holds the GIL)")
+    ap.add_argument(
+        "--pyspy-args",
+        default="",
+        help="more py-spy record flags, e.g. '--idle --native' (where each "
+        "thread waits) or '--gil' (who holds the GIL)",
+    )
     ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -80,12 +86,31 @@ def main() -> None:
     url = f"http://127.0.0.1:{a.port}"
     log = open(out / f"server-w{a.api_workers}-c{a.concurrency}.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlxd", "serve", "--model", a.model_dir, "--port", str(a.port),
-         "--max-num-seqs", str(max(a.concurrency, 8)), "--log-level", "warning",
-         "--api-workers", str(a.api_workers), *a.mlxd_args.split()], stdout=log, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            a.model_dir,
+            "--port",
+            str(a.port),
+            "--max-num-seqs",
+            str(max(a.concurrency, 8)),
+            "--log-level",
+            "warning",
+            "--api-workers",
+            str(a.api_workers),
+            *a.mlxd_args.split(),
+        ],
+        stdout=log,
+        stderr=log,
         # a disk tier of its own: another run's prefixes (same seeded prompts) would be hits
-        env={"MLXD_ENGINE__PREFIX_CACHE_DIR": tempfile.mkdtemp(prefix="mlxd-prefix-"),
-             **os.environ})
+        env={
+            "MLXD_ENGINE__PREFIX_CACHE_DIR": tempfile.mkdtemp(prefix="mlxd-prefix-"),
+            **os.environ,
+        },
+    )
     try:
         for _ in range(600):
             try:
@@ -95,43 +120,83 @@ def main() -> None:
                 pass
             time.sleep(0.5)
         bench = subprocess.Popen(
-            [sys.executable, str(HERE / "serve_bench.py"), "--url", url,
-             "--model", Path(a.model_dir).name, "--concurrency", str(a.concurrency),
-             "--requests-per-client", str(a.requests_per_client),
-             "--max-tokens", str(a.max_tokens),
-             "--out", str(out / f"bench-w{a.api_workers}-c{a.concurrency}.json")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                str(HERE / "serve_bench.py"),
+                "--url",
+                url,
+                "--model",
+                Path(a.model_dir).name,
+                "--concurrency",
+                str(a.concurrency),
+                "--requests-per-client",
+                str(a.requests_per_client),
+                "--max-tokens",
+                str(a.max_tokens),
+                "--out",
+                str(out / f"bench-w{a.api_workers}-c{a.concurrency}.json"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         time.sleep(a.warm)
         kids = children(server.pid)
         core = [p for p in kids if "mlxd.enginecore" in Path(f"/proc/{p}/cmdline").read_text()]
         fronts = [server.pid] + [p for p in kids if p not in core]
-        procs = {"serve": server.pid, **{f"front-{p}": p for p in fronts[1:]},
-                 **{f"core-{p}": p for p in core}}
+        procs = {
+            "serve": server.pid,
+            **{f"front-{p}": p for p in fronts[1:]},
+            **{f"core-{p}": p for p in core},
+        }
         c0 = {k: cpu_seconds(p) for k, p in procs.items()}
         g0, t0 = gen_tokens(url), time.perf_counter()
-        spies = [subprocess.Popen(["py-spy", "record", "-p", str(p), "-d", str(int(a.window)),
-                                   "-r", str(a.rate), "-f", "raw", "--threads",
-                                   # py-spy walks native stacks only of a paused process
-                                   *([] if "--native" in a.pyspy_args else ["--nonblocking"]),
-                                   *a.pyspy_args.split(),
-                                   "-o", str(out / f"pyspy-{k}.txt")],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for k, p in procs.items() if k != "serve" or a.api_workers == 1]
+        spies = [
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(p),
+                    "-d",
+                    str(int(a.window)),
+                    "-r",
+                    str(a.rate),
+                    "-f",
+                    "raw",
+                    "--threads",
+                    # py-spy walks native stacks only of a paused process
+                    *([] if "--native" in a.pyspy_args else ["--nonblocking"]),
+                    *a.pyspy_args.split(),
+                    "-o",
+                    str(out / f"pyspy-{k}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for k, p in procs.items()
+            if k != "serve" or a.api_workers == 1
+        ]
         for s in spies:
             s.wait()
         dt = time.perf_counter() - t0
         g1 = gen_tokens(url)
         c1 = {k: cpu_seconds(p) for k, p in procs.items()}
         report = {
-            "api_workers": a.api_workers, "concurrency": a.concurrency, "window_s": dt,
+            "api_workers": a.api_workers,
+            "concurrency": a.concurrency,
+            "window_s": dt,
             "server_gen_tps": (g1 - g0) / dt,
             "cpu_per_s": {k: round((c1[k] - c0[k]) / dt, 3) for k in procs},
-            "busy_by_thread": {k: busy_by_thread(out / f"pyspy-{k}.txt", a.rate, a.window)
-                               for k in procs if (out / f"pyspy-{k}.txt").exists()},
+            "busy_by_thread": {
+                k: busy_by_thread(out / f"pyspy-{k}.txt", a.rate, a.window)
+                for k in procs
+                if (out / f"pyspy-{k}.txt").exists()
+            },
         }
         print(json.dumps(report, indent=1))
         (out / f"split-w{a.api_workers}-c{a.concurrency}.json").write_text(
-            json.dumps(report, indent=1))
+            json.dumps(report, indent=1)
+        )
         bench.terminate()  # the measurement is taken; the rest of the load is not needed
         bench.wait(60)
     finally:

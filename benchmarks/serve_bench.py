@@ -20,10 +20,12 @@ import time
 
 import httpx
 
-WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
-         "this be or had it not but what all when we there can more one about time would so "
-         "people river mountain city history science music market garden ocean language "
-         "computer winter summer library engine question answer story morning evening").split()
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which "
+    "this be or had it not but what all when we there can more one about time would so "
+    "people river mountain city history science music market garden ocean language "
+    "computer winter summer library engine question answer story morning evening"
+).split()
 
 
 def make_prompts(n: int, seed: int, min_words: int, max_words: int) -> list[str]:
@@ -50,11 +52,17 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = None
     stamps: list[float] = []
@@ -82,20 +90,33 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                     chunks += 1
     end = time.perf_counter()
     itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": (first or end) - t0, "itl": itl, "tokens": usage_tokens or chunks,
-            "latency": end - t0}
+    return {
+        "ttft": (first or end) - t0,
+        "itl": itl,
+        "tokens": usage_tokens or chunks,
+        "latency": end - t0,
+    }
 
 
 def _client_proc(args: tuple) -> tuple[list[dict], float]:
     url, model, clients, first, per_client, max_tokens, seed, lo, hi, start_at = args
     time.sleep(max(0.0, start_at - time.time()))
-    return asyncio.run(_run_clients(url, model, clients, first, per_client, max_tokens, seed,
-                                    lo, hi))
+    return asyncio.run(
+        _run_clients(url, model, clients, first, per_client, max_tokens, seed, lo, hi)
+    )
 
 
-async def _run_clients(url: str, model: str, clients: int, first: int, per_client: int,
-                       max_tokens: int, seed: int, lo: int, hi: int
-                       ) -> tuple[list[dict], float]:
+async def _run_clients(
+    url: str,
+    model: str,
+    clients: int,
+    first: int,
+    per_client: int,
+    max_tokens: int,
+    seed: int,
+    lo: int,
+    hi: int,
+) -> tuple[list[dict], float]:
     prompts = make_prompts((first + clients) * per_client, seed, lo, hi)
     results: list[dict] = []
     limits = httpx.Limits(max_connections=clients + 4)
@@ -104,8 +125,11 @@ async def _run_clients(url: str, model: str, clients: int, first: int, per_clien
         async def worker(i: int) -> None:
             for j in range(per_client):
                 try:
-                    results.append(await one_request(client, url, model,
-                                                     prompts[i * per_client + j], max_tokens))
+                    results.append(
+                        await one_request(
+                            client, url, model, prompts[i * per_client + j], max_tokens
+                        )
+                    )
                 except Exception as exc:  # noqa: BLE001 - counted, not fatal
                     results.append({"error": repr(exc)})
 
@@ -114,8 +138,17 @@ async def _run_clients(url: str, model: str, clients: int, first: int, per_clien
         return results, time.perf_counter() - t0
 
 
-def run_level_procs(url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
-                    seed: int, min_words: int, max_words: int, processes: int) -> dict:
+def run_level_procs(
+    url: str,
+    model: str,
+    concurrency: int,
+    per_client: int,
+    max_tokens: int,
+    seed: int,
+    min_words: int,
+    max_words: int,
+    processes: int,
+) -> dict:
     """The same load from several client processes, so the client's own GIL is no limit."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -123,18 +156,29 @@ def run_level_procs(url: str, model: str, concurrency: int, per_client: int, max
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     starts = [sum(shares[:i]) for i in range(procs)]
     start_at = time.time() + 1.0
-    jobs = [(url, model, n, first, per_client, max_tokens, seed, min_words, max_words, start_at)
-            for n, first in zip(shares, starts)]
+    jobs = [
+        (url, model, n, first, per_client, max_tokens, seed, min_words, max_words, start_at)
+        for n, first in zip(shares, starts)
+    ]
     with ProcessPoolExecutor(procs) as ex:
         outs = list(ex.map(_client_proc, jobs))
     results = [r for rs, _ in outs for r in rs]
     return _summarise(concurrency, results, max(w for _, w in outs))
 
 
-async def run_level(url: str, model: str, concurrency: int, per_client: int, max_tokens: int,
-                    seed: int, min_words: int, max_words: int) -> dict:
-    results, wall = await _run_clients(url, model, concurrency, 0, per_client, max_tokens,
-                                       seed, min_words, max_words)
+async def run_level(
+    url: str,
+    model: str,
+    concurrency: int,
+    per_client: int,
+    max_tokens: int,
+    seed: int,
+    min_words: int,
+    max_words: int,
+) -> dict:
+    results, wall = await _run_clients(
+        url, model, concurrency, 0, per_client, max_tokens, seed, min_words, max_words
+    )
     return _summarise(concurrency, results, wall)
 
 
@@ -144,14 +188,22 @@ def _summarise(concurrency: int, results: list[dict], wall: float) -> dict:
     itl = [x for r in ok for x in r["itl"]]
     tokens = sum(r["tokens"] for r in ok)
     return {
-        "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
         "error_samples": [r["error"] for r in results if "error" in r][:3],
-        "output_tokens": tokens, "wall_s": wall, "output_tps": tokens / wall if wall else 0,
-        "ttft_p50": pct(ttft, 50), "ttft_p95": pct(ttft, 95),
-        "itl_p50": pct(itl, 50), "itl_p95": pct(itl, 95),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tps": tokens / wall if wall else 0,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p95": pct(ttft, 95),
+        "itl_p50": pct(itl, 50),
+        "itl_p95": pct(itl, 95),
         "decode_tps_per_request": statistics.median(
-            [(r["tokens"] - 1) / max(r["latency"] - r["ttft"], 1e-9) for r in ok
-             if r["tokens"] > 1]) if ok else None,
+            [(r["tokens"] - 1) / max(r["latency"] - r["ttft"], 1e-9) for r in ok if r["tokens"] > 1]
+        )
+        if ok
+        else None,
     }
 
 
@@ -172,14 +224,32 @@ def main() -> None:
         asyncio.run(run_level(args.url, args.model, 1, args.warmup, 8, 999, 4, 8))
     levels = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        res = asyncio.run(run_level(args.url, args.model, c, args.requests_per_client,
-                                    args.max_tokens, args.seed, args.min_words, args.max_words))
+        res = asyncio.run(
+            run_level(
+                args.url,
+                args.model,
+                c,
+                args.requests_per_client,
+                args.max_tokens,
+                args.seed,
+                args.min_words,
+                args.max_words,
+            )
+        )
         print(json.dumps(res), flush=True)
         levels.append(res)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"url": args.url, "model": args.model, "levels": levels,
-                       "max_tokens": args.max_tokens}, f, indent=2)
+            json.dump(
+                {
+                    "url": args.url,
+                    "model": args.model,
+                    "levels": levels,
+                    "max_tokens": args.max_tokens,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

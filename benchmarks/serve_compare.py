@@ -104,8 +104,11 @@ def measure_server(url: str, model: str, args, seed: int) -> list[dict]:
         warm_seed, seed_c = serve_bench.level_seeds(seed, c)
         warm_server(url, model, args, c, warm_seed)
         r = server_pass(url, model, args, c, seed_c)
-        print(f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
-              f"errors {r['errors']}", flush=True)
+        print(
+            f"  C={c}: {r['output_tps']:.1f} tok/s, ttft p50 {r['ttft_p50']:.3f}s, "
+            f"errors {r['errors']}",
+            flush=True,
+        )
         levels.append(r)
     return levels
 
@@ -117,19 +120,40 @@ def warm_server(url: str, model: str, args, c: int, seed: int) -> None:
         server_pass(url, model, args, c, seed, measured=False)
 
 
-def server_pass(url: str, model: str, args, c: int, seed: int, *, per_client: int | None = None,
-                max_tokens: int | None = None, measured: bool = True) -> dict:
+def server_pass(
+    url: str,
+    model: str,
+    args,
+    c: int,
+    seed: int,
+    *,
+    per_client: int | None = None,
+    max_tokens: int | None = None,
+    measured: bool = True,
+) -> dict:
     """One closed-loop pass of C clients against a running server."""
     per_client = per_client or args.requests_per_client
     max_tokens = max_tokens or args.max_tokens
     measured = measured and getattr(args, "metrics", False)
     before = _ttft_parts(url) if measured else {}
     if args.client_procs > 1:
-        r = serve_bench.run_level_procs(url, model, c, per_client, max_tokens, seed,
-                                        args.min_words, args.max_words, args.client_procs)
+        r = serve_bench.run_level_procs(
+            url,
+            model,
+            c,
+            per_client,
+            max_tokens,
+            seed,
+            args.min_words,
+            args.max_words,
+            args.client_procs,
+        )
     else:
-        r = asyncio.run(serve_bench.run_level(url, model, c, per_client, max_tokens, seed,
-                                              args.min_words, args.max_words))
+        r = asyncio.run(
+            serve_bench.run_level(
+                url, model, c, per_client, max_tokens, seed, args.min_words, args.max_words
+            )
+        )
     if measured:
         r["server_side"] = _diff_parts(before, _ttft_parts(url))
     return r
@@ -138,8 +162,11 @@ def server_pass(url: str, model: str, args, c: int, seed: int, *, per_client: in
 # Where a request's time to first token goes, from the server's own histograms (sums and
 # counts, so a level's mean is the difference of two snapshots): queue = arrival in the engine
 # -> joining a batch; ttft = the server's time to first token.
-_PARTS = ("mlxd:request_queue_time_seconds", "mlxd:time_to_first_token_seconds",
-          "mlxd:e2e_request_latency_seconds")
+_PARTS = (
+    "mlxd:request_queue_time_seconds",
+    "mlxd:time_to_first_token_seconds",
+    "mlxd:e2e_request_latency_seconds",
+)
 
 
 def _ttft_parts(url: str) -> dict[str, tuple[float, float]]:
@@ -257,15 +284,28 @@ print("RESULT " + json.dumps(out))
 
 def _engine_run(args, seed: int, **extra) -> tuple[list[str], dict]:
     """The engine-alone script's command line and environment."""
-    params = {"levels": args.levels, "per_client": args.requests_per_client, "seed": seed,
-              "min_words": args.min_words, "max_words": args.max_words,
-              "max_tokens": args.max_tokens, "short_warmup": args.short_warmup, **extra}
+    params = {
+        "levels": args.levels,
+        "per_client": args.requests_per_client,
+        "seed": seed,
+        "min_words": args.min_words,
+        "max_words": args.max_words,
+        "max_tokens": args.max_tokens,
+        "short_warmup": args.short_warmup,
+        **extra,
+    }
     env = dict(os.environ)
     for kv in filter(None, args.engine_env.split(",")):
         k, _, v = kv.partition("=")
         env[k] = v
-    return [sys.executable, "-c", ENGINE, args.model_dir, str(Path(__file__).parent),
-            json.dumps(params)], env
+    return [
+        sys.executable,
+        "-c",
+        ENGINE,
+        args.model_dir,
+        str(Path(__file__).parent),
+        json.dumps(params),
+    ], env
 
 
 def bench_engine(args, seed: int | None = None) -> list[dict]:
@@ -277,8 +317,9 @@ def bench_engine(args, seed: int | None = None) -> list[dict]:
     return json.loads(line[7:])
 
 
-def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
-                    name: str) -> list[dict]:
+def run_interleaved(
+    args, skip: set, sides: dict[str, tuple[list[str], dict]], name: str
+) -> list[dict]:
     """Every side loaded at once (the engine alone in a process of its own, each server
     up), then per level: a warm-up pass each, and K pairs of passes, the sides' order
     reversed every other pair (ABBA), each pair on prompts of its own. A pass lasts seconds,
@@ -286,8 +327,10 @@ def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
     between them."""
     out: list[dict] = []
     with contextlib.ExitStack() as stack:
-        urls = {k: stack.enter_context(serving(cmd, env, args, "/health"))
-                for k, (cmd, env) in sides.items()}
+        urls = {
+            k: stack.enter_context(serving(cmd, env, args, "/health"))
+            for k, (cmd, env) in sides.items()
+        }
         engine = None
         if "engine" not in skip:
             # the engine alone kept loaded, one level per request (ENGINE's interactive mode)
@@ -297,9 +340,14 @@ def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
         def one(side: str, c: int, seed: int, warm: bool = False) -> dict:
             if side == "engine":
                 short = warm and args.short_warmup
-                return engine.ask({"c": c, "seed": seed,
-                                   "per_client": 1 if short else args.requests_per_client,
-                                   "max_tokens": 8 if short else args.max_tokens})
+                return engine.ask(
+                    {
+                        "c": c,
+                        "seed": seed,
+                        "per_client": 1 if short else args.requests_per_client,
+                        "max_tokens": 8 if short else args.max_tokens,
+                    }
+                )
             if warm:
                 warm_server(urls[side], name, args, c, seed)
                 return {}
@@ -314,11 +362,14 @@ def run_interleaved(args, skip: set, sides: dict[str, tuple[list[str], dict]],
             for k in range(args.interleave):
                 seed = seed_c + 100_003 * (k + 1)  # fresh prompts, the same for each side
                 pair = {}
-                for side in (order if k % 2 == 0 else order[::-1]):
+                for side in order if k % 2 == 0 else order[::-1]:
                     pair[side] = one(side, c, seed)
                 pairs.append(pair)
-                print(f"  C={c} pair {k + 1}: " + ", ".join(
-                    f"{s} {r['output_tps']:.1f} tok/s" for s, r in pair.items()), flush=True)
+                print(
+                    f"  C={c} pair {k + 1}: "
+                    + ", ".join(f"{s} {r['output_tps']:.1f} tok/s" for s, r in pair.items()),
+                    flush=True,
+                )
             out.append({"concurrency": c, "pairs": pairs})
     return out
 
@@ -333,17 +384,29 @@ def summarise_interleaved(levels: list[dict]) -> list[dict]:
         for side in sides:
             ps = [p for p in lv["pairs"] if side in p]
             tps = [p[side]["output_tps"] for p in ps]
-            row[side] = {"tps": tps, "tps_median": med(tps),
-                         "errors": sum(p[side]["errors"] for p in ps)}
+            row[side] = {
+                "tps": tps,
+                "tps_median": med(tps),
+                "errors": sum(p[side]["errors"] for p in ps),
+            }
             if all("engine" in p for p in ps):
                 ratio = [p[side]["output_tps"] / p["engine"]["output_tps"] for p in ps]
-                ttft = [(p[side]["ttft_p50"] - p["engine"]["ttft_p50"]) * 1000 for p in ps
-                        if p[side]["ttft_p50"] is not None and p["engine"]["ttft_p50"]]
-                itl = [p[side]["itl_p95"] / p["engine"]["itl_p95"] for p in ps
-                       if p[side].get("itl_p95") and p["engine"].get("itl_p95")]
-                row[side].update(ratio=ratio, ratio_median=med(ratio),
-                                 ttft_p50_diff_ms_median=med(ttft) if ttft else None,
-                                 itl_p95_ratio_median=med(itl) if itl else None)
+                ttft = [
+                    (p[side]["ttft_p50"] - p["engine"]["ttft_p50"]) * 1000
+                    for p in ps
+                    if p[side]["ttft_p50"] is not None and p["engine"]["ttft_p50"]
+                ]
+                itl = [
+                    p[side]["itl_p95"] / p["engine"]["itl_p95"]
+                    for p in ps
+                    if p[side].get("itl_p95") and p["engine"].get("itl_p95")
+                ]
+                row[side].update(
+                    ratio=ratio,
+                    ratio_median=med(ratio),
+                    ttft_p50_diff_ms_median=med(ttft) if ttft else None,
+                    itl_p95_ratio_median=med(itl) if itl else None,
+                )
         if all("engine" in p for p in lv["pairs"]):
             row["engine_tps"] = [p["engine"]["output_tps"] for p in lv["pairs"]]
         rows.append(row)
@@ -351,8 +414,10 @@ def summarise_interleaved(levels: list[dict]) -> list[dict]:
 
 
 def print_interleaved(rows: list[dict]) -> None:
-    print("\n| C | side | ratio to the engine per pair | median | tok/s median (engine) | "
-          "TTFT p50 - engine, ms (median) | ITL p95 / engine (median) | errors |")
+    print(
+        "\n| C | side | ratio to the engine per pair | median | tok/s median (engine) | "
+        "TTFT p50 - engine, ms (median) | ITL p95 / engine (median) | errors |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         eng = row.get("engine_tps")
@@ -360,12 +425,14 @@ def print_interleaved(rows: list[dict]) -> None:
             if not isinstance(r, dict):
                 continue
             f = lambda x, fmt: fmt.format(x) if x is not None else "-"  # noqa: E731
-            print(f"| {row['concurrency']} | {side} | "
-                  f"{', '.join(f'{x:.2f}' for x in r.get('ratio', [])) or '-'} | "
-                  f"{f(r.get('ratio_median'), '{:.2f}')} | {r['tps_median']:.0f} "
-                  f"({f(statistics.median(eng) if eng else None, '{:.0f}')}) | "
-                  f"{f(r.get('ttft_p50_diff_ms_median'), '{:+.0f}')} | "
-                  f"{f(r.get('itl_p95_ratio_median'), '{:.2f}')} | {r['errors']} |")
+            print(
+                f"| {row['concurrency']} | {side} | "
+                f"{', '.join(f'{x:.2f}' for x in r.get('ratio', [])) or '-'} | "
+                f"{f(r.get('ratio_median'), '{:.2f}')} | {r['tps_median']:.0f} "
+                f"({f(statistics.median(eng) if eng else None, '{:.0f}')}) | "
+                f"{f(r.get('ttft_p50_diff_ms_median'), '{:+.0f}')} | "
+                f"{f(r.get('itl_p95_ratio_median'), '{:.2f}')} | {r['errors']} |"
+            )
 
 
 def main() -> None:
@@ -377,51 +444,101 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-words", type=int, default=8)
     ap.add_argument("--max-words", type=int, default=64)
-    ap.add_argument("--mlx-lm-blas", action="store_true",
-                    help="also run mlx_lm.server with the optimised BLAS preloaded")
+    ap.add_argument(
+        "--mlx-lm-blas",
+        action="store_true",
+        help="also run mlx_lm.server with the optimised BLAS preloaded",
+    )
     ap.add_argument("--skip", default="", help="comma list of engine,mlxd,mlx_lm")
     ap.add_argument("--logdir", default="/tmp")
-    ap.add_argument("--short-warmup", action="store_true",
-                    help="warm up with one 8-token request per client (CPU: nothing compiles)")
-    ap.add_argument("--client-procs", type=int, default=1,
-                    help="spread the clients over this many processes")
-    ap.add_argument("--api-workers", type=int, default=1,
-                    help="mlxd front-end processes (mlxd serve --api-workers)")
+    ap.add_argument(
+        "--short-warmup",
+        action="store_true",
+        help="warm up with one 8-token request per client (CPU: nothing compiles)",
+    )
+    ap.add_argument(
+        "--client-procs", type=int, default=1, help="spread the clients over this many processes"
+    )
+    ap.add_argument(
+        "--api-workers",
+        type=int,
+        default=1,
+        help="mlxd front-end processes (mlxd serve --api-workers)",
+    )
     ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
-    ap.add_argument("--engine-env", default="",
-                    help="KEY=VAL,... for the engine-alone process only (e.g. "
-                         "MLX_CUDA_USE_CUDNN_SDPA=0, the setting mlxd's engine core uses)")
-    ap.add_argument("--metrics", action="store_true",
-                    help="per level, the server's mean queue time, TTFT and latency from "
-                         "/metrics (mlxd only)")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="alternate the engine alone and mlxd this many times, fresh prompts "
-                         "each round (the module's docstring says why)")
-    ap.add_argument("--interleave", type=int, default=0, metavar="K",
-                    help="engine and mlxd all loaded at once, K pairs of passes per level "
-                         "in alternating order (run_interleaved)")
-    ap.add_argument("--also-api-workers", type=int, default=0, metavar="N",
-                    help="with --interleave: a second mlxd server with --api-workers N as "
-                         "a third side")
-    ap.add_argument("--also-env", action="append", default=[], metavar="NAME:VAR=VALUE,...",
-                    help="with --interleave: one more mlxd server side called NAME, with "
-                         "these environment variables (repeatable)")
+    ap.add_argument(
+        "--engine-env",
+        default="",
+        help="KEY=VAL,... for the engine-alone process only (e.g. "
+        "MLX_CUDA_USE_CUDNN_SDPA=0, the setting mlxd's engine core uses)",
+    )
+    ap.add_argument(
+        "--metrics",
+        action="store_true",
+        help="per level, the server's mean queue time, TTFT and latency from /metrics (mlxd only)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the engine alone and mlxd this many times, fresh prompts "
+        "each round (the module's docstring says why)",
+    )
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="K",
+        help="engine and mlxd all loaded at once, K pairs of passes per level "
+        "in alternating order (run_interleaved)",
+    )
+    ap.add_argument(
+        "--also-api-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --interleave: a second mlxd server with --api-workers N as a third side",
+    )
+    ap.add_argument(
+        "--also-env",
+        action="append",
+        default=[],
+        metavar="NAME:VAR=VALUE,...",
+        help="with --interleave: one more mlxd server side called NAME, with "
+        "these environment variables (repeatable)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     args.levels = [int(x) for x in args.concurrency.split(",")]
     skip = set(args.skip.split(","))
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    results: dict = {"model_dir": args.model_dir, "max_tokens": args.max_tokens,
-                     "engine_env": args.engine_env,
-                     "mlxd_env": {k: v for k, v in os.environ.items() if k.startswith("MLXD_")},
-                     "api_workers": args.api_workers, "command": " ".join(sys.argv),
-                     "requests_per_client": args.requests_per_client,
-                     "machine": f"{platform.node()} {platform.machine()} "
-                                f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results: dict = {
+        "model_dir": args.model_dir,
+        "max_tokens": args.max_tokens,
+        "engine_env": args.engine_env,
+        "mlxd_env": {k: v for k, v in os.environ.items() if k.startswith("MLXD_")},
+        "api_workers": args.api_workers,
+        "command": " ".join(sys.argv),
+        "requests_per_client": args.requests_per_client,
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     name = Path(args.model_dir).name
-    mlxd_cmd = [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
-                "--max-num-seqs", str(max(args.levels)), "--log-level", "warning",
-                "--api-workers", str(args.api_workers), *args.mlxd_args.split()]
+    mlxd_cmd = [
+        sys.executable,
+        "-m",
+        "mlxd",
+        "serve",
+        "--model",
+        args.model_dir,
+        "--max-num-seqs",
+        str(max(args.levels)),
+        "--log-level",
+        "warning",
+        "--api-workers",
+        str(args.api_workers),
+        *args.mlxd_args.split(),
+    ]
     # The prefix cache's disk tier outlives the server, and the prompts are the same from
     # run to run (seeded): in the default home a later run found an earlier run's prompts
     # on disk and skipped their prefill (on an H200, a third of the prefill steps of every
@@ -434,15 +551,19 @@ def main() -> None:
         if args.also_api_workers:
             dirs.append(tempfile.TemporaryDirectory(prefix="mlxd-prefix-"))
             i = mlxd_cmd.index("--api-workers")
-            cmd_b = [*mlxd_cmd[:i + 1], str(args.also_api_workers), *mlxd_cmd[i + 2:]]
+            cmd_b = [*mlxd_cmd[: i + 1], str(args.also_api_workers), *mlxd_cmd[i + 2 :]]
             sides[f"mlxd-aw{args.also_api_workers}"] = (
-                cmd_b, dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name))
+                cmd_b,
+                dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name),
+            )
         for spec in args.also_env:
             side, _, pairs = spec.partition(":")
             extra = dict(kv.split("=", 1) for kv in pairs.split(",") if kv)
             dirs.append(tempfile.TemporaryDirectory(prefix="mlxd-prefix-"))
-            sides[side] = (mlxd_cmd, dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name,
-                                          **extra))
+            sides[side] = (
+                mlxd_cmd,
+                dict(mlxd_env, MLXD_ENGINE__PREFIX_CACHE_DIR=dirs[-1].name, **extra),
+            )
         results["also_env"] = args.also_env
         results["interleaved"] = run_interleaved(args, skip, sides, name)
         results["interleaved_summary"] = summarise_interleaved(results["interleaved"])
@@ -468,9 +589,20 @@ def main() -> None:
     if "mlx_lm" not in skip:
         print("mlx_lm.server (as shipped)", flush=True)
         results["mlx_lm"] = bench_server(
-            [sys.executable, "-m", "mlx_lm.server", "--model", args.model_dir,
-             "--decode-concurrency", str(max(args.levels))],
-            env, args.model_dir, args, "/v1/models")
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm.server",
+                "--model",
+                args.model_dir,
+                "--decode-concurrency",
+                str(max(args.levels)),
+            ],
+            env,
+            args.model_dir,
+            args,
+            "/v1/models",
+        )
         if args.mlx_lm_blas:
             from mlxd import blas
 
@@ -478,14 +610,27 @@ def main() -> None:
             if info.loaded:
                 print(f"mlx_lm.server with {info.name} preloaded", flush=True)
                 results["mlx_lm_blas"] = bench_server(
-                    [sys.executable, "-m", "mlx_lm.server", "--model", args.model_dir,
-                     "--decode-concurrency", str(max(args.levels))],
-                    dict(env, LD_PRELOAD=info.path), args.model_dir, args, "/v1/models")
+                    [
+                        sys.executable,
+                        "-m",
+                        "mlx_lm.server",
+                        "--model",
+                        args.model_dir,
+                        "--decode-concurrency",
+                        str(max(args.levels)),
+                    ],
+                    dict(env, LD_PRELOAD=info.path),
+                    args.model_dir,
+                    args,
+                    "/v1/models",
+                )
     if "rounds" in results:
         print(f"\nthe first of {args.rounds} rounds:", end="")
-    print("\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
-          "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm | decode tok/s per request "
-          "engine / mlxd / mlx_lm |")
+    print(
+        "\n| C | engine tok/s | mlxd tok/s | mlx_lm.server tok/s | mlxd/engine | "
+        "mlxd/mlx_lm | TTFT p50 engine / mlxd / mlx_lm | decode tok/s per request "
+        "engine / mlxd / mlx_lm |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for i, c in enumerate(args.levels):
         e = (results.get("engine") or [{}] * 99)[i]
@@ -495,14 +640,16 @@ def main() -> None:
         def f(x, fmt="{:.1f}"):
             return fmt.format(x) if isinstance(x, (int, float)) else "-"
 
-        print(f"| {c} | {f(e.get('output_tps'))} | {f(m.get('output_tps'))} | "
-              f"{f(s.get('output_tps'))} | "
-              f"{f(m.get('output_tps', 0) / e['output_tps'] if e.get('output_tps') else None, '{:.2f}')} | "
-              f"{f(m.get('output_tps', 0) / s['output_tps'] if s.get('output_tps') else None, '{:.2f}')} | "
-              f"{f(e.get('ttft_p50'), '{:.3f}')} / {f(m.get('ttft_p50'), '{:.3f}')} / "
-              f"{f(s.get('ttft_p50'), '{:.3f}')} | "
-              f"{f(e.get('decode_tps_per_request'))} / {f(m.get('decode_tps_per_request'))} / "
-              f"{f(s.get('decode_tps_per_request'))} |")
+        print(
+            f"| {c} | {f(e.get('output_tps'))} | {f(m.get('output_tps'))} | "
+            f"{f(s.get('output_tps'))} | "
+            f"{f(m.get('output_tps', 0) / e['output_tps'] if e.get('output_tps') else None, '{:.2f}')} | "
+            f"{f(m.get('output_tps', 0) / s['output_tps'] if s.get('output_tps') else None, '{:.2f}')} | "
+            f"{f(e.get('ttft_p50'), '{:.3f}')} / {f(m.get('ttft_p50'), '{:.3f}')} / "
+            f"{f(s.get('ttft_p50'), '{:.3f}')} | "
+            f"{f(e.get('decode_tps_per_request'))} / {f(m.get('decode_tps_per_request'))} / "
+            f"{f(s.get('decode_tps_per_request'))} |"
+        )
     if "rounds" in results:
         print_rounds(args, results["rounds"])
     if args.out:
@@ -515,8 +662,11 @@ def run_rounds(args, skip: set, mlxd_cmd: list[str], mlxd_env: dict, name: str) 
     prefix cache would answer them)."""
     rounds: list[dict] = []
     with contextlib.ExitStack() as stack:
-        url = (stack.enter_context(serving(mlxd_cmd, mlxd_env, args, "/health"))
-               if "mlxd" not in skip else None)
+        url = (
+            stack.enter_context(serving(mlxd_cmd, mlxd_env, args, "/health"))
+            if "mlxd" not in skip
+            else None
+        )
         for i in range(args.rounds):
             seed = args.seed + 1000 * i
             rnd: dict = {"round": i + 1, "seed": seed}
@@ -524,8 +674,11 @@ def run_rounds(args, skip: set, mlxd_cmd: list[str], mlxd_env: dict, name: str) 
                 print(f"round {i + 1}: engine alone", flush=True)
                 rnd["engine"] = bench_engine(args, seed)
                 for r in rnd["engine"]:
-                    print(f"  C={r['concurrency']}: {r['output_tps']:.1f} tok/s (engine), "
-                          f"ttft p50 {r['ttft_p50']:.3f}s", flush=True)
+                    print(
+                        f"  C={r['concurrency']}: {r['output_tps']:.1f} tok/s (engine), "
+                        f"ttft p50 {r['ttft_p50']:.3f}s",
+                        flush=True,
+                    )
             if url is not None:
                 print(f"round {i + 1}: mlxd", flush=True)
                 rnd["mlxd"] = measure_server(url, name, args, seed)
@@ -535,18 +688,21 @@ def run_rounds(args, skip: set, mlxd_cmd: list[str], mlxd_env: dict, name: str) 
 
 def print_rounds(args, rounds: list[dict]) -> None:
     """Per level: each round's mlxd / engine ratio and their median."""
-    print("\n| C | mlxd / engine per round | median | engine tok/s per round | "
-          "mlxd tok/s per round |")
+    print(
+        "\n| C | mlxd / engine per round | median | engine tok/s per round | mlxd tok/s per round |"
+    )
     print("|---|---|---|---|---|")
     for i, c in enumerate(args.levels):
         eng = [r["engine"][i]["output_tps"] for r in rounds if r.get("engine")]
         mx_ = [r["mlxd"][i]["output_tps"] for r in rounds if r.get("mlxd")]
         ratios = [m / e for m, e in zip(mx_, eng, strict=False) if e]
         med = statistics.median(ratios) if ratios else None
-        print(f"| {c} | {', '.join(f'{x:.2f}' for x in ratios) or '-'} | "
-              f"{f'{med:.2f}' if med is not None else '-'} | "
-              f"{', '.join(f'{x:.0f}' for x in eng) or '-'} | "
-              f"{', '.join(f'{x:.0f}' for x in mx_) or '-'} |")
+        print(
+            f"| {c} | {', '.join(f'{x:.2f}' for x in ratios) or '-'} | "
+            f"{f'{med:.2f}' if med is not None else '-'} | "
+            f"{', '.join(f'{x:.0f}' for x in eng) or '-'} | "
+            f"{', '.join(f'{x:.0f}' for x in mx_) or '-'} |"
+        )
 
 
 if __name__ == "__main__":

@@ -50,30 +50,65 @@ def main() -> None:
             for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
                 seed += 1
                 out = Path(f"/tmp/server_ab-{name}-{r}.json")
-                subprocess.run([sys.executable, str(bench), "--url", servers[name][1],
-                                "--model", args.model, "--concurrency", str(args.concurrency),
-                                "--requests-per-client", str(args.requests_per_client),
-                                "--max-tokens", str(args.max_tokens), "--seed", str(seed),
-                                "--warmup", "0", "--out", str(out)],
-                               stdout=subprocess.DEVNULL, check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        str(bench),
+                        "--url",
+                        servers[name][1],
+                        "--model",
+                        args.model,
+                        "--concurrency",
+                        str(args.concurrency),
+                        "--requests-per-client",
+                        str(args.requests_per_client),
+                        "--max-tokens",
+                        str(args.max_tokens),
+                        "--seed",
+                        str(seed),
+                        "--warmup",
+                        "0",
+                        "--out",
+                        str(out),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    check=True,
+                )
                 lv = json.loads(out.read_text())["levels"][0]
-                waves[name].append({"round": r, "tok_s": lv["output_tps"],
-                                    "itl_p50_ms": lv["itl_p50"] * 1000,
-                                    "ttft_p50_ms": lv["ttft_p50"] * 1000,
-                                    "errors": lv["errors"]})
+                waves[name].append(
+                    {
+                        "round": r,
+                        "tok_s": lv["output_tps"],
+                        "itl_p50_ms": lv["itl_p50"] * 1000,
+                        "ttft_p50_ms": lv["ttft_p50"] * 1000,
+                        "errors": lv["errors"],
+                    }
+                )
                 print(r, name, {k: round(v, 1) for k, v in waves[name][-1].items()}, flush=True)
     finally:
         for proc, _ in servers.values():
             mlxd_proc.stop(proc)
     ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(waves["A"], waves["B"], strict=True)]
-    print("B / A per round:", [round(x, 2) for x in ratios],
-          "median", round(statistics.median(ratios), 3))
+    print(
+        "B / A per round:",
+        [round(x, 2) for x in ratios],
+        "median",
+        round(statistics.median(ratios), 3),
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                 time.gmtime()),
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-            "envs": envs, "waves": waves, "ratios_b_over_a": ratios}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(sys.argv),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                    "envs": envs,
+                    "waves": waves,
+                    "ratios_b_over_a": ratios,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

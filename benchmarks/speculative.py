@@ -119,10 +119,14 @@ for line in sys.stdin:
 """
 
 
-def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
-          max_batch: int | None) -> tuple[subprocess.Popen, str]:
-    env = {"MLXD_MODELS__DTYPE": dtype, "MLXD_ENGINE__SPECULATIVE": mode,
-           "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0"}  # every request prefills: same work
+def start(
+    home: str, model: str, dtype: str, mode: str, draft: str | None, max_batch: int | None
+) -> tuple[subprocess.Popen, str]:
+    env = {
+        "MLXD_MODELS__DTYPE": dtype,
+        "MLXD_ENGINE__SPECULATIVE": mode,
+        "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0",
+    }  # every request prefills: same work
     if draft and mode == "draft":
         env["MLXD_ENGINE__DRAFT_MODEL"] = draft
     if max_batch is not None:
@@ -131,9 +135,14 @@ def start(home: str, model: str, dtype: str, mode: str, draft: str | None,
 
 
 def one(url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     text: list[str] = []
@@ -154,8 +163,13 @@ def one(url: str, prompt: str, max_tokens: int) -> dict:
     end = time.perf_counter()
     n = usage.get("completion_tokens", 0)
     decode_s = (last - first) if first and last and last > first else None
-    return {"text": "".join(text), "tokens": n, "ttft": (first or end) - t0, "wall": end - t0,
-            "decode_tps": (n - 1) / decode_s if decode_s else None}
+    return {
+        "text": "".join(text),
+        "tokens": n,
+        "ttft": (first or end) - t0,
+        "wall": end - t0,
+        "decode_tps": (n - 1) / decode_s if decode_s else None,
+    }
 
 
 def spec_stats(url: str) -> dict | None:
@@ -167,7 +181,9 @@ def summarize(res: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in res)
     rates = [r["decode_tps"] for r in res if r["decode_tps"]]
     return {
-        "requests": len(res), "output_tokens": tokens, "wall_s": round(wall, 3),
+        "requests": len(res),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
         "output_tps": round(tokens / wall, 2),
         "decode_tps_per_request_p50": round(statistics.median(rates), 2) if rates else None,
         "ttft_p50": round(statistics.median(r["ttft"] for r in res), 3),
@@ -176,7 +192,7 @@ def summarize(res: list[dict], wall: float) -> dict:
 
 
 def concurrent(url: str, prompts: list[str], c: int, max_tokens: int) -> dict:
-    batch = (prompts * c)[:max(c, len(prompts))]
+    batch = (prompts * c)[: max(c, len(prompts))]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(c) as pool:
         res = list(pool.map(lambda p: one(url, p, max_tokens), batch))
@@ -201,22 +217,34 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
         t0 = time.perf_counter()
         for mode in args.modes:
             home = homes[mode] = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
-            servers[mode] = start(home, args.model_dir or args.model, args.dtype, mode,
-                                  args.draft_model, args.max_batch)
+            servers[mode] = start(
+                home,
+                args.model_dir or args.model,
+                args.dtype,
+                mode,
+                args.draft_model,
+                args.max_batch,
+            )
             _progress(t0, f"server '{mode}' up")
         for _, url in servers.values():
             one(url, prompts[0], 8)  # warm the server and the model (not measured)
         if args.engine_alone:
             first = next(iter(servers))
             model_dir = args.model_dir or str(
-                Path(args.home or homes[first]).expanduser() / "models" / args.model)
-            engine = LineProcess([sys.executable, "-c", ENGINE, model_dir, args.dtype],
-                                 {**os.environ, "HF_HUB_OFFLINE": "1"})
+                Path(args.home or homes[first]).expanduser() / "models" / args.model
+            )
+            engine = LineProcess(
+                [sys.executable, "-c", ENGINE, model_dir, args.dtype],
+                {**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
             engine.ask({"prompt": prompts[0], "max_tokens": 8})
         _progress(t0, "warmed")
         # batch 1's sides: the engine alone first (when asked for), then every mode's server
-        ask = {} if engine is None else {
-            "engine": lambda p, n: engine.ask({"prompt": p, "max_tokens": n})}
+        ask = (
+            {}
+            if engine is None
+            else {"engine": lambda p, n: engine.ask({"prompt": p, "max_tokens": n})}
+        )
         ask.update({m: partial(one, url) for m, (_, url) in servers.items()})
         runs: dict[str, dict[str, dict]] = {m: {} for m in args.modes}
         for c in args.concurrency:
@@ -230,18 +258,24 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                 base = args.modes[0]
                 for mode, res in seq.items():
                     run = summarize(res, sum(r["wall"] for r in res))  # all rounds
-                    pairs = [a["decode_tps"] / b["decode_tps"] for a, b in
-                             zip(res, seq[base], strict=True)
-                             if a["decode_tps"] and b["decode_tps"]]
-                    run["paired_decode_speedup_p50"] = round(statistics.median(pairs), 3) \
-                        if pairs and mode != base else None
+                    pairs = [
+                        a["decode_tps"] / b["decode_tps"]
+                        for a, b in zip(res, seq[base], strict=True)
+                        if a["decode_tps"] and b["decode_tps"]
+                    ]
+                    run["paired_decode_speedup_p50"] = (
+                        round(statistics.median(pairs), 3) if pairs and mode != base else None
+                    )
                     run["decode_tps_all"] = [round(r["decode_tps"] or 0, 2) for r in res]
                     if "engine" in seq and mode != "engine":
-                        vs = [a["decode_tps"] / b["decode_tps"] for a, b in
-                              zip(res, seq["engine"], strict=True)
-                              if a["decode_tps"] and b["decode_tps"]]
-                        run["paired_decode_vs_engine_p50"] = round(statistics.median(vs), 3) \
-                            if vs else None
+                        vs = [
+                            a["decode_tps"] / b["decode_tps"]
+                            for a, b in zip(res, seq["engine"], strict=True)
+                            if a["decode_tps"] and b["decode_tps"]
+                        ]
+                        run["paired_decode_vs_engine_p50"] = (
+                            round(statistics.median(vs), 3) if vs else None
+                        )
                     runs.setdefault(mode, {})["1"] = run
                 continue
             rounds: dict[str, list[dict]] = {m: [] for m in args.modes}
@@ -249,23 +283,28 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             for i in range(args.rounds):
                 # ABBA: the modes' order reverses every other round, so that a machine
                 # speeding up or slowing down over a round favours no mode
-                for mode in (order if i % 2 == 0 else order[::-1]):
-                    rounds[mode].append(concurrent(servers[mode][1], prompts, c,
-                                                   args.max_tokens))
+                for mode in order if i % 2 == 0 else order[::-1]:
+                    rounds[mode].append(concurrent(servers[mode][1], prompts, c, args.max_tokens))
             base = args.modes[0]
             for mode, rs in rounds.items():
                 mid = sorted(rs, key=lambda r: r["output_tps"])[len(rs) // 2]
                 run = {**mid, "rounds_output_tps": [r["output_tps"] for r in rs]}
                 if mode != base:  # per round against the base mode's same round
-                    ratios = [a["output_tps"] / b["output_tps"]
-                              for a, b in zip(rs, rounds[base], strict=True)]
+                    ratios = [
+                        a["output_tps"] / b["output_tps"]
+                        for a, b in zip(rs, rounds[base], strict=True)
+                    ]
                     run["paired_output_tps_ratio_p50"] = round(statistics.median(ratios), 3)
                     run["paired_output_tps_ratios"] = [round(x, 3) for x in ratios]
                 runs[mode][str(c)] = run
-        return ([{"mode": "engine", "runs": runs.get("engine", {}), "speculative": None}]
-                if engine is not None else []) + [
+        return (
+            [{"mode": "engine", "runs": runs.get("engine", {}), "speculative": None}]
+            if engine is not None
+            else []
+        ) + [
             {"mode": m, "runs": runs[m], "speculative": spec_stats(url)}
-            for m, (_, url) in servers.items()]
+            for m, (_, url) in servers.items()
+        ]
     finally:
         if engine is not None:
             engine.close()
@@ -301,25 +340,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="a model directory (default: --model)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="auto",
-                    help="models.dtype: auto|native|float32|float16|bfloat16")
+    ap.add_argument(
+        "--dtype", default="auto", help="models.dtype: auto|native|float32|float16|bfloat16"
+    )
     ap.add_argument("--modes", nargs="+", default=["off", "prompt-lookup"])
     ap.add_argument("--draft-model", help="engine.draft_model, for the 'draft' mode")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--texts", type=int, default=len(TEXTS) * len(ASKS),
-                    help="how many (ask, text) prompts at batch 1")
+    ap.add_argument(
+        "--texts",
+        type=int,
+        default=len(TEXTS) * len(ASKS),
+        help="how many (ask, text) prompts at batch 1",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="measurements per mode, in turns")
     ap.add_argument("--max-batch", type=int, help="engine.speculative_max_batch")
     ap.add_argument("--home", help="MLXD_HOME (default: a fresh temporary one)")
-    ap.add_argument("--random-target", help="serve a random-weight model of this shape "
-                    "(make_random_model.py SHAPES) with the draft model's tokenizer")
-    ap.add_argument("--draft-import-dtype", help="with --random-target: import the draft "
-                    "(a store name) in this dtype (models.dtype: native keeps a GGUF's "
-                    "quantized blocks, bfloat16 dequantises) under NAME-DTYPE")
-    ap.add_argument("--engine-alone", action="store_true",
-                    help="batch 1 also through mlx-lm's BatchGenerator alone (no server) on "
-                         "the served model directory, in turns with the servers")
+    ap.add_argument(
+        "--random-target",
+        help="serve a random-weight model of this shape "
+        "(make_random_model.py SHAPES) with the draft model's tokenizer",
+    )
+    ap.add_argument(
+        "--draft-import-dtype",
+        help="with --random-target: import the draft "
+        "(a store name) in this dtype (models.dtype: native keeps a GGUF's "
+        "quantized blocks, bfloat16 dequantises) under NAME-DTYPE",
+    )
+    ap.add_argument(
+        "--engine-alone",
+        action="store_true",
+        help="batch 1 also through mlx-lm's BatchGenerator alone (no server) on "
+        "the served model directory, in turns with the servers",
+    )
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args()
     if args.draft_model and "draft" not in args.modes:
@@ -331,9 +384,13 @@ def main() -> None:
         args.home = args.home or tempfile.mkdtemp(prefix="mlxd-spec-")
         args.model_dir = random_target(args)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    prompts = [a.format(t=t) for a in ASKS for t in TEXTS][:args.texts]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    prompts = [a.format(t=t) for a in ASKS for t in TEXTS][: args.texts]
     results = run_all(args, prompts)
     base = next(r for r in results if r["mode"] == args.modes[0])
     for r in results:
@@ -347,24 +404,32 @@ def main() -> None:
             run["speedup_output_tps"] = round(run["output_tps"] / ref["output_tps"], 3)
             if run["decode_tps_per_request_p50"] and ref["decode_tps_per_request_p50"]:
                 run["speedup_decode_tps_p50"] = round(
-                    run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3)
+                    run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3
+                )
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit, "model": args.model_dir or args.model, "dtype": args.dtype,
+        "commit": commit,
+        "model": args.model_dir or args.model,
+        "dtype": args.dtype,
         "max_tokens": args.max_tokens,
         # the machine may be shared: 1, 5 and 15 minute load averages before and after
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "draft_model": args.draft_model, "results": results,
+        "draft_model": args.draft_model,
+        "results": results,
     }
     for r in results:
         for run in r["runs"].values():
             run["texts"] = [t[:80] for t in run["texts"]]  # enough to eyeball, not to bloat
-    summary = {r["mode"]: {c: {k: v for k, v in run.items() if k != "texts"}
-                           for c, run in r["runs"].items()} | {"speculative": r["speculative"]}
-               for r in results}
+    summary = {
+        r["mode"]: {
+            c: {k: v for k, v in run.items() if k != "texts"} for c, run in r["runs"].items()
+        }
+        | {"speculative": r["speculative"]}
+        for r in results
+    }
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

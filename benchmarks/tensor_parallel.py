@@ -37,8 +37,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("tensor", "pipeline"), default="tensor",
-                    help="how the model is split: --tensor-parallel or --pipeline-parallel")
+    ap.add_argument(
+        "--mode",
+        choices=("tensor", "pipeline"),
+        default="tensor",
+        help="how the model is split: --tensor-parallel or --pipeline-parallel",
+    )
     ap.add_argument("--tp", default="1,2", help="comma list of rank counts")
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -46,8 +50,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-words", type=int, default=8)
     ap.add_argument("--max-words", type=int, default=64)
-    ap.add_argument("--short-warmup", action="store_true",
-                    help="warm up with one 8-token request per client (CPU: nothing compiles)")
+    ap.add_argument(
+        "--short-warmup",
+        action="store_true",
+        help="warm up with one 8-token request per client (CPU: nothing compiles)",
+    )
     ap.add_argument("--client-procs", type=int, default=1)
     ap.add_argument("--logdir", default="/tmp")
     ap.add_argument("--mlxd-args", default="", help="extra mlxd serve arguments")
@@ -56,19 +63,39 @@ def main() -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     name = Path(args.model_dir).resolve().name
     flag = f"--{args.mode}-parallel"
-    results: dict = {"model_dir": args.model_dir, "command": " ".join(sys.argv),
-                     "mode": args.mode,
-                     "max_tokens": args.max_tokens,
-                     "requests_per_client": args.requests_per_client,
-                     "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": {}}
+    results: dict = {
+        "model_dir": args.model_dir,
+        "command": " ".join(sys.argv),
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+        "requests_per_client": args.requests_per_client,
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "runs": {},
+    }
     for n in [int(x) for x in args.tp.split(",")]:
         print(f"{flag} {n}", flush=True)
         results["runs"][str(n)] = serve_compare.bench_server(
-            [sys.executable, "-m", "mlxd", "serve", "--model", args.model_dir,
-             flag, str(n), "--max-num-seqs", str(max(args.levels)),
-             "--log-level", "warning", *args.mlxd_args.split()],
-            env, name, args, "/health")
+            [
+                sys.executable,
+                "-m",
+                "mlxd",
+                "serve",
+                "--model",
+                args.model_dir,
+                flag,
+                str(n),
+                "--max-num-seqs",
+                str(max(args.levels)),
+                "--log-level",
+                "warning",
+                *args.mlxd_args.split(),
+            ],
+            env,
+            name,
+            args,
+            "/health",
+        )
         Path(args.out).write_text(json.dumps(results, indent=2))
     print(table(results))
 
@@ -76,15 +103,22 @@ def main() -> None:
 def table(results: dict) -> str:
     runs = results["runs"]
     base = runs.get("1")
-    lines = ["| ranks | C | output tok/s | vs 1 rank | TTFT p50 s | decode tok/s per request |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| ranks | C | output tok/s | vs 1 rank | TTFT p50 s | decode tok/s per request |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for n, levels in runs.items():
         for i, r in enumerate(levels):
-            ratio = (f"{r['output_tps'] / base[i]['output_tps']:.2f}x"
-                     if base and base[i]["output_tps"] else "-")
-            lines.append(f"| {n} | {r['concurrency']} | {r['output_tps']:.1f} | {ratio} | "
-                         f"{r['ttft_p50'] or 0:.3f} | {r['decode_tps_per_request'] or 0:.1f} |"
-                         + (f" errors {r['errors']}" if r["errors"] else ""))
+            ratio = (
+                f"{r['output_tps'] / base[i]['output_tps']:.2f}x"
+                if base and base[i]["output_tps"]
+                else "-"
+            )
+            lines.append(
+                f"| {n} | {r['concurrency']} | {r['output_tps']:.1f} | {ratio} | "
+                f"{r['ttft_p50'] or 0:.3f} | {r['decode_tps_per_request'] or 0:.1f} |"
+                + (f" errors {r['errors']}" if r["errors"] else "")
+            )
     return "\n".join(lines)
 
 

@@ -47,8 +47,17 @@ def main() -> None:
     pre = 256 / statistics.median(prefill() for _ in range(3))
     d1 = statistics.median(decode(1) for _ in range(3))
     d16 = statistics.median(decode(16) for _ in range(3))
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "prefill_tps": pre, "decode_tps_b1": d1, "decode_tps_b16": d16}))
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "prefill_tps": pre,
+                "decode_tps_b1": d1,
+                "decode_tps_b16": d16,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ def type_name(annotation: Any) -> str:
         return "mapping"
     if isinstance(annotation, type):
         return {"Path": "path", "str": "string", "bool": "boolean"}.get(
-            annotation.__name__, annotation.__name__)
+            annotation.__name__, annotation.__name__
+        )
     return str(annotation).replace("typing.", "")
 
 
@@ -91,8 +92,12 @@ def bounds(field: FieldInfo) -> str:
     """Constraints such as ``>= 1, <= 64`` from the field's metadata."""
     out = []
     for m in field.metadata:
-        for kind, attr, sign in ((Ge, "ge", ">="), (Gt, "gt", ">"), (Le, "le", "<="),
-                                 (Lt, "lt", "<")):
+        for kind, attr, sign in (
+            (Ge, "ge", ">="),
+            (Gt, "gt", ">"),
+            (Le, "le", "<="),
+            (Lt, "lt", "<"),
+        ):
             if isinstance(m, kind):
                 out.append(f"{sign} {getattr(m, attr)}")
         if isinstance(m, MinLen):
@@ -115,8 +120,12 @@ def item_model(annotation: Any) -> tuple[type[BaseModel], str] | None:
     args = typing.get_args(annotation)
     if origin is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
         return args[0], "[]"
-    if origin is dict and len(args) == 2 and isinstance(args[1], type) \
-            and issubclass(args[1], BaseModel):
+    if (
+        origin is dict
+        and len(args) == 2
+        and isinstance(args[1], type)
+        and issubclass(args[1], BaseModel)
+    ):
         return args[1], ".<name>"
     return None
 
@@ -131,8 +140,9 @@ def env_names() -> dict[tuple[str, ...], list[str]]:
     return out
 
 
-def key_block(path: tuple[str, ...], field: FieldInfo, env: str | None,
-              aliases: list[str]) -> list[str]:
+def key_block(
+    path: tuple[str, ...], field: FieldInfo, env: str | None, aliases: list[str]
+) -> list[str]:
     dotted = ".".join(path).replace(".[]", "[]")
     facts = [f"type `{type_name(field.annotation)}`"]
     b = bounds(field)
@@ -160,8 +170,12 @@ def _example(path: tuple[str, ...], value: Any) -> list[str]:
     return yaml.safe_dump(nested, default_flow_style=False, sort_keys=False).splitlines()
 
 
-def model_blocks(model: type[BaseModel], path: tuple[str, ...], with_env: bool,
-                 aliases: dict[tuple[str, ...], list[str]]) -> list[str]:
+def model_blocks(
+    model: type[BaseModel],
+    path: tuple[str, ...],
+    with_env: bool,
+    aliases: dict[tuple[str, ...], list[str]],
+) -> list[str]:
     lines: list[str] = []
     for key, field in model.model_fields.items():
         here = (*path, key)
@@ -183,8 +197,11 @@ def model_blocks(model: type[BaseModel], path: tuple[str, ...], with_env: bool,
 def render() -> str:
     lines = [INTRO]
     aliases = env_names()
-    sections = [(name, f) for name, f in cfg.Settings.model_fields.items()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+    sections = [
+        (name, f)
+        for name, f in cfg.Settings.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    ]
     lines += ["Sections: " + ", ".join(f"[`{n}`](#{n})" for n, _ in sections) + ".", ""]
     for name, field in sections:
         lines += [f"## {name}", ""]
@@ -197,8 +214,11 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when docs/configuration.md is stale; write nothing")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when docs/configuration.md is stale; write nothing",
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:

@@ -25,11 +25,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the hub
 
 
 def _home_env(root: Path) -> dict[str, str]:
-    return {"HOME": str(root), "MLXD_HOME": str(root / ".mlxd"),
-            "XDG_CONFIG_HOME": str(root / ".config"), "XDG_CACHE_HOME": str(root / ".cache"),
-            "XDG_DATA_HOME": str(root / ".local" / "share"),
-            "XDG_STATE_HOME": str(root / ".local" / "state"),
-            "HF_HOME": str(root / ".cache" / "huggingface")}
+    return {
+        "HOME": str(root),
+        "MLXD_HOME": str(root / ".mlxd"),
+        "XDG_CONFIG_HOME": str(root / ".config"),
+        "XDG_CACHE_HOME": str(root / ".cache"),
+        "XDG_DATA_HOME": str(root / ".local" / "share"),
+        "XDG_STATE_HOME": str(root / ".local" / "state"),
+        "HF_HOME": str(root / ".cache" / "huggingface"),
+    }
 
 
 def _entries(root: Path, depth: int = 2) -> set[str]:
@@ -45,13 +49,14 @@ def _entries(root: Path, depth: int = 2) -> set[str]:
 
 
 # the developer's own store and homes, as they were before this run
-_REAL_HOMES = [Path(p).expanduser() for p in {os.environ.get("MLXD_HOME") or "~/.mlxd",
-                                              "~/.mlxd"}]
+_REAL_HOMES = [Path(p).expanduser() for p in {os.environ.get("MLXD_HOME") or "~/.mlxd", "~/.mlxd"}]
 
 
 def _real_state() -> set[str]:
-    return set().union(*({f"{h} (exists)"} if h.exists() else set() for h in _REAL_HOMES),
-                       *(_entries(h) for h in _REAL_HOMES))
+    return set().union(
+        *({f"{h} (exists)"} if h.exists() else set() for h in _REAL_HOMES),
+        *(_entries(h) for h in _REAL_HOMES),
+    )
 
 
 _real_seen = [_real_state()]
@@ -69,8 +74,7 @@ def _own_home(tmp_path_factory, monkeypatch) -> Iterator[Path]:
     yield home
     now = _real_state()
     changed, _real_seen[0] = sorted(now ^ _real_seen[0]), now
-    assert not changed, ("this test (or a fixture it started) changed the real home: "
-                         f"{changed[:10]}")
+    assert not changed, f"this test (or a fixture it started) changed the real home: {changed[:10]}"
 
 
 def pytest_sessionfinish(session) -> None:
@@ -80,9 +84,11 @@ def pytest_sessionfinish(session) -> None:
         changed = sorted(_real_state() ^ _real_at_start)
         if changed:
             session.config.get_terminal_writer().line(
-                f"the test run changed the real home: {changed[:10]}", red=True)
+                f"the test run changed the real home: {changed[:10]}", red=True
+            )
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(_run_home, ignore_errors=True)
+
 
 os.environ["MLXD_TEST_FAULTS"] = "1"  # engine cores started by tests take failure drills
 
@@ -103,13 +109,23 @@ _TIER_FILES = {
     "campaign": {"ops/test_fuzz.py", "ops/test_soak.py"},
     "slow": {
         # `mlxd serve`, `mlxd start` or the CLI as subprocesses
-        "cli/test_serve.py", "cli/test_models_cli.py", "cli/test_doctor.py",
-        "ops/test_ops_daemon.py", "ops/test_deploy.py", "ops/test_packaging.py",
-        "ops/test_tensor_parallel.py", "ops/test_data_parallel.py",
-        "ops/test_ratelimit_redis.py", "ops/test_faults_store.py", "store/test_hub_pull.py",
+        "cli/test_serve.py",
+        "cli/test_models_cli.py",
+        "cli/test_doctor.py",
+        "ops/test_ops_daemon.py",
+        "ops/test_deploy.py",
+        "ops/test_packaging.py",
+        "ops/test_tensor_parallel.py",
+        "ops/test_data_parallel.py",
+        "ops/test_ratelimit_redis.py",
+        "ops/test_faults_store.py",
+        "store/test_hub_pull.py",
         # servers started, killed and restarted per test, or real weights
-        "ops/test_ops_resilience.py", "ops/test_faults_serving.py",
-        "runtime/test_model_manager.py", "api/test_prefix_disk.py", "api/test_vision.py",
+        "ops/test_ops_resilience.py",
+        "ops/test_faults_serving.py",
+        "runtime/test_model_manager.py",
+        "api/test_prefix_disk.py",
+        "api/test_vision.py",
         "api/test_real_model.py",
     },
 }
@@ -199,8 +215,14 @@ class LiveServer:
         self.port = settings.server.port
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
-                           access_log=False, log_level="warning")
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_config=None,
+                access_log=False,
+                log_level="warning",
+            )
         )
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.exit_code: int | None = None
@@ -240,8 +262,9 @@ class LiveServer:
         import asyncio
 
         rt = self.runtime
-        return asyncio.run_coroutine_threadsafe(rt.cores.clients[index].call(request),
-                                                rt.loop).result(60)
+        return asyncio.run_coroutine_threadsafe(
+            rt.cores.clients[index].call(request), rt.loop
+        ).result(60)
 
     def fault(self, kind: str, *, index: int = 0, **args) -> None:
         """A failure drill in an engine core (enginecore/calls.py ``fault``)."""
@@ -290,16 +313,21 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 def long_llama(tmp_path_factory) -> Path:
     """A slower, long-context tiny model, for requests that must still run when we act."""
     return make_tiny_chat_model(
-        tmp_path_factory.mktemp("m") / "long-llama", "llama", hidden_size=256, num_layers=4,
-        max_position_embeddings=8192, seed=1,
+        tmp_path_factory.mktemp("m") / "long-llama",
+        "llama",
+        hidden_size=256,
+        num_layers=4,
+        max_position_embeddings=8192,
+        seed=1,
     )
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, tiny_llama, tiny_qwen2) -> Iterator[LiveServer]:
     home = tmp_path_factory.mktemp("home")
-    s = make_settings(home, tiny_llama, models={"preload": [str(tiny_qwen2)]},
-                      engine={"max_num_seqs": 32})
+    s = make_settings(
+        home, tiny_llama, models={"preload": [str(tiny_qwen2)]}, engine={"max_num_seqs": 32}
+    )
     srv = LiveServer(s).start()
     yield srv
     srv.stop()
@@ -322,16 +350,21 @@ def thinking_qwen3(tmp_path_factory) -> Path:
     web UI's test sees the reasoning arrive in pieces; 2048 tokens."""
     from fixtures.thinking_models import make_tiny_thinking_model
 
-    return make_tiny_thinking_model(tmp_path_factory.mktemp("m") / "thinking-qwen3",
-                                    hidden_size=256, num_layers=4,
-                                    max_position_embeddings=2048, seed=2)
+    return make_tiny_thinking_model(
+        tmp_path_factory.mktemp("m") / "thinking-qwen3",
+        hidden_size=256,
+        num_layers=4,
+        max_position_embeddings=2048,
+        seed=2,
+    )
 
 
 @pytest.fixture(scope="session")
 def plain_llama(tmp_path_factory) -> Path:
     """A tiny llama with a plain ChatML template (no tools in it), 2048 tokens."""
-    return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "plain-llama", "llama",
-                                max_position_embeddings=2048, seed=3)
+    return make_tiny_chat_model(
+        tmp_path_factory.mktemp("m") / "plain-llama", "llama", max_position_embeddings=2048, seed=3
+    )
 
 
 @pytest.fixture(scope="session")
@@ -340,9 +373,14 @@ def agent_server(tmp_path_factory, tool_qwen2, plain_llama) -> Iterator[LiveServ
     model) and one without (tools through the fallback prompt)."""
     home = tmp_path_factory.mktemp("agent-home")
     # prefix_cache_min_tokens 0: the tiny prompts here must still hit the prefix cache
-    srv = LiveServer(make_settings(home, tool_qwen2, models={"preload": [str(plain_llama)]},
-                                   engine={"max_num_seqs": 32,
-                                           "prefix_cache_min_tokens": 0})).start()
+    srv = LiveServer(
+        make_settings(
+            home,
+            tool_qwen2,
+            models={"preload": [str(plain_llama)]},
+            engine={"max_num_seqs": 32, "prefix_cache_min_tokens": 0},
+        )
+    ).start()
     yield srv
     srv.stop()
 

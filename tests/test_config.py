@@ -28,8 +28,9 @@ def test_defaults(tmp_path):
 
 def test_precedence_file_env_flags(tmp_path, monkeypatch):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("server:\n  port: 9001\n  host: 0.0.0.0\nengine:\n  max_num_seqs: 4\n"
-                   "log:\n  format: json\n")
+    cfg.write_text(
+        "server:\n  port: 9001\n  host: 0.0.0.0\nengine:\n  max_num_seqs: 4\nlog:\n  format: json\n"
+    )
     s = load_settings(cfg)
     assert (s.server.port, s.server.host, s.engine.max_num_seqs) == (9001, "0.0.0.0", 4)
     monkeypatch.setenv("MLXD_SERVER__PORT", "9002")
@@ -84,9 +85,11 @@ def test_missing_explicit_file(tmp_path):
 
 def test_max_num_seqs_auto_or_a_number_from_yaml_env_and_flags(tmp_path, monkeypatch):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("engine:\n  max_num_seqs: auto\n  auto_seq_context: 2048\nmodels:\n"
-                   "  options:\n    big:\n      max_num_seqs: 12\n"
-                   "    small:\n      max_num_seqs: auto\n")
+    cfg.write_text(
+        "engine:\n  max_num_seqs: auto\n  auto_seq_context: 2048\nmodels:\n"
+        "  options:\n    big:\n      max_num_seqs: 12\n"
+        "    small:\n      max_num_seqs: auto\n"
+    )
     s = load_settings(cfg)
     assert (s.engine.max_num_seqs, s.engine.auto_seq_context) == ("auto", 2048)
     assert s.models.options["big"].max_num_seqs == 12

@@ -60,7 +60,7 @@ def blocks(page: Path) -> list[Block]:
         start, lang, body = i, m.group(2).lower(), []
         i += 1
         while i < len(lines) and not lines[i].strip().startswith("```"):
-            body.append(lines[i][len(m.group(1)):])
+            body.append(lines[i][len(m.group(1)) :])
             i += 1
         i += 1
         marks: dict[str, str] = {}
@@ -70,8 +70,16 @@ def blocks(page: Path) -> list[Block]:
                 marks.setdefault(kind, value)
             j -= 1
         status = marks.get("status")
-        out.append(Block(page, start + 1, lang, "\n".join(body) + "\n", marks.get("not-run"),
-                         int(status) if status else None))
+        out.append(
+            Block(
+                page,
+                start + 1,
+                lang,
+                "\n".join(body) + "\n",
+                marks.get("not-run"),
+                int(status) if status else None,
+            )
+        )
     return out
 
 
@@ -86,8 +94,9 @@ def curl_commands(text: str) -> list[list[str]]:
         if line.rstrip().endswith("\\"):
             continue
         try:  # a quoted body may span lines: read on until its quote closes
-            argv = shlex.split(command.replace("\\\n", " ").strip().removeprefix("$ "),
-                               comments=True)
+            argv = shlex.split(
+                command.replace("\\\n", " ").strip().removeprefix("$ "), comments=True
+            )
         except ValueError:
             continue
         if argv and argv[0] == "curl":
@@ -121,15 +130,18 @@ def test_markers_give_a_reason_and_sit_on_examples():
     for b in ALL:
         if b.not_run is not None:
             assert b.not_run, f"{b.where}: a not-run marker needs a reason"
-            assert b.lang in ("yaml", "yml") or is_curl(b) or is_client(b), \
+            assert b.lang in ("yaml", "yml") or is_curl(b) or is_client(b), (
                 f"{b.where}: a not-run marker on a block that would not run anyway"
+            )
 
 
 def test_readme_keeps_its_two_setup_commands():
     """The two commands a newcomer copies: serve from a fresh checkout, and test it."""
     shell = [b.text.strip() for b in blocks(ROOT / "README.md") if b.lang in SHELLS]
-    assert "python3 -m venv .venv && .venv/bin/pip install -e '.[cpu]' && .venv/bin/mlxd serve" \
+    assert (
+        "python3 -m venv .venv && .venv/bin/pip install -e '.[cpu]' && .venv/bin/mlxd serve"
         in shell
+    )
     assert "bash scripts/test.sh" in shell
 
 
@@ -171,15 +183,22 @@ def test_relative_links_resolve(page):
         target = (page.parent / unquote(path)).resolve() if path else page
         if not target.exists() and target not in LINKED_AHEAD:
             broken.append(f"{link}: no such file")
-        elif anchor and target.is_file() and target.suffix == ".md" \
-                and anchor not in _anchors(target):
+        elif (
+            anchor
+            and target.is_file()
+            and target.suffix == ".md"
+            and anchor not in _anchors(target)
+        ):
             broken.append(f"{link}: no heading with that anchor")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
 
 
 def test_configuration_page_is_generated_from_the_settings():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -257,20 +276,29 @@ def docs_server(tmp_path_factory, tool_qwen2):
     home = tmp_path_factory.mktemp("docs-home")
     src = tmp_path_factory.mktemp("docs-src")
     settings = make_settings(
-        home, "smollm2-135m-instruct",
-        audio={"default_stt": "whisper-tiny", "default_tts": "soprano-80m",
-               "max_tokens_per_window": 8, "tts_max_tokens": 6},
+        home,
+        "smollm2-135m-instruct",
+        audio={
+            "default_stt": "whisper-tiny",
+            "default_tts": "soprano-80m",
+            "max_tokens_per_window": 8,
+            "tts_max_tokens": 6,
+        },
         models={"default_reranker": "bge-reranker-base"},
-        engine={"default_max_tokens": 16})
+        engine={"default_max_tokens": 16},
+    )
     store = ModelStore(settings.models_dir)
+
     def minilm_sized(out: Path) -> Path:
         return make_tiny_bert_embedder(out, hidden=384, layers=1)
 
-    for name, make in (("all-minilm-l6-v2", minilm_sized),
-                       ("bge-reranker-base", make_tiny_cross_encoder),
-                       ("qwen2-vl-2b", make_tiny_qwen2_vl),
-                       ("whisper-tiny", make_tiny_whisper),
-                       ("soprano-80m", make_tiny_soprano)):
+    for name, make in (
+        ("all-minilm-l6-v2", minilm_sized),
+        ("bge-reranker-base", make_tiny_cross_encoder),
+        ("qwen2-vl-2b", make_tiny_qwen2_vl),
+        ("whisper-tiny", make_tiny_whisper),
+        ("soprano-80m", make_tiny_soprano),
+    ):
         pull(store, str(make(src / name)), settings.models, as_name=name)
     pull(store, str(tool_qwen2), settings.models, as_name="smollm2-135m-instruct")
     files = tmp_path_factory.mktemp("docs-files")
@@ -323,8 +351,7 @@ def _request(argv: list[str], files_dir: Path) -> dict:
                 fields[k] = v
         kw["data"], kw["files"] = fields, uploads or None
     method = method or ("POST" if data is not None or form else "GET")
-    return {"method": method, "url": parts.path + (f"?{parts.query}" if parts.query else ""),
-            **kw}
+    return {"method": method, "url": parts.path + (f"?{parts.query}" if parts.query else ""), **kw}
 
 
 @pytest.mark.parametrize("block", CURL, ids=ids(CURL))
@@ -346,6 +373,11 @@ def test_client_snippet_runs(block, docs_server, tmp_path):
     code = re.sub(r"http://(localhost|127\.0\.0\.1):8000", docs_server.url, block.text)
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                       cwd=docs_server.files, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=docs_server.files,
+        timeout=300,
+    )
     assert r.returncode == 0, f"{block.where}:\n{r.stdout}\n{r.stderr}"

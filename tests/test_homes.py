@@ -10,7 +10,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).parent
 
-INNER = '''
+INNER = """
 import os
 from pathlib import Path
 
@@ -26,19 +26,42 @@ def test_a_home_of_its_own():
 
 def test_writes_into_the_real_home():
     (Path(os.environ["REAL_HOME"]) / ".mlxd" / "models").mkdir(parents=True)
-'''
+"""
 
 
 def test_a_test_that_writes_into_the_real_home_fails(tmp_path, _own_home):
     """The inner run's "real" home is this test's home: one inner test keeps to its own
     home and passes, the other writes below the real ~/.mlxd and fails, named."""
     (tmp_path / "test_inner.py").write_text(INNER)
-    env = dict(os.environ, REAL_HOME=str(_own_home),
-               PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest",
-                        "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist",
-                        "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        REAL_HOME=str(_own_home),
+        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:xdist",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_inner.py"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
     # the writer's call passes and its teardown errs; the run's end says so again

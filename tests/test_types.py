@@ -23,8 +23,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = Path(__file__).with_name("mypy_baseline.json")
 # held at zero errors: no baseline entry may name a file under these
-STRICT = ("src/mlxd/core/", "src/mlxd/config.py", "src/mlxd/store/", "src/mlxd/enginecore/",
-          "src/mlxd/frontend/", "src/mlxd/api/")
+STRICT = (
+    "src/mlxd/core/",
+    "src/mlxd/config.py",
+    "src/mlxd/store/",
+    "src/mlxd/enginecore/",
+    "src/mlxd/frontend/",
+    "src/mlxd/api/",
+)
 ERROR = re.compile(r"^(src/mlxd/[^:]+\.py):\d+(?::\d+)?: error: ")
 
 
@@ -34,11 +40,19 @@ def run_mypy(cache_dir: Path, *files: str) -> tuple[int, str]:
     cwd = Path.cwd()
     os.chdir(ROOT)
     try:
-        stdout, stderr, status = mypy.api.run([
-            "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(cache_dir),
-            "--no-pretty", "--no-color-output", "--show-error-codes", "--hide-error-context",
-            *files,
-        ])
+        stdout, stderr, status = mypy.api.run(
+            [
+                "--config-file",
+                str(ROOT / "pyproject.toml"),
+                "--cache-dir",
+                str(cache_dir),
+                "--no-pretty",
+                "--no-color-output",
+                "--show-error-codes",
+                "--hide-error-context",
+                *files,
+            ]
+        )
     finally:
         os.chdir(cwd)
     assert status in (0, 1), f"mypy did not run (exit {status}):\n{stderr}{stdout}"
@@ -61,8 +75,7 @@ def read_baseline() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def cache_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-              ) -> Path:
+def cache_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """pytest's cache folder, kept between runs; a fresh one when that cache is off."""
     cache = getattr(request.config, "cache", None)
     return cache.mkdir("mypy") if cache is not None else tmp_path_factory.mktemp("mypy")
@@ -80,18 +93,20 @@ def test_no_file_has_more_type_errors_than_its_baseline(mypy_run) -> None:
     new = [line for line in lines if line.split(":", 1)[0] in grown]
     assert not grown, (
         "type errors beyond tests/mypy_baseline.json ("
-        + ", ".join(f"{f}: {counts[f]} > {baseline.get(f, 0)}" for f in grown) + "):\n"
-        + "\n".join(new))
+        + ", ".join(f"{f}: {counts[f]} > {baseline.get(f, 0)}" for f in grown)
+        + "):\n"
+        + "\n".join(new)
+    )
 
 
 def test_baseline_is_no_higher_than_the_errors_left(mypy_run) -> None:
     counts, _ = mypy_run
-    stale = {f: (n, counts.get(f, 0)) for f, n in read_baseline().items()
-             if counts.get(f, 0) < n}
+    stale = {f: (n, counts.get(f, 0)) for f, n in read_baseline().items() if counts.get(f, 0) < n}
     assert not stale, (
         "fewer type errors than tests/mypy_baseline.json allows; lower it (python "
         "tests/test_types.py rewrites it): "
-        + ", ".join(f"{f}: {now} < {n}" for f, (n, now) in sorted(stale.items())))
+        + ", ".join(f"{f}: {now} < {n}" for f, (n, now) in sorted(stale.items()))
+    )
 
 
 def test_the_front_end_packages_have_no_baseline() -> None:

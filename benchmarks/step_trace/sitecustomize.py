@@ -45,10 +45,14 @@ if _out:
                 return orig(self)
             if _state["f"] is None:
                 argv0 = sys.argv[0] if sys.argv else ""
-                who = ("core" if "enginecore" in argv0 else "engine" if argv0 == "-c"
-                       else "proc")  # mlxd's engine core, serve_compare's engine alone
-                _state["f"] = open(f"{_out}.{who}-{os.getpid()}.jsonl", "w",  # noqa: SIM115
-                                   buffering=1)
+                who = (
+                    "core" if "enginecore" in argv0 else "engine" if argv0 == "-c" else "proc"
+                )  # mlxd's engine core, serve_compare's engine alone
+                _state["f"] = open(
+                    f"{_out}.{who}-{os.getpid()}.jsonl",
+                    "w",  # noqa: SIM115
+                    buffering=1,
+                )
                 pin = os.environ.get("STEP_TRACE_PIN")
                 if pin:
                     os.sched_setaffinity(0, {int(pin)})  # 0: the calling thread
@@ -61,9 +65,21 @@ if _out:
             finally:
                 _state["depth"] = 0
             ms = (time.perf_counter() - t0) * 1000
-            _state["f"].write(json.dumps([round(t0, 5), round(ms, 3), gb, pb, up,
-                                          self._counters.prompt_tokens - pt0,
-                                          len(self._generation_batch), _getcpu()]) + "\n")
+            _state["f"].write(
+                json.dumps(
+                    [
+                        round(t0, 5),
+                        round(ms, 3),
+                        gb,
+                        pb,
+                        up,
+                        self._counters.prompt_tokens - pt0,
+                        len(self._generation_batch),
+                        _getcpu(),
+                    ]
+                )
+                + "\n"
+            )
             return res
 
         cls._next = _next
@@ -149,9 +165,18 @@ if _out:
                 left = {id(s) for s in self._pending}
                 took = [s for s in before if id(s) not in left]
                 if took:
-                    _req_log(["admit", round(time.monotonic(), 5), running, len(self._pending),
-                              [[id(s), round(getattr(s, "_tr_arr", 0.0), 5),
-                                round(s.t_added, 5)] for s in took]])
+                    _req_log(
+                        [
+                            "admit",
+                            round(time.monotonic(), 5),
+                            running,
+                            len(self._pending),
+                            [
+                                [id(s), round(getattr(s, "_tr_arr", 0.0), 5), round(s.t_added, 5)]
+                                for s in took
+                            ],
+                        ]
+                    )
                 return res
 
             llm.LLMEngine._admit = _admit

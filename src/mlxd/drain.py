@@ -36,9 +36,14 @@ class DrainingServer(uvicorn.Server):
     its own) until the drain should start as a first signal would start it (a front end
     among several: its supervisor says when)."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, grace: float,
-                 on_exit: Callable[[], None] | None = None,
-                 drain_when: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: Any,
+        grace: float,
+        on_exit: Callable[[], None] | None = None,
+        drain_when: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.app = app
         self.grace = grace
@@ -51,8 +56,7 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         if self.drain_when is not None:
-            threading.Thread(target=self._await_drain, daemon=True,
-                             name="mlxd-drain-when").start()
+            threading.Thread(target=self._await_drain, daemon=True, name="mlxd-drain-when").start()
         with self.capture_signals():
             try:
                 await self._serve(sockets)
@@ -62,8 +66,13 @@ class DrainingServer(uvicorn.Server):
                     self.on_exit()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if (not self._drain_started and self.started and not self.should_exit
-                and self._loop is not None and self.grace > 0):
+        if (
+            not self._drain_started
+            and self.started
+            and not self.should_exit
+            and self._loop is not None
+            and self.grace > 0
+        ):
             self._drain_started = True
             self._loop.call_soon_threadsafe(self._begin_drain, sig)
             return
@@ -96,15 +105,22 @@ class DrainingServer(uvicorn.Server):
         lifecycle, runtime = state.lifecycle, state.runtime
         lifecycle.draining = True
         runtime.draining = True
-        log.info("shutting down: new requests get 503; waiting up to %.0fs for %d in flight",
-                 self.grace, lifecycle.inflight)
+        log.info(
+            "shutting down: new requests get 503; waiting up to %.0fs for %d in flight",
+            self.grace,
+            lifecycle.inflight,
+        )
         deadline = time.monotonic() + self.grace
         await self._wait_idle(lifecycle, deadline)
         if self.should_exit:  # a second signal already ended the wait
             return
         if lifecycle.inflight > 0:
-            log.warning("grace period (server.shutdown_grace_s=%.0f) over: ending %d "
-                        "request(s) with an error", self.grace, lifecycle.inflight)
+            log.warning(
+                "grace period (server.shutdown_grace_s=%.0f) over: ending %d "
+                "request(s) with an error",
+                self.grace,
+                lifecycle.inflight,
+            )
             runtime.cut_streams()
             await self._wait_idle(lifecycle, time.monotonic() + CUT_WAIT_S)
         else:

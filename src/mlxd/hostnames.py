@@ -30,7 +30,7 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     v = value.strip()
     if v.startswith("["):
         end = v.find("]")
-        rest = v[end + 1:]
+        rest = v[end + 1 :]
         if end < 0 or (rest and not rest.startswith(":")):
             return None
         name, port_s = v[1:end], rest[1:]
@@ -57,8 +57,10 @@ def host_pattern(value: str) -> str:
     wild = v.startswith("*.")
     parsed = split_host(v[2:] if wild else v)
     if parsed is None or "*" in parsed[0] or "://" in v:
-        raise ValueError(f"{value!r} is not a host name ('example.com', '*.example.com', "
-                         "'10.0.0.5' or '*'; no scheme, port or path)")
+        raise ValueError(
+            f"{value!r} is not a host name ('example.com', '*.example.com', "
+            "'10.0.0.5' or '*'; no scheme, port or path)"
+        )
     if parsed[1] is not None:
         raise ValueError(f"{value!r}: any port is accepted, give the name alone")
     return ("*." if wild else "") + parsed[0]
@@ -90,15 +92,20 @@ def parse_origin(value: str) -> Origin | None:
         parts = urlsplit(value.strip())
     except ValueError:
         return None
-    if (not parts.scheme or not parts.netloc or parts.path not in ("", "/") or parts.query
-            or parts.fragment or "@" in parts.netloc):
+    if (
+        not parts.scheme
+        or not parts.netloc
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or "@" in parts.netloc
+    ):
         return None
     host = split_host(parts.netloc)
     if host is None:
         return None
     scheme = parts.scheme.lower()
-    return Origin(scheme, host[0], host[1] if host[1] is not None
-                  else DEFAULT_PORTS.get(scheme))
+    return Origin(scheme, host[0], host[1] if host[1] is not None else DEFAULT_PORTS.get(scheme))
 
 
 def origin_entry(value: str) -> str:
@@ -109,6 +116,8 @@ def origin_entry(value: str) -> str:
         return v
     origin = parse_origin(v)
     if origin is None:
-        raise ValueError(f"{value!r} is not an origin (scheme://host[:port], e.g. "
-                         "'https://app.example.com'; no path), '*' or 'null'")
+        raise ValueError(
+            f"{value!r} is not an origin (scheme://host[:port], e.g. "
+            "'https://app.example.com'; no path), '*' or 'null'"
+        )
     return str(origin)

@@ -73,7 +73,7 @@ def _linux_stat(pid: int) -> list[str] | None:
     except OSError:
         return None
     # "pid (comm) state ppid ..." - comm may hold spaces and parentheses
-    return raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2 :].split()
 
 
 def proc_start(pid: int) -> str | None:
@@ -84,8 +84,9 @@ def proc_start(pid: int) -> str | None:
     if sys.platform.startswith("linux"):
         return None
     try:
-        out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -93,15 +94,17 @@ def proc_start(pid: int) -> str | None:
 
 def proc_cmdline(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         pass
     if sys.platform.startswith("linux"):
         return None
     try:
-        out = subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -135,8 +138,9 @@ def pid_alive(pid: int) -> bool:
         return st[0] not in ("Z", "X")
     if not sys.platform.startswith("linux"):
         try:
-            out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
-                                 text=True, timeout=5)
+            out = subprocess.run(
+                ["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True, timeout=5
+            )
             return bool(out.stdout.strip()) and not out.stdout.strip().startswith("Z")
         except (OSError, subprocess.SubprocessError):
             return True
@@ -166,14 +170,22 @@ def read_pidfile(path: Path) -> PidInfo | None:
         return None
 
 
-def write_pidfile(port: int, host: str, *, shutdown_grace_s: float = 30.0,
-                  log: str | None = None) -> Path:
+def write_pidfile(
+    port: int, host: str, *, shutdown_grace_s: float = 30.0, log: str | None = None
+) -> Path:
     """This process's pid file, written atomically (temp file + rename)."""
     path = pid_path(port)
     path.parent.mkdir(parents=True, exist_ok=True)
-    info = PidInfo(pid=os.getpid(), port=port, host=host, started_at=time.time(),
-                   proc_start=proc_start(os.getpid()), shutdown_grace_s=shutdown_grace_s,
-                   log=log, argv=list(sys.argv))
+    info = PidInfo(
+        pid=os.getpid(),
+        port=port,
+        host=host,
+        started_at=time.time(),
+        proc_start=proc_start(os.getpid()),
+        shutdown_grace_s=shutdown_grace_s,
+        log=log,
+        argv=list(sys.argv),
+    )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(info), indent=2) + "\n")
     os.replace(tmp, path)
@@ -223,8 +235,9 @@ def all_ports() -> list[int]:
 def port_in_use(host: str, port: int) -> bool:
     """True when binding ``host:port`` fails (another program listens there)."""
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except OSError:
         return False  # let the server report an unresolvable host itself
     family, _, _, _, addr = infos[0]

@@ -43,19 +43,30 @@ def run(settings: Settings) -> int:
     if use_pidfile:
         found = process.find(port)
         if found.info is not None:
-            log.error("mlxd is already running on port %d (pid %d); `mlxd stop --port %d` "
-                      "stops it", port, found.info.pid, port)
+            log.error(
+                "mlxd is already running on port %d (pid %d); `mlxd stop --port %d` stops it",
+                port,
+                found.info.pid,
+                port,
+            )
             return 1
         if found.stale is not None:
-            log.info("removed a stale pid file %s (pid %s is gone)", found.path,
-                     found.stale.pid)
+            log.info("removed a stale pid file %s (pid %s is gone)", found.path, found.stale.pid)
     if port and process.port_in_use(host, port):
-        log.error("cannot listen on %s:%d: the address is in use by another program "
-                  "(--port chooses another)", host, port)
+        log.error(
+            "cannot listen on %s:%d: the address is in use by another program "
+            "(--port chooses another)",
+            host,
+            port,
+        )
         return 1
     if use_pidfile:
-        process.write_pidfile(port, host, shutdown_grace_s=settings.server.shutdown_grace_s,
-                              log=os.environ.get(LOG_FILE_ENV))
+        process.write_pidfile(
+            port,
+            host,
+            shutdown_grace_s=settings.server.shutdown_grace_s,
+            log=os.environ.get(LOG_FILE_ENV),
+        )
 
     def cleanup() -> None:
         if use_pidfile:
@@ -106,9 +117,12 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
     from mlxd.workers import FrontEnds
 
     if settings.metrics.enabled and settings.metrics.port:
-        log.warning("metrics.port is not served with --api-workers %d: scrape /metrics on "
-                    "port %d (any front end answers with all of them)",
-                    settings.server.api_workers, port)
+        log.warning(
+            "metrics.port is not served with --api-workers %d: scrape /metrics on "
+            "port %d (any front end answers with all of them)",
+            settings.server.api_workers,
+            port,
+        )
     supervisors = supervisors_for(settings)
     for sup in supervisors:
         sup.start()
@@ -120,14 +134,24 @@ def _run_workers(settings: Settings, host: str, port: int) -> int:
     sock = None
     try:
         config = uvicorn.Config(
-            "mlxd.workers:app_factory", factory=True, host=host, port=port,
-            workers=settings.server.api_workers, log_config=None,
-            log_level=settings.log.level, access_log=False,
+            "mlxd.workers:app_factory",
+            factory=True,
+            host=host,
+            port=port,
+            workers=settings.server.api_workers,
+            log_config=None,
+            log_level=settings.log.level,
+            access_log=False,
             timeout_graceful_shutdown=2,  # after each front end's own drain (drain.py)
         )
         sock = config.bind_socket()
-        log.info("mlxd starting on http://%s:%d with %d front ends (pid %d)", host, port,
-                 settings.server.api_workers, os.getpid())
+        log.info(
+            "mlxd starting on http://%s:%d with %d front ends (pid %d)",
+            host,
+            port,
+            settings.server.api_workers,
+            os.getpid(),
+        )
         FrontEnds(config, [sock], settings.server.shutdown_grace_s).run()
         return 0
     finally:

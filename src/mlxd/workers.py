@@ -68,8 +68,10 @@ class FrontEndShared:
         except (EOFError, OSError):
             pass
         if os.getppid() != supervisor:
-            log.warning("the front ends' supervisor (pid %d) is gone; this front end drains "
-                        "and exits", supervisor)
+            log.warning(
+                "the front ends' supervisor (pid %d) is gone; this front end drains and exits",
+                supervisor,
+            )
 
     def count_restart(self) -> None:
         self._restarts.value += 1
@@ -99,16 +101,18 @@ def app_factory(shared: FrontEndShared | None = None) -> FastAPI:
 class FrontEndProcess(Process):
     """One worker: uvicorn's, running a DrainingServer on the app it builds."""
 
-    def __init__(self, config: Config, sockets: list[socket.socket],
-                 shared: FrontEndShared) -> None:
+    def __init__(
+        self, config: Config, sockets: list[socket.socket], shared: FrontEndShared
+    ) -> None:
         self.shared = shared
         super().__init__(config, sockets)
 
     @property
     def server(self) -> DrainingServer:
         if self._server is None:
-            self._server = DrainingServer(self.config, None, self.shared.grace,
-                                          drain_when=self.shared.wait_for_drain)
+            self._server = DrainingServer(
+                self.config, None, self.shared.grace, drain_when=self.shared.wait_for_drain
+            )
         return self._server  # type: ignore[return-value]
 
     def target(self, sockets: list[socket.socket] | None = None) -> None:
@@ -176,8 +180,9 @@ class FrontEnds(Multiprocess):
             if time.monotonic() > deadline:
                 for p in self.processes:
                     if p.process.is_alive():
-                        log.error("front end (pid %s) did not exit after the drain; "
-                                  "killing it", p.pid)
+                        log.error(
+                            "front end (pid %s) did not exit after the drain; killing it", p.pid
+                        )
                         p.kill()
                 break
             time.sleep(0.1)
@@ -197,8 +202,11 @@ class FrontEnds(Multiprocess):
                 return
             if self.should_exit.is_set():
                 return
-            log.warning("front end (pid %s) ended (exit code %s); starting another",
-                        process.pid, process.exitcode)
+            log.warning(
+                "front end (pid %s) ended (exit code %s); starting another",
+                process.pid,
+                process.exitcode,
+            )
             self.shared.count_restart()
             self.processes[idx] = self._spawn()
 
@@ -208,13 +216,16 @@ class FrontEnds(Multiprocess):
             if self.should_exit.is_set():
                 return
             new = self._spawn()
-            if not new.wait_until_ready(self.config.timeout_worker_healthcheck,
-                                        self.should_exit):
+            if not new.wait_until_ready(self.config.timeout_worker_healthcheck, self.should_exit):
                 new.kill()
                 new.join()
                 if not self.should_exit.is_set():
-                    log.error("new front end (pid %s) was not ready in time; keeping "
-                              "pid %s and stopping the restart", new.pid, old.pid)
+                    log.error(
+                        "new front end (pid %s) was not ready in time; keeping "
+                        "pid %s and stopping the restart",
+                        new.pid,
+                        old.pid,
+                    )
                 return
             old.terminate()
             old.join()
@@ -229,4 +240,3 @@ class FrontEnds(Multiprocess):
     def handle_ttou(self) -> None:
         super().handle_ttou()
         self.shared.set_workers(self.processes_num)
-

@@ -42,17 +42,37 @@ def _qwen3_embedder(out: Path) -> Path:
 
     make_tiny_chat_model(out, "qwen3", seed=3)
     w = mx.load(str(out / "model.safetensors"))
-    mx.save_safetensors(str(out / "model.safetensors"),
-                        {k.removeprefix("model."): v for k, v in w.items()})
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
+    mx.save_safetensors(
+        str(out / "model.safetensors"), {k.removeprefix("model."): v for k, v in w.items()}
+    )
+    (out / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
     (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True}))
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, "pooling_mode_lasttoken": True})
+    )
     return out
 
 
@@ -65,14 +85,17 @@ def srv(tmp_path_factory, long_llama):
     settings = make_settings(home, SMOL, models={"preload": [str(long_llama)]})
     store = ModelStore(settings.models_dir)
     src = tmp_path_factory.mktemp("encsrc")
+
     def cls_embedder(out: Path) -> Path:
         return make_tiny_bert_embedder(out, pooling="cls", seed=5)
 
-    for name, make in (("tiny-embed", make_tiny_bert_embedder),
-                       ("tiny-embed-cls", cls_embedder),
-                       ("tiny-ce", make_tiny_cross_encoder),
-                       ("tiny-xlmr-reranker", make_tiny_xlmr_cross_encoder),
-                       ("tiny-qwen3-embedding", _qwen3_embedder)):
+    for name, make in (
+        ("tiny-embed", make_tiny_bert_embedder),
+        ("tiny-embed-cls", cls_embedder),
+        ("tiny-ce", make_tiny_cross_encoder),
+        ("tiny-xlmr-reranker", make_tiny_xlmr_cross_encoder),
+        ("tiny-qwen3-embedding", _qwen3_embedder),
+    ):
         make(src / name)
         pull(store, str(src / name), settings.models, as_name=name)
     s = LiveServer(settings).start()
@@ -143,27 +166,37 @@ def test_dimensions_truncate_then_normalise(http):
 
 
 def test_token_id_inputs_equal_text_inputs(http):
-    ids = http.post("/v1/tokenize", json={"model": MINILM, "input": "hello world",
-                                          "return_tokens": True}).json()["data"][0]["token_ids"]
+    ids = http.post(
+        "/v1/tokenize", json={"model": MINILM, "input": "hello world", "return_tokens": True}
+    ).json()["data"][0]["token_ids"]
     by_text = _embed(http, "hello world", model=MINILM)
     by_ids = _embed(http, ids, model=MINILM)
     np.testing.assert_allclose(by_text, by_ids, atol=1e-6)
-    assert http.post("/v1/embeddings", json={"model": MINILM, "input": [[10**9]]}
-                     ).status_code == 400
+    assert (
+        http.post("/v1/embeddings", json={"model": MINILM, "input": [[10**9]]}).status_code == 400
+    )
 
 
 def test_sixty_four_concurrent_requests_share_batches_and_keep_their_own_vectors(srv, http):
     http.post("/unload", json={"model": MINILM})  # a fresh engine: fresh batch counters
-    texts = [f"Sentence number {i} is about {w}." for i, w in enumerate(
-        ("apples rivers planets music trains cats mountains code " * 8).split())]
+    texts = [
+        f"Sentence number {i} is about {w}."
+        for i, w in enumerate(
+            ("apples rivers planets music trains cats mountains code " * 8).split()
+        )
+    ]
     assert len(set(texts)) == 64
     alone = np.stack([_embed(http, t, model=MINILM)[0] for t in texts])  # one at a time
     assert _model_status(srv, MINILM)["max_batch_size_seen"] == 1
 
     async def main():
         client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        rs = await asyncio.gather(*(client.embeddings.create(
-            model=MINILM, input=t, encoding_format="float") for t in texts))
+        rs = await asyncio.gather(
+            *(
+                client.embeddings.create(model=MINILM, input=t, encoding_format="float")
+                for t in texts
+            )
+        )
         await client.close()
         return rs
 
@@ -198,10 +231,15 @@ def test_truncate_true_cuts_and_false_rejects(http):
     r = http.post("/api/embed", json={"model": MINILM, "input": long, "truncate": False})
     assert r.status_code == 400 and "256" in r.json()["error"]  # Ollama-shaped
     docs = ["short", "tiny " * 200]
-    assert http.post("/v1/rerank", json={"model": "tiny-ce", "query": "q",
-                                         "documents": docs}).status_code == 200
-    r = http.post("/v1/rerank", json={"model": "tiny-ce", "query": "q", "documents": docs,
-                                      "truncate": False})
+    assert (
+        http.post(
+            "/v1/rerank", json={"model": "tiny-ce", "query": "q", "documents": docs}
+        ).status_code
+        == 200
+    )
+    r = http.post(
+        "/v1/rerank", json={"model": "tiny-ce", "query": "q", "documents": docs, "truncate": False}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents[1]"
 
 
@@ -218,11 +256,15 @@ def test_limits_are_clear_errors(srv, http):
     assert e["code"] == "request_too_large" and str(limit) in e["message"]
     assert err("/v1/rerank", {"model": "tiny-ce", "query": "q", "documents": []}, 400)
     err("/v1/rerank", {"model": "tiny-ce", "query": "q", "documents": ["d"] * (limit + 1)}, 413)
-    assert err("/v1/rerank", {"model": "tiny-ce", "query": "", "documents": ["d"]},
-               400)["param"] == "query"
+    assert (
+        err("/v1/rerank", {"model": "tiny-ce", "query": "", "documents": ["d"]}, 400)["param"]
+        == "query"
+    )
     assert "chat model" in err("/v1/embeddings", {"model": SMOL, "input": "x"}, 400)["message"]
-    assert "embedding model" in err("/v1/rerank", {"model": MINILM, "query": "q",
-                                                   "documents": ["d"]}, 400)["message"]
+    assert (
+        "embedding model"
+        in err("/v1/rerank", {"model": MINILM, "query": "q", "documents": ["d"]}, 400)["message"]
+    )
     err("/v1/embeddings", {"model": "no-such-model", "input": "x"}, 404)
     err("/v1/embeddings", {"input": "x", "encoding_format": "int8"}, 400)
     assert isinstance(err("/api/embed", {"model": SMOL, "input": "x"}, 400), str)
@@ -252,13 +294,17 @@ def test_tiny_embedders_match_a_numpy_bert_with_their_pooling(http, srv):
 # -- reranking ---------------------------------------------------------------------------------
 
 
-PARIS = ["Paris is the capital of France.", "Bananas are yellow.",
-         "The stock market fell sharply today."]
+PARIS = [
+    "Paris is the capital of France.",
+    "Bananas are yellow.",
+    "The stock market fell sharply today.",
+]
 
 
 def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
-    r = http.post("/v1/rerank", json={"query": "What is the capital of France?",
-                                      "documents": PARIS})  # default: the chat model
+    r = http.post(
+        "/v1/rerank", json={"query": "What is the capital of France?", "documents": PARIS}
+    )  # default: the chat model
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == SMOL
@@ -266,8 +312,10 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
     scores = {x["index"]: x["relevance_score"] for x in body["results"]}
     assert all(0.0 < s < 1.0 for s in scores.values())
     # Batched scoring equals scoring each document alone (right padding is exact).
-    alone = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital of "
-                                          "France?", "documents": [PARIS[2]]}).json()
+    alone = http.post(
+        "/v1/rerank",
+        json={"model": SMOL, "query": "What is the capital of France?", "documents": [PARIS[2]]},
+    ).json()
     assert abs(alone["results"][0]["relevance_score"] - scores[2]) < 1e-4
     # The chat model's weights are shared, not loaded again.
     assert [m["name"] for m in srv.health()["models"]].count(SMOL) == 1
@@ -275,8 +323,10 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
     assert srv.core(Scorers()).count == 1
     srv.fault("scorer_plain_head", value=False)
     try:
-        full = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital "
-                                             "of France?", "documents": PARIS}).json()
+        full = http.post(
+            "/v1/rerank",
+            json={"model": SMOL, "query": "What is the capital of France?", "documents": PARIS},
+        ).json()
     finally:
         srv.fault("scorer_plain_head", value=True)
     for x in full["results"]:
@@ -284,11 +334,20 @@ def test_llm_reranker_on_smollm2_ranks_the_relevant_document_first(srv, http):
 
 
 def test_rerank_jina_shape(http):
-    r = http.post("/v1/rerank", json={
-        "model": "tiny-ce", "query": "capital of france",
-        "documents": ["paris is the capital of france.", {"text": "bananas are yellow."},
-                      "the cat sat on the mat."],
-        "top_n": 2, "return_documents": True})
+    r = http.post(
+        "/v1/rerank",
+        json={
+            "model": "tiny-ce",
+            "query": "capital of france",
+            "documents": [
+                "paris is the capital of france.",
+                {"text": "bananas are yellow."},
+                "the cat sat on the mat.",
+            ],
+            "top_n": 2,
+            "return_documents": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     res = body["results"]
@@ -298,52 +357,79 @@ def test_rerank_jina_shape(http):
     texts = ["paris is the capital of france.", "bananas are yellow.", "the cat sat on the mat."]
     assert all(x["document"] == {"text": texts[x["index"]]} for x in res)
     assert body["usage"]["total_tokens"] > 0
-    full = http.post("/v1/rerank", json={"model": "tiny-ce", "query": "capital of france",
-                                         "documents": texts}).json()["results"]
+    full = http.post(
+        "/v1/rerank", json={"model": "tiny-ce", "query": "capital of france", "documents": texts}
+    ).json()["results"]
     assert [x["index"] for x in full][:2] == [x["index"] for x in res]
     assert sorted(x["index"] for x in full) == [0, 1, 2]
 
 
 def test_rerank_cohere_shapes(http):
-    docs = [{"title": "France", "body": "Paris is the capital."},
-            {"title": "Fruit", "body": "Bananas are yellow."}]
-    r = http.post("/rerank", json={"model": "tiny-ce", "query": "capital", "documents": docs,
-                                   "rank_fields": ["title", "body"], "max_chunks_per_doc": 10,
-                                   "return_documents": True})
+    docs = [
+        {"title": "France", "body": "Paris is the capital."},
+        {"title": "Fruit", "body": "Bananas are yellow."},
+    ]
+    r = http.post(
+        "/rerank",
+        json={
+            "model": "tiny-ce",
+            "query": "capital",
+            "documents": docs,
+            "rank_fields": ["title", "body"],
+            "max_chunks_per_doc": 10,
+            "return_documents": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"] and body["meta"]["api_version"]["version"] == "1"
     assert {x["index"] for x in body["results"]} == {0, 1}
     assert all(x["document"] == docs[x["index"]] for x in body["results"])
-    v2 = http.post("/v2/rerank", json={"model": "tiny-ce", "query": "capital",
-                                       "documents": ["Paris is the capital.", "Bananas."],
-                                       "top_n": 1, "max_tokens_per_doc": 512})
+    v2 = http.post(
+        "/v2/rerank",
+        json={
+            "model": "tiny-ce",
+            "query": "capital",
+            "documents": ["Paris is the capital.", "Bananas."],
+            "top_n": 1,
+            "max_tokens_per_doc": 512,
+        },
+    )
     assert v2.status_code == 200
     b2 = v2.json()
     assert b2["meta"]["api_version"]["version"] == "2" and len(b2["results"]) == 1
     assert set(b2["results"][0]) == {"index", "relevance_score"}  # v2: no documents by default
-    r = http.post("/v1/rerank", json={"model": "tiny-ce", "query": "q",
-                                      "documents": [{"title": "no text field"}]})
+    r = http.post(
+        "/v1/rerank",
+        json={"model": "tiny-ce", "query": "q", "documents": [{"title": "no text field"}]},
+    )
     assert r.status_code == 400
 
 
 def test_return_text_and_decision_threshold(http):
-    body = {"model": "tiny-ce", "query": "capital", "documents": ["a", "b", "c"],
-            "return_text": True}
+    body = {
+        "model": "tiny-ce",
+        "query": "capital",
+        "documents": ["a", "b", "c"],
+        "return_text": True,
+    }
     res = http.post("/v1/rerank", json=body).json()["results"]
     cut = sorted(x["relevance_score"] for x in res)[1]
     res = http.post("/v1/rerank", json={**body, "decision_threshold": cut}).json()["results"]
     assert [x["text_output"] for x in res] == ["yes", "yes", "no"]
-    assert "text_output" not in http.post("/v1/rerank", json={
-        **body, "return_text": False}).json()["results"][0]
+    assert (
+        "text_output"
+        not in http.post("/v1/rerank", json={**body, "return_text": False}).json()["results"][0]
+    )
 
 
 def test_cross_encoders_match_a_numpy_reference(http, srv):
     query = "what is the capital of france?"
     docs = ["paris is the capital of france.", "yes", "the train leaves from platform 9."]
     for name, prefix in (("tiny-ce", "bert."), ("tiny-xlmr-reranker", "roberta.")):
-        res = http.post("/v1/rerank", json={"model": name, "query": query,
-                                            "documents": docs}).json()["results"]
+        res = http.post(
+            "/v1/rerank", json={"model": name, "query": query, "documents": docs}
+        ).json()["results"]
         got = {x["index"]: x["relevance_score"] for x in res}
         w, cfg, tok = _load_np(srv.runtime.models.store.get(name))
         for i, d in enumerate(docs):
@@ -353,8 +439,9 @@ def test_cross_encoders_match_a_numpy_reference(http, srv):
                 pooled = np.tanh(_lin(w, "bert.pooler.dense", h[0]))
                 logit = _lin(w, "classifier", pooled)[0]
             else:
-                logit = _lin(w, "classifier.out_proj",
-                             np.tanh(_lin(w, "classifier.dense", h[0])))[0]
+                logit = _lin(w, "classifier.out_proj", np.tanh(_lin(w, "classifier.dense", h[0])))[
+                    0
+                ]
             assert abs(got[i] - 1 / (1 + math.exp(-logit))) < 1e-4, (name, i)
 
 
@@ -375,8 +462,15 @@ def test_dedicated_llm_reranker_checkpoint_uses_the_qwen3_prompt(srv, http):
         return {"format": "mlx"}
 
     store.install("smol-reranker", link, kind="reranker", source=str(src))
-    r = http.post("/v1/rerank", json={"model": "smol-reranker", "query": "capital of France?",
-                                      "documents": PARIS[:2], "return_text": True})
+    r = http.post(
+        "/v1/rerank",
+        json={
+            "model": "smol-reranker",
+            "query": "capital of France?",
+            "documents": PARIS[:2],
+            "return_text": True,
+        },
+    )
     assert r.status_code == 200, r.text
     assert all(0 < x["relevance_score"] < 1 for x in r.json()["results"])
     st = _model_status(srv, "smol-reranker")
@@ -393,8 +487,7 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
 
     texts = ["Hello, world!", "Tokenizers split text into pieces."]
     for name in (MINILM, SMOL, "tiny-ce"):
-        r = http.post("/v1/tokenize", json={"model": name, "input": texts,
-                                            "return_tokens": True})
+        r = http.post("/v1/tokenize", json={"model": name, "input": texts, "return_tokens": True})
         assert r.status_code == 200, r.text
         body = r.json()
         # read after the request: a packaged model enters the store on its first use
@@ -417,10 +510,8 @@ def test_tokenize_counts_equal_the_tokenizers(srv, http):
 
     chat_tok = load_tokenizer(srv.runtime.models.store.get(SMOL))
     templated = chat_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    assert r["data"][0]["tokens"] == len(templated) > len(
-        tok.encode(msgs[0]["content"]).ids)
-    assert http.post("/v1/tokenize", json={"model": MINILM, "messages": msgs}
-                     ).status_code == 400
+    assert r["data"][0]["tokens"] == len(templated) > len(tok.encode(msgs[0]["content"]).ids)
+    assert http.post("/v1/tokenize", json={"model": MINILM, "messages": msgs}).status_code == 400
 
 
 # -- Ollama ------------------------------------------------------------------------------------
@@ -436,19 +527,22 @@ def test_ollama_embed_shapes(srv, http):
     ours = _embed(http, ["The cat sat on the mat.", "Hello"], model=MINILM)
     np.testing.assert_allclose(np.array(res.embeddings), ours, atol=1e-6)
     one = http.post("/api/embed", json={"model": MINILM, "input": "Hello"}).json()
-    assert set(one) >= {"model", "embeddings", "total_duration", "load_duration",
-                        "prompt_eval_count"} and len(one["embeddings"]) == 1
+    assert (
+        set(one) >= {"model", "embeddings", "total_duration", "load_duration", "prompt_eval_count"}
+        and len(one["embeddings"]) == 1
+    )
     legacy = http.post("/api/embeddings", json={"model": MINILM, "prompt": "Hello"}).json()
     np.testing.assert_allclose(legacy["embedding"], ours[1], atol=1e-6)
     assert http.post("/api/embed", json={"model": MINILM}).json() == {
-        "model": MINILM, "embeddings": []}  # no input: load only, as Ollama does
+        "model": MINILM,
+        "embeddings": [],
+    }  # no input: load only, as Ollama does
     r = http.post("/api/embed", json={"model": "no-such-model", "input": "x"})
     assert r.status_code == 404 and set(r.json()) == {"error"}
     # `curl -d` (Ollama's and TEI's documented calls) sends no JSON content type
     form = {"content-type": "application/x-www-form-urlencoded"}
     for path in ("/api/embed", "/v1/embeddings"):
-        r = http.post(path, content=json.dumps({"model": MINILM, "input": "Hello"}),
-                      headers=form)
+        r = http.post(path, content=json.dumps({"model": MINILM, "input": "Hello"}), headers=form)
         assert r.status_code == 200, r.text
     r = http.post("/api/embed", content=b"{not json", headers=form)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
@@ -458,10 +552,17 @@ def test_ollama_embed_shapes(srv, http):
 
 
 def _stream_chat(srv, model: str, max_tokens: int, stop: threading.Event, times: list):
-    body = {"model": model, "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": max_tokens, "stream": True, "temperature": 0}
-    with httpx.Client(base_url=srv.url, timeout=120) as c, \
-            c.stream("POST", "/v1/chat/completions", json=body) as r:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+    }
+    with (
+        httpx.Client(base_url=srv.url, timeout=120) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
         for line in r.iter_lines():
             if line.startswith("data: {") and '"content":"' in line:
                 times.append(time.perf_counter())
@@ -482,9 +583,12 @@ def test_embeddings_interleave_with_a_running_chat_stream(srv):
 
         async def burst():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                return await asyncio.gather(*(
-                    c.post("/v1/embeddings", json={"model": MINILM, "input": [x, x + "!"]})
-                    for x in texts))
+                return await asyncio.gather(
+                    *(
+                        c.post("/v1/embeddings", json={"model": MINILM, "input": [x, x + "!"]})
+                        for x in texts
+                    )
+                )
 
         t0 = time.perf_counter()
         rs = asyncio.run(burst())
@@ -510,8 +614,10 @@ def test_llm_reranking_interleaves_with_the_same_models_decode(srv, http):
         while len(times) < 3 and time.time() < deadline:
             time.sleep(0.01)
         n0 = len(times)
-        r = http.post("/v1/rerank", json={"model": SMOL, "query": "What is the capital "
-                                          "of France?", "documents": PARIS})
+        r = http.post(
+            "/v1/rerank",
+            json={"model": SMOL, "query": "What is the capital of France?", "documents": PARIS},
+        )
         assert r.status_code == 200 and r.json()["results"][0]["index"] == 0
         assert len(times) > n0 and t.is_alive()  # the stream advanced while scoring
     finally:
@@ -554,8 +660,11 @@ def _np_bert(w: dict, cfg: dict, ids: list[int], types: list[int], p: str) -> np
     n = len(ids)
     pos = np.arange(n) + (cfg["pad_token_id"] + 1 if cfg["model_type"] == "xlm-roberta" else 0)
     e = p + "embeddings."
-    h = w[e + "word_embeddings.weight"][ids] + w[e + "position_embeddings.weight"][pos] \
+    h = (
+        w[e + "word_embeddings.weight"][ids]
+        + w[e + "position_embeddings.weight"][pos]
         + w[e + "token_type_embeddings.weight"][types]
+    )
     h = ln(h, e + "LayerNorm")
     for i in range(cfg["num_hidden_layers"]):
         L = f"{p}encoder.layer.{i}."

@@ -36,9 +36,24 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
         (CHAT, {"messages": MSG, "logit_bias": {"abc": 5}}, 400, "logit_bias"),
         (CHAT, {"model": "no-such-model", "messages": MSG}, 404, "model"),
         (CHAT, {"model": "../../etc/passwd", "messages": MSG}, 400, "model"),
-        (CHAT, {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
-         400, "messages[0].content"),
+        (
+            CHAT,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AA=="},
+                            }
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages[0].content",
+        ),
         ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
@@ -56,8 +71,9 @@ def test_bad_input(server, path, body, status, param):
 def test_malformed_json_is_400(server):
     with server.client() as c:
         for path in (CHAT, "/v1/completions", "/generate"):
-            r = c.post(path, content=b'{"messages": [', headers={"content-type":
-                                                                  "application/json"})
+            r = c.post(
+                path, content=b'{"messages": [', headers={"content-type": "application/json"}
+            )
             err = _assert_openai_error(r, 400)
             assert "JSON" in err["message"]
 
@@ -66,16 +82,20 @@ def test_prompt_longer_than_context(server):
     long_prompt = "word " * 600  # the tiny model's context is 256 tokens
     with server.client() as c:
         err = _assert_openai_error(
-            c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}), 400,
-            "prompt")
+            c.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}), 400, "prompt"
+        )
         assert err["code"] == "context_length_exceeded"
         err = _assert_openai_error(
-            c.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}), 400,
-            "messages")
+            c.post(CHAT, json={"messages": [{"role": "user", "content": long_prompt}]}),
+            400,
+            "messages",
+        )
         assert err["code"] == "context_length_exceeded"
         err = _assert_openai_error(
-            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10_000}), 400,
-            "max_tokens")
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10_000}),
+            400,
+            "max_tokens",
+        )
         assert err["code"] == "context_length_exceeded"
 
 

@@ -22,8 +22,11 @@ def test_generate_returns_text(server):
 
 def test_generate_accepts_json_without_content_type(server):
     # curl -d sends application/x-www-form-urlencoded; the simple dialect still reads JSON
-    r = httpx.post(server.url + "/generate", content=b'{"prompt": "hi", "max_tokens": 2}',
-                   headers={"content-type": "application/x-www-form-urlencoded"})
+    r = httpx.post(
+        server.url + "/generate",
+        content=b'{"prompt": "hi", "max_tokens": 2}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -45,8 +48,11 @@ def test_generate_streams_sse_token_by_token(server):
 
 
 def _prompt_tokens(srv, **body) -> int:
-    r = httpx.post(srv.url + "/generate", timeout=60,
-                   json={"prompt": "hi", "max_tokens": 1, "temperature": 0, **body})
+    r = httpx.post(
+        srv.url + "/generate",
+        timeout=60,
+        json={"prompt": "hi", "max_tokens": 1, "temperature": 0, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens"]
 
@@ -105,8 +111,9 @@ def test_health_is_503_while_the_engine_core_is_down(start_server, tiny_llama):
     assert r.json()["error"]["code"] == "service_unavailable"
 
 
-def test_a_request_that_meets_the_drain_past_the_door_is_told_shutting_down(start_server,
-                                                                          tiny_llama):
+def test_a_request_that_meets_the_drain_past_the_door_is_told_shutting_down(
+    start_server, tiny_llama
+):
     """SIGTERM's drain flags the door (the access middleware) and the runtime together; a
     request already past the door when it began is refused by the runtime, with the code a
     load balancer keys on (``shutting_down``), not the one of a dead engine core."""
@@ -114,8 +121,9 @@ def test_a_request_that_meets_the_drain_past_the_door_is_told_shutting_down(star
     srv.runtime.draining = True  # the door let it through a moment before
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        o = httpx.post(srv.url + "/api/generate",
-                       json={"model": "tiny-llama", "prompt": "x", "stream": False})
+        o = httpx.post(
+            srv.url + "/api/generate", json={"model": "tiny-llama", "prompt": "x", "stream": False}
+        )
     finally:
         srv.runtime.draining = False
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"

@@ -15,8 +15,12 @@ BOUND = 32
 
 
 def _body(content: str, max_tokens: int, model: str = "tiny-llama") -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 def _loaded(srv: LiveServer, name: str) -> dict:
@@ -30,9 +34,12 @@ def test_max_kv_size_bounds_a_text_batch(start_server, tiny_llama):
     plain = start_server(tiny_llama)
     short = _body("Hi", 8)
     with bounded.client() as c, ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(lambda b: c.post(CHAT, json=b),
-                           [_body(LONG, 40), _body(LONG + "again", 40), _body("Hello", 40),
-                            short]))
+        rs = list(
+            pool.map(
+                lambda b: c.post(CHAT, json=b),
+                [_body(LONG, 40), _body(LONG + "again", 40), _body("Hello", 40), short],
+            )
+        )
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
     long_usage = rs[0].json()["usage"]
     assert long_usage["prompt_tokens"] > BOUND and long_usage["completion_tokens"] == 40
@@ -44,8 +51,9 @@ def test_max_kv_size_bounds_a_text_batch(start_server, tiny_llama):
     assert view["options"]["max_kv_size"] == BOUND and view["max_batch_size_seen"] >= 2
 
 
-def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(start_server, tmp_path,
-                                                               tiny_llama, tiny_qwen2):
+def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(
+    start_server, tmp_path, tiny_llama, tiny_qwen2
+):
     """Set per model: that model's load fails with a 500 that says why and where; the other
     models serve on."""
     install_into_store(tmp_path / "models", "tiny-qwen2", tiny_qwen2)
@@ -68,17 +76,22 @@ def test_engine_kv_bits_refuses_a_text_model_and_says_where_it_was_set(tmp_path,
     from mlxd.engines.registry import create_engine
 
     settings = make_settings(tmp_path, tiny_llama, engine={"kv_bits": 4})
-    with pytest.raises(ModelLoadError, match=r"engine\.kv_bits is set, but 'tiny-llama' is "
-                                             r"a text model"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"engine\.kv_bits is set, but 'tiny-llama' is "
+        r"a text model",
+    ):
         create_engine("chat", "tiny-llama", tiny_llama, settings)
 
 
-def test_per_model_options_apply_to_that_model_only(start_server, tmp_path, tiny_llama,
-                                                    tiny_qwen2):
+def test_per_model_options_apply_to_that_model_only(start_server, tmp_path, tiny_llama, tiny_qwen2):
     """models.options.<name> over engine.*, for that model alone (engines/options.py)."""
     install_into_store(tmp_path / "models", "tiny-qwen2", tiny_qwen2)
-    srv = start_server(tiny_llama, engine={"max_kv_size": 256},
-                       models={"options": {"tiny-qwen2": {"max_kv_size": BOUND}}})
+    srv = start_server(
+        tiny_llama,
+        engine={"max_kv_size": 256},
+        models={"options": {"tiny-qwen2": {"max_kv_size": BOUND}}},
+    )
     with srv.client() as c:
         r = c.post(CHAT, json=_body("Hi", 4, model="tiny-qwen2"))
     assert r.status_code == 200, r.text

@@ -13,8 +13,7 @@ import pytest
 from conftest import make_settings
 from mlx.utils import tree_flatten
 
-CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8,
-        "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0}
 
 
 def make_lora_adapter(model_dir: Path, out: Path, *, rank: int = 4, seed: int = 0) -> Path:
@@ -29,13 +28,17 @@ def make_lora_adapter(model_dir: Path, out: Path, *, rank: int = 4, seed: int = 
     model.freeze()  # as mlx-lm's trainer does: only the LoRA matrices are trainable
     linear_to_lora_layers(model, num_layers, params)
     rng = np.random.default_rng(seed)
-    weights = {k: mx.array(rng.normal(size=v.shape).astype(np.float32) * 0.5)
-               if k.endswith("lora_b") else v
-               for k, v in tree_flatten(model.trainable_parameters())}
+    weights = {
+        k: mx.array(rng.normal(size=v.shape).astype(np.float32) * 0.5)
+        if k.endswith("lora_b")
+        else v
+        for k, v in tree_flatten(model.trainable_parameters())
+    }
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}))
+    (out / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params})
+    )
     return out
 
 
@@ -59,8 +62,9 @@ def test_chat_model_serves_with_a_lora_adapter(start_server, tiny_llama, adapter
 def test_a_missing_adapter_is_a_clear_error_naming_the_model(tiny_llama, tmp_path):
     from conftest import LiveServer
 
-    srv = LiveServer(make_settings(tmp_path, tiny_llama,
-                                   models={"adapter_path": str(tmp_path / "nope")}))
+    srv = LiveServer(
+        make_settings(tmp_path, tiny_llama, models={"adapter_path": str(tmp_path / "nope")})
+    )
     with pytest.raises(RuntimeError, match="server failed to start"):
         srv.start()
     assert srv.exit_code == 3  # uvicorn's startup failure, not a crash of the thread

@@ -14,17 +14,24 @@ def client(server) -> openai.OpenAI:
 
 def test_chat_completions_without_v1(client, server):
     msgs = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=3,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=3, temperature=0
+    )
     assert r.choices[0].message.content and r.usage.completion_tokens == 3
     v1 = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-    same = v1.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=3,
-                                      temperature=0)
+    same = v1.chat.completions.create(
+        model="tiny-llama", messages=msgs, max_tokens=3, temperature=0
+    )
     assert same.choices[0].message.content == r.choices[0].message.content
-    chunks = list(client.chat.completions.create(model="tiny-llama", messages=msgs,
-                                                 max_tokens=3, temperature=0, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-        r.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-llama", messages=msgs, max_tokens=3, temperature=0, stream=True
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == r.choices[0].message.content
+    )
 
 
 def test_models_without_v1(client):
@@ -37,8 +44,7 @@ def test_models_without_v1(client):
 
 
 def test_responses_without_v1(client):
-    r = client.responses.create(model="tiny-llama", input="hi", max_output_tokens=3,
-                                temperature=0)
+    r = client.responses.create(model="tiny-llama", input="hi", max_output_tokens=3, temperature=0)
     assert r.status in ("completed", "incomplete") and r.output_text
     assert client.responses.retrieve(r.id).id == r.id
     client.responses.delete(r.id)

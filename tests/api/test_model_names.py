@@ -55,8 +55,12 @@ def _takes_model(spec: dict, op: dict) -> bool:
 
 def _model_routes(app) -> list[tuple[str, str]]:
     spec = app.openapi()
-    return sorted((method.upper(), path) for path, ops in spec["paths"].items()
-                  for method, op in ops.items() if _takes_model(spec, op))
+    return sorted(
+        (method.upper(), path)
+        for path, ops in spec["paths"].items()
+        for method, op in ops.items()
+        if _takes_model(spec, op)
+    )
 
 
 def _assert_refused(path: str, r: httpx.Response) -> None:
@@ -91,14 +95,12 @@ def test_a_blank_model_name_is_a_400_on_every_route(server, name):
             _assert_refused(path, r)
         # nothing was unloaded, pulled or deleted by any of them
         assert sorted(m["name"] for m in c.get("/api/ps").json()["models"]) == before
-        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}
-                      ).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
 def test_unload_of_an_empty_name_keeps_the_default_model_loaded(server):
     with server.client() as c:
-        default = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}
-                         ).json()["model"]
+        default = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()["model"]
         r = c.post("/unload", json={"model": ""})
         _assert_refused("/unload", r)
         assert "empty" in r.json()["error"]["message"]

@@ -13,8 +13,9 @@ from fixtures.tiny_models import make_tiny_chat_model
 
 @pytest.fixture()
 def srv(start_server, tiny_llama, tmp_path):
-    install_into_store(tmp_path / "models", "m1",
-                       make_tiny_chat_model(tmp_path / "src" / "m1", "llama", seed=5))
+    install_into_store(
+        tmp_path / "models", "m1", make_tiny_chat_model(tmp_path / "src" / "m1", "llama", seed=5)
+    )
     return start_server(tiny_llama)
 
 
@@ -47,32 +48,48 @@ def test_chat_non_streaming_and_streaming(client):
     assert r.done and r.done_reason == "length"
     assert r.eval_count == 5 and r.prompt_eval_count > 0
     assert r.total_duration >= r.eval_duration > 0
-    parts = list(client.chat(model="m1", messages=msgs, stream=True,
-                             options={"num_predict": 5, "temperature": 0}))
+    parts = list(
+        client.chat(
+            model="m1", messages=msgs, stream=True, options={"num_predict": 5, "temperature": 0}
+        )
+    )
     assert "".join(p.message.content for p in parts) == r.message.content
     assert parts[-1].done and not any(p.done for p in parts[:-1])
     assert parts[-1].eval_count == 5
 
 
 def test_generate_non_streaming_and_streaming(client):
-    r = client.generate(model="m1", prompt="Once upon a time",
-                        options={"num_predict": 4, "temperature": 0, "seed": 1})
+    r = client.generate(
+        model="m1",
+        prompt="Once upon a time",
+        options={"num_predict": 4, "temperature": 0, "seed": 1},
+    )
     assert r.response and r.done and r.eval_count == 4
-    parts = list(client.generate(model="m1", prompt="Once upon a time", stream=True,
-                                 options={"num_predict": 4, "temperature": 0, "seed": 1}))
+    parts = list(
+        client.generate(
+            model="m1",
+            prompt="Once upon a time",
+            stream=True,
+            options={"num_predict": 4, "temperature": 0, "seed": 1},
+        )
+    )
     assert "".join(p.response for p in parts) == r.response
-    raw = client.generate(model="m1", prompt="Once upon a time", raw=True,
-                          options={"num_predict": 4, "temperature": 0})
+    raw = client.generate(
+        model="m1",
+        prompt="Once upon a time",
+        raw=True,
+        options={"num_predict": 4, "temperature": 0},
+    )
     assert raw.prompt_eval_count < r.prompt_eval_count  # no chat template around it
 
 
 def test_options_stop_is_honoured(client):
-    r = client.generate(model="m1", prompt="hi", options={"num_predict": 30,
-                                                          "temperature": 0})
+    r = client.generate(model="m1", prompt="hi", options={"num_predict": 30, "temperature": 0})
     text = r.response
     stop = text[3:5]
-    r2 = client.generate(model="m1", prompt="hi", options={"num_predict": 30, "temperature": 0,
-                                                           "stop": [stop]})
+    r2 = client.generate(
+        model="m1", prompt="hi", options={"num_predict": 30, "temperature": 0, "stop": [stop]}
+    )
     assert r2.response == text[: text.index(stop)] and r2.done_reason == "stop"
 
 
@@ -106,17 +123,22 @@ def test_errors_are_ollama_shaped(client, srv):
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 404
-    r = httpx.post(srv.url + "/api/chat", json={"model": "m1", "format": "yaml",
-                                                 "messages": [{"role": "user", "content": "x"}]})
+    r = httpx.post(
+        srv.url + "/api/chat",
+        json={"model": "m1", "format": "yaml", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert r.status_code == 400 and set(r.json()) == {"error"}
     assert "format" in r.json()["error"]
-    r = httpx.post(srv.url + "/api/generate", json={"model": "m1", "prompt": "x",
-                                                     "images": ["aGVsbG8="]})
+    r = httpx.post(
+        srv.url + "/api/generate", json={"model": "m1", "prompt": "x", "images": ["aGVsbG8="]}
+    )
     assert r.status_code == 400 and "images" in r.json()["error"]
     r = httpx.post(srv.url + "/api/generate", content=b"{not json")
     assert r.status_code == 400 and set(r.json()) == {"error"}
-    r = httpx.post(srv.url + "/api/generate", json={"model": "m1", "prompt": "x",
-                                                     "options": {"temperature": -1}})
+    r = httpx.post(
+        srv.url + "/api/generate",
+        json={"model": "m1", "prompt": "x", "options": {"temperature": -1}},
+    )
     assert r.status_code == 400 and "temperature" in r.json()["error"]
 
 
@@ -128,8 +150,9 @@ def test_pull_streams_progress_then_the_model_is_listed(start_server, tiny_llama
     assert events[-1].status == "success"
     assert len(events) >= 2
     assert "my-alias" in [m.model for m in client.list().models]
-    r = client.chat(model="my-alias", messages=[{"role": "user", "content": "hi"}],
-                    options={"num_predict": 2})
+    r = client.chat(
+        model="my-alias", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2}
+    )
     assert r.eval_count == 2
     assert client.pull("my-alias", stream=False).status == "success"  # already there
 

@@ -31,8 +31,15 @@ VLM = "tiny-qwen2-vl"
 CHAT = "/v1/chat/completions"
 
 
-def clip(seconds: float, *, rate: int = 16000, hz: float = 440.0, seed: int = 0,
-         fmt: str = "wav", codec: str = "pcm_s16le") -> str:
+def clip(
+    seconds: float,
+    *,
+    rate: int = 16000,
+    hz: float = 440.0,
+    seed: int = 0,
+    fmt: str = "wav",
+    codec: str = "pcm_s16le",
+) -> str:
     """A tone with a little noise, encoded (wav or mp3) and base64'd as input_audio wants."""
     import io
 
@@ -41,8 +48,7 @@ def clip(seconds: float, *, rate: int = 16000, hz: float = 440.0, seed: int = 0,
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=fmt) as c:
         s = c.add_stream(codec, rate=rate, layout="mono")
-        f = av.AudioFrame.from_ndarray(x[None, :].astype(np.float32), format="fltp",
-                                       layout="mono")
+        f = av.AudioFrame.from_ndarray(x[None, :].astype(np.float32), format="fltp", layout="mono")
         f.sample_rate = rate
         for p in s.encode(f):
             c.mux(p)
@@ -56,9 +62,15 @@ def audio_part(data: str, fmt: str = "wav") -> dict:
 
 
 def ask(part: dict, model: str = OMNI, **extra) -> dict:
-    return {"model": model, "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "user", "content": [part, {"type": "text", "text": "What is said?"}]}],
-        **extra}
+    return {
+        "model": model,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [
+            {"role": "user", "content": [part, {"type": "text", "text": "What is said?"}]}
+        ],
+        **extra,
+    }
 
 
 def _pull(models_dir: Path, src: Path) -> dict:
@@ -78,12 +90,17 @@ def omni_dir(tmp_path_factory) -> Path:
 def osrv(tmp_path_factory, tiny_llama, omni_dir):
     base = tmp_path_factory.mktemp("omnisrv")
     home = base / "home"
-    manifests = [_pull(home / "models", omni_dir),
-                 _pull(home / "models", make_tiny_qwen2_vl(base / VLM))]
+    manifests = [
+        _pull(home / "models", omni_dir),
+        _pull(home / "models", make_tiny_qwen2_vl(base / VLM)),
+    ]
     assert {m["name"]: m["kind"] for m in manifests} == {OMNI: "vision", VLM: "vision"}
-    s = make_settings(home, tiny_llama, models={"preload": [OMNI], "max_vision_models": 2},
-                      audio={"max_upload_bytes": 64 * 1024, "max_duration_s": 3,
-                             "max_clips_per_request": 2})
+    s = make_settings(
+        home,
+        tiny_llama,
+        models={"preload": [OMNI], "max_vision_models": 2},
+        audio={"max_upload_bytes": 64 * 1024, "max_duration_s": 3, "max_clips_per_request": 2},
+    )
     srv = LiveServer(s).start()
     yield srv
     srv.stop()
@@ -104,10 +121,20 @@ def _err(r: httpx.Response, status: int) -> dict:
 def test_input_audio_reaches_the_model_through_the_openai_client(oai):
     def chat(data: str, fmt: str = "wav"):
         return oai.chat.completions.create(
-            model=OMNI, max_tokens=4, temperature=0, logprobs=True,
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "What is said?"},
-                {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}]}])
+            model=OMNI,
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is said?"},
+                        {"type": "input_audio", "input_audio": {"data": data, "format": fmt}},
+                    ],
+                }
+            ],
+        )
 
     short, long = chat(clip(0.5)), chat(clip(1.0))
     for r in (short, long):
@@ -150,6 +177,7 @@ def _post_all(osrv, bodies: list[dict]) -> tuple[list[dict], list[dict], int]:
     batch of the concurrent run)."""
     _fresh_engine(osrv)
     with httpx.Client(base_url=osrv.url, timeout=120) as c:
+
         def post(body: dict) -> dict:
             r = c.post(CHAT, json=body)
             assert r.status_code == 200, r.text
@@ -170,8 +198,9 @@ def _post_all(osrv, bodies: list[dict]) -> tuple[list[dict], list[dict], int]:
 
 def test_concurrent_audio_requests_share_the_batch(osrv):
     """Clips of different lengths decode in one batch, each as it does alone."""
-    bodies = [ask(audio_part(clip(0.5 + 0.1 * i, seed=i)), max_tokens=16, logprobs=True)
-              for i in range(4)]
+    bodies = [
+        ask(audio_part(clip(0.5 + 0.1 * i, seed=i)), max_tokens=16, logprobs=True) for i in range(4)
+    ]
     solo, batched, seen = _post_all(osrv, bodies)
     assert seen >= 2
     sizes = [r["usage"]["prompt_tokens"] for r in batched]
@@ -197,8 +226,9 @@ def png_url(seed: int = 0) -> str:
 def test_an_image_request_and_an_audio_request_share_one_batch(osrv):
     """Gemma 4 takes both: an image request and an audio request decode together, each
     as it does alone."""
-    image = ask({"type": "image_url", "image_url": {"url": png_url()}}, max_tokens=24,
-                logprobs=True)
+    image = ask(
+        {"type": "image_url", "image_url": {"url": png_url()}}, max_tokens=24, logprobs=True
+    )
     audio = ask(audio_part(clip(0.5)), max_tokens=24, logprobs=True)
     solo, batched, seen = _post_all(osrv, [image, audio])
     assert seen == 2
@@ -211,10 +241,19 @@ def test_an_image_request_and_an_audio_request_share_one_batch(osrv):
 def test_several_clips_in_one_request_and_the_clip_limit(osrv):
     """Gemma 4's processor takes several clips per request (each expanded on its own);
     more than audio.max_clips_per_request (2 here) is a 400 naming the first one over."""
+
     def prompt_tokens(*parts: dict) -> int:
         with osrv.client() as c:
-            r = c.post(CHAT, json={"model": OMNI, "max_tokens": 1, "messages": [
-                {"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}]})
+            r = c.post(
+                CHAT,
+                json={
+                    "model": OMNI,
+                    "max_tokens": 1,
+                    "messages": [
+                        {"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}
+                    ],
+                },
+            )
         assert r.status_code == 200, r.text
         return r.json()["usage"]["prompt_tokens"]
 
@@ -223,11 +262,23 @@ def test_several_clips_in_one_request_and_the_clip_limit(osrv):
     both = prompt_tokens(short, long)
     assert both - none == (prompt_tokens(short) - none) + (prompt_tokens(long) - none)
     with osrv.client() as c:
-        r = c.post(CHAT, json={"model": OMNI, "max_tokens": 1, "messages": [
-            {"role": "user", "content": [short, long, short, {"type": "text", "text": "Hi"}]}]})
+        r = c.post(
+            CHAT,
+            json={
+                "model": OMNI,
+                "max_tokens": 1,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [short, long, short, {"type": "text", "text": "Hi"}],
+                    }
+                ],
+            },
+        )
     err = _err(r, 400)
-    assert err["param"] == "messages[0].content[2]" and "max_clips_per_request" in \
-        err["message"], err
+    assert err["param"] == "messages[0].content[2]" and "max_clips_per_request" in err["message"], (
+        err
+    )
 
 
 def test_sequential_mode_takes_audio_too(tmp_path, tiny_llama, omni_dir):

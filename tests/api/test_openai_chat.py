@@ -46,8 +46,12 @@ def test_chat_non_streaming(client):
 
 
 def test_chat_greedy_is_deterministic_and_streaming_matches(client):
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Hello there"}],
-              max_tokens=8, temperature=0)
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=8,
+        temperature=0,
+    )
     a = client.chat.completions.create(**kw).choices[0].message.content
     b = client.chat.completions.create(**kw).choices[0].message.content
     assert a == b
@@ -69,7 +73,9 @@ def test_default_model_and_second_architecture(client):
     )
     assert r.model == "tiny-llama"
     r = client.chat.completions.create(
-        model="tiny-qwen2", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        model="tiny-qwen2",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
         temperature=0,
     )
     assert r.model == "tiny-qwen2" and r.usage.completion_tokens == 4
@@ -78,8 +84,10 @@ def test_default_model_and_second_architecture(client):
 def test_max_completion_tokens_and_sampling_params(client):
     r = client.chat.completions.create(
         model="tiny-llama",
-        messages=[{"role": "system", "content": "Be brief."},
-                  {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
         max_completion_tokens=5,
         temperature=0.8,
         top_p=0.9,
@@ -91,12 +99,17 @@ def test_max_completion_tokens_and_sampling_params(client):
 
 
 def test_seed_reproduces_sampled_text(client):
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Tell a story"}],
-              max_tokens=12, temperature=1.0)
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Tell a story"}],
+        max_tokens=12,
+        temperature=1.0,
+    )
     a = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kw).choices[0].message.content
-    others = {client.chat.completions.create(seed=s, **kw).choices[0].message.content
-              for s in (1, 2, 3)}
+    others = {
+        client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)
+    }
     assert a == b
     assert len(others | {a}) > 1
 
@@ -104,7 +117,9 @@ def test_seed_reproduces_sampled_text(client):
 def test_eos_finishes_with_stop_and_is_not_shown(client, tokenizer):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     r = client.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=10,
         logit_bias={str(eos): 100},
     )
     assert r.choices[0].finish_reason == "stop"
@@ -115,7 +130,9 @@ def test_eos_finishes_with_stop_and_is_not_shown(client, tokenizer):
 def test_logit_bias_forces_a_token(client, tokenizer):
     tid, text = _word_token(tokenizer)
     r = client.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
         logit_bias={str(tid): 100},
     )
     assert r.choices[0].message.content == text * 3
@@ -127,8 +144,13 @@ def test_stop_string_split_across_tokens_is_never_emitted(client, tokenizer, str
     # Forced output is text*N; a stop string made of the end of one token and the start of
     # the next can only match across a token boundary.
     stop = text[-1] + text[0]
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-              logit_bias={str(tid): 100}, stop=[stop, "zzzz-unused"])
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=8,
+        logit_bias={str(tid): 100},
+        stop=[stop, "zzzz-unused"],
+    )
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -143,8 +165,12 @@ def test_stop_string_split_across_tokens_is_never_emitted(client, tokenizer, str
 
 def test_chat_logprobs(client):
     r = client.chat.completions.create(
-        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-        temperature=0, logprobs=True, top_logprobs=3,
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
@@ -158,23 +184,29 @@ def test_chat_logprobs(client):
 
 
 def test_completions_non_streaming_and_streaming(client):
-    r = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=6,
-                                  temperature=0)
+    r = client.completions.create(
+        model="tiny-llama", prompt="Once upon a time", max_tokens=6, temperature=0
+    )
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 6
-    chunks = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
-                                            max_tokens=6, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama", prompt="Once upon a time", max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_completions_token_prompt_and_logprobs(client, tokenizer):
     ids = tokenizer.encode("Once upon a time")
-    r = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=3, temperature=0,
-                                  logprobs=2)
-    by_text = client.completions.create(model="tiny-llama", prompt="Once upon a time",
-                                        max_tokens=3, temperature=0)
+    r = client.completions.create(
+        model="tiny-llama", prompt=ids, max_tokens=3, temperature=0, logprobs=2
+    )
+    by_text = client.completions.create(
+        model="tiny-llama", prompt="Once upon a time", max_tokens=3, temperature=0
+    )
     assert r.choices[0].text == by_text.choices[0].text
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3
@@ -187,8 +219,13 @@ def test_models_list(client):
 
 
 def test_n_choices(client):
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Tell a story"}],
-              max_tokens=6, temperature=1.0, seed=42)
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "Tell a story"}],
+        max_tokens=6,
+        temperature=1.0,
+        seed=42,
+    )
     r = client.chat.completions.create(n=3, **kw)
     assert [c.index for c in r.choices] == [0, 1, 2]
     texts = [c.message.content for c in r.choices]
@@ -197,60 +234,97 @@ def test_n_choices(client):
     one = client.chat.completions.create(**kw).usage
     assert r.usage.prompt_tokens == one.prompt_tokens  # the prompt counts once
     assert r.usage.completion_tokens == 18
-    chunks = list(client.chat.completions.create(n=2, stream=True,
-                                                 stream_options={"include_usage": True}, **kw))
-    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks
-                        if c.choices and c.choices[0].index == i) for i in (0, 1)]
+    chunks = list(
+        client.chat.completions.create(
+            n=2, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    streamed = [
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in chunks
+            if c.choices and c.choices[0].index == i
+        )
+        for i in (0, 1)
+    ]
     assert streamed == texts[:2]
     finishes = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(f.index for f in finishes) == [0, 1]
     assert chunks[-1].usage.completion_tokens == 12
-    r = client.completions.create(model="tiny-llama", prompt="Once", n=2, max_tokens=4,
-                                  temperature=0)
+    r = client.completions.create(
+        model="tiny-llama", prompt="Once", n=2, max_tokens=4, temperature=0
+    )
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == r.choices[1].text
 
 
 def test_logprobs_when_streaming(client):
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-              temperature=0, logprobs=True, top_logprobs=2)
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     full = client.chat.completions.create(**kw).choices[0].logprobs.content
     chunks = list(client.chat.completions.create(stream=True, **kw))
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
-                for lp in c.choices[0].logprobs.content]
-    assert [(x.token, round(x.logprob, 4)) for x in streamed] == \
-        [(x.token, round(x.logprob, 4)) for x in full]
+    streamed = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.content
+    ]
+    assert [(x.token, round(x.logprob, 4)) for x in streamed] == [
+        (x.token, round(x.logprob, 4)) for x in full
+    ]
     assert all(len(x.top_logprobs) == 2 for x in streamed)
-    ckw = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=4, temperature=0,
-               logprobs=2)
+    ckw = dict(
+        model="tiny-llama", prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2
+    )
     ref = client.completions.create(**ckw).choices[0].logprobs
     chunks = list(client.completions.create(stream=True, **ckw))
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
-    offsets = [o for c in chunks if c.choices[0].logprobs
-               for o in c.choices[0].logprobs.text_offset]
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
     assert tokens == ref.tokens and offsets == ref.text_offset
 
 
 def test_logprobs_name_tokens_by_id_on_request(client, tokenizer):
     """vLLM's return_tokens_as_token_ids: logprobs name each token (and alternative) by id,
     which a byte piece's text cannot do; text, offsets and streams are otherwise the same."""
-    ckw = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=5, temperature=0,
-               logprobs=2)
+    ckw = dict(
+        model="tiny-llama", prompt="Once upon a time", max_tokens=5, temperature=0, logprobs=2
+    )
     plain = client.completions.create(**ckw).choices[0]
-    by_id = client.completions.create(extra_body={"return_tokens_as_token_ids": True},
-                                      **ckw).choices[0]
+    by_id = client.completions.create(
+        extra_body={"return_tokens_as_token_ids": True}, **ckw
+    ).choices[0]
     assert by_id.text == plain.text
     assert all(t.startswith("token_id:") for t in by_id.logprobs.tokens)
     ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
     assert [tokenizer.decode([i]) for i in ids] == plain.logprobs.tokens
     assert by_id.logprobs.text_offset == plain.logprobs.text_offset
     assert all(k.startswith("token_id:") for top in by_id.logprobs.top_logprobs for k in top)
-    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-              temperature=0, logprobs=True, top_logprobs=1)
+    kw = dict(
+        model="tiny-llama",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+    )
     full = client.chat.completions.create(**kw).choices[0].logprobs.content
-    chunks = client.chat.completions.create(stream=True, **kw,
-                                            extra_body={"return_tokens_as_token_ids": True})
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
-                for lp in c.choices[0].logprobs.content]
-    assert [tokenizer.decode([int(x.token.removeprefix("token_id:"))]) for x in streamed] == \
-        [x.token for x in full]
+    chunks = client.chat.completions.create(
+        stream=True, **kw, extra_body={"return_tokens_as_token_ids": True}
+    )
+    streamed = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.content
+    ]
+    assert [tokenizer.decode([int(x.token.removeprefix("token_id:"))]) for x in streamed] == [
+        x.token for x in full
+    ]
     assert all(x.top_logprobs[0].token.startswith("token_id:") for x in streamed)

@@ -6,23 +6,43 @@ from __future__ import annotations
 import httpx
 import pytest
 
-BODY_ROUTES = ["/v1/embeddings", "/api/embed", "/api/embeddings", "/v1/rerank", "/rerank",
-               "/v2/rerank", "/v1/tokenize", "/generate", "/v1/chat/completions",
-               "/api/chat", "/v1/messages"]
+BODY_ROUTES = [
+    "/v1/embeddings",
+    "/api/embed",
+    "/api/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/tokenize",
+    "/generate",
+    "/v1/chat/completions",
+    "/api/chat",
+    "/v1/messages",
+]
 STREAMING = {
-    "/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
-    "/v1/messages": "text/event-stream", "/v1/responses": "text/event-stream",
-    "/generate": "text/event-stream", "/api/generate": "application/x-ndjson",
-    "/api/chat": "application/x-ndjson", "/api/pull": "application/x-ndjson",
+    "/v1/chat/completions": "text/event-stream",
+    "/v1/completions": "text/event-stream",
+    "/v1/messages": "text/event-stream",
+    "/v1/responses": "text/event-stream",
+    "/generate": "text/event-stream",
+    "/api/generate": "application/x-ndjson",
+    "/api/chat": "application/x-ndjson",
+    "/api/pull": "application/x-ndjson",
     "/v1/audio/transcriptions": "text/event-stream",
 }
 OK_MODELS = {
-    ("post", "/v1/chat/completions"): "ChatCompletion", ("post", "/v1/completions"): "Completion",
-    ("get", "/v1/models"): "ModelList", ("get", "/v1/models/{model_id}"): "ModelCard",
-    ("post", "/v1/embeddings"): "EmbeddingList", ("post", "/v1/rerank"): "RerankResponse",
-    ("post", "/v1/tokenize"): "TokenizeResponse", ("post", "/generate"): "GenerateResponse",
-    ("get", "/health"): "Health", ("post", "/api/generate"): "OllamaGenerate",
-    ("post", "/api/chat"): "OllamaChat", ("post", "/api/embed"): "OllamaEmbed",
+    ("post", "/v1/chat/completions"): "ChatCompletion",
+    ("post", "/v1/completions"): "Completion",
+    ("get", "/v1/models"): "ModelList",
+    ("get", "/v1/models/{model_id}"): "ModelCard",
+    ("post", "/v1/embeddings"): "EmbeddingList",
+    ("post", "/v1/rerank"): "RerankResponse",
+    ("post", "/v1/tokenize"): "TokenizeResponse",
+    ("post", "/generate"): "GenerateResponse",
+    ("get", "/health"): "Health",
+    ("post", "/api/generate"): "OllamaGenerate",
+    ("post", "/api/chat"): "OllamaChat",
+    ("post", "/api/embed"): "OllamaEmbed",
     ("post", "/v1/messages"): "AnthropicResponse",
 }
 
@@ -55,8 +75,13 @@ def test_errors_are_documented_in_each_dialect(spec):
         if path == "/health":
             assert set(op["responses"]) == {"200", "503"}
             continue
-        want = ("OllamaError" if path.startswith("/api/") else
-                "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError")
+        want = (
+            "OllamaError"
+            if path.startswith("/api/")
+            else "AnthropicError"
+            if path.startswith("/v1/messages")
+            else "OpenAIError"
+        )
         codes = {"401", "429", "503", "default"}
         if "requestBody" in op:
             codes |= {"400", "404", "413"}

@@ -18,15 +18,23 @@ def _client(srv) -> openai.OpenAI:
 def uncached(tmp_path_factory, tool_qwen2):
     from conftest import LiveServer, make_settings
 
-    srv = LiveServer(make_settings(tmp_path_factory.mktemp("nocache"), tool_qwen2,
-                                   engine={"prefix_cache_bytes": 0})).start()
+    srv = LiveServer(
+        make_settings(
+            tmp_path_factory.mktemp("nocache"), tool_qwen2, engine={"prefix_cache_bytes": 0}
+        )
+    ).start()
     yield srv
     srv.stop()
 
 
 def _chat(client, messages, **kw):
-    r = client.chat.completions.create(model="tool-qwen2", messages=messages, temperature=0,
-                                       max_tokens=kw.pop("max_tokens", 12), **kw)
+    r = client.chat.completions.create(
+        model="tool-qwen2",
+        messages=messages,
+        temperature=0,
+        max_tokens=kw.pop("max_tokens", 12),
+        **kw,
+    )
     return r.choices[0].message.content, r.usage
 
 
@@ -43,8 +51,10 @@ def test_multi_turn_hits_the_cache_and_matches_an_uncached_server(agent_server, 
         if turn:
             # everything up to this turn's new user message came from the cache
             assert ua.prompt_tokens_details.cached_tokens > prev_prompt
-        history += [{"role": "assistant", "content": a},
-                    {"role": "user", "content": f"And then? ({turn})"}]
+        history += [
+            {"role": "assistant", "content": a},
+            {"role": "user", "content": f"And then? ({turn})"},
+        ]
         prev_prompt = ua.prompt_tokens
     # the very same request again: all but the last prompt token cached, same answer
     again, u = _chat(cached, history[:2])
@@ -80,8 +90,10 @@ def test_one_off_prompts_never_evict_a_conversation(start_server, tool_qwen2):
     is turned away (their KV never copied) and a conversation's prefix survives it; a
     conversation starting while the tier is full gets in with its second turn."""
     budget = 64_000  # about three of these exchanges (512 bytes of KV per token here)
-    srv = start_server(tool_qwen2, engine={"prefix_cache_bytes": budget, "warmup": False,
-                                           "prefix_cache_min_tokens": 24})
+    srv = start_server(
+        tool_qwen2,
+        engine={"prefix_cache_bytes": budget, "warmup": False, "prefix_cache_min_tokens": 24},
+    )
     c = _client(srv)
 
     def stats() -> dict:
@@ -90,23 +102,43 @@ def test_one_off_prompts_never_evict_a_conversation(start_server, tool_qwen2):
 
     def turn(history: list[dict]) -> int:
         text, usage = _chat(c, history, max_tokens=8)
-        history += [{"role": "assistant", "content": text},
-                    {"role": "user", "content": f"Go on, please ({len(history)})."}]
+        history += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": f"Go on, please ({len(history)})."},
+        ]
         return usage.prompt_tokens_details.cached_tokens
 
-    sea = [{"role": "user", "content": "Tell me about the sea, its tides and its waves, "
-                                       "and the ships that sail on it."}]
+    sea = [
+        {
+            "role": "user",
+            "content": "Tell me about the sea, its tides and its waves, "
+            "and the ships that sail on it.",
+        }
+    ]
     assert turn(sea) == 0
     for i in range(8):
-        _chat(c, [{"role": "user", "content": f"Question {i}: what is {i} times {i + 3}, "
-                                              "and why does it matter to anyone at all?"}],
-              max_tokens=8)
+        _chat(
+            c,
+            [
+                {
+                    "role": "user",
+                    "content": f"Question {i}: what is {i} times {i + 3}, "
+                    "and why does it matter to anyone at all?",
+                }
+            ],
+            max_tokens=8,
+        )
     full = stats()
     assert full["skipped"] >= 4 and 0 < full["bytes"] <= budget
     assert turn(sea) >= 24  # its first turn outlived the flood
 
-    hills = [{"role": "user", "content": "Describe the hills in winter, the snow on them "
-                                         "and the people who walk there."}]
+    hills = [
+        {
+            "role": "user",
+            "content": "Describe the hills in winter, the snow on them "
+            "and the people who walk there.",
+        }
+    ]
     skipped = stats()["skipped"]
     assert turn(hills) == 0 and stats()["skipped"] == skipped + 1  # turned away
     assert turn(hills) == 0  # shares its first turn's opening: taken in

@@ -17,8 +17,10 @@ import openai
 import pytest
 from conftest import LiveServer, make_settings
 
-SYSTEM = {"role": "system",
-          "content": "You are a careful agent. Follow the tool rules exactly. " * 14}
+SYSTEM = {
+    "role": "system",
+    "content": "You are a careful agent. Follow the tool rules exactly. " * 14,
+}
 DISK = {"prefix_cache_disk_min_tokens": 64, "warmup": False}
 # the tier's mechanics below are shown on first turns: written only with "all"
 ALL = {"prefix_cache_disk_writes": "all"}
@@ -30,8 +32,9 @@ def _client(srv) -> openai.OpenAI:
 
 def _chat(srv, messages, max_tokens=8):
     model = Path(srv.settings.models.default).name
-    r = _client(srv).chat.completions.create(model=model, messages=messages,
-                                             temperature=0, max_tokens=max_tokens)
+    r = _client(srv).chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=max_tokens
+    )
     return r.choices[0].message.content, r.usage
 
 
@@ -75,8 +78,7 @@ def cold(tmp_path_factory, tool_qwen2):
 
 def _turns(n: int, tag: str = "") -> list[list[dict]]:
     """The prompts of an n-turn conversation (assistant turns filled in as it goes)."""
-    return [[{"role": "user", "content": f"Step {i}{tag * 8}: list the files."}]
-            for i in range(n)]
+    return [[{"role": "user", "content": f"Step {i}{tag * 8}: list the files."}] for i in range(n)]
 
 
 def _converse(srv, turns, history=None) -> tuple[list[dict], list[str], int]:
@@ -104,8 +106,10 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path, tool_qwen2
         assert d["entries"] >= 1  # the index came back from the file headers
         on_disk = d["bytes"]
         # two requests continuing the conversation at once: they share one read
-        asks = [history + [{"role": "user", "content": f"Step 2, option {i}: list the files."}]
-                for i in range(2)]
+        asks = [
+            history + [{"role": "user", "content": f"Step 2, option {i}: list the files."}]
+            for i in range(2)
+        ]
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda m: _chat(second, m), asks))
         for _, usage in got:
@@ -132,14 +136,16 @@ def _memory(srv) -> dict:
 
 
 def test_a_prefix_the_memory_tier_evicted_comes_back_from_disk_in_the_same_process(
-        tmp_path, tool_qwen2, cold):
+    tmp_path, tool_qwen2, cold
+):
     """The memory tier holds one conversation (~260 KB of KV), not two: the second, once it
     shows reuse (a full tier turns a first turn away), evicts the first, whose next turn is
     then read from the disk tier -- no restart."""
     srv = _server(tmp_path, tool_qwen2, prefix_cache_bytes=400_000, **ALL)
     try:
-        systems = [{"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]}
-                   for tag in "ab"]
+        systems = [
+            {"role": "system", "content": f"Agent {tag}. " + SYSTEM["content"]} for tag in "ab"
+        ]
         a_history, _, a_prompt = _converse(srv, _turns(1, "a"), [systems[0]])
         _settled(srv, entries=1)
         b_history, _, b_prompt = _converse(srv, _turns(1, "b"), [systems[1]])
@@ -165,8 +171,7 @@ def test_a_prefix_the_memory_tier_evicted_comes_back_from_disk_in_the_same_proce
         srv.stop()
 
 
-def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen2,
-                                                              monkeypatch):
+def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen2, monkeypatch):
     """The bound comes from MLXD_ENGINE__PREFIX_CACHE_DISK_BYTES, as an operator sets it."""
 
     def talk(srv, tag: str) -> Path:
@@ -197,14 +202,18 @@ def test_the_disk_bound_holds_and_evicts_least_recently_used(tmp_path, tool_qwen
         assert not a.exists() and not b.exists()
         assert _metric(srv, "mlxd:prefix_cache_disk_evictions_total") == 2
         assert _metric(srv, "mlxd:prefix_cache_disk_bytes") == stats["bytes"]
-        assert _metric(srv, "mlxd:prefix_cache_disk_written_bytes_total") == \
-            stats["bytes_written"] > 2 * one
+        assert (
+            _metric(srv, "mlxd:prefix_cache_disk_written_bytes_total")
+            == stats["bytes_written"]
+            > 2 * one
+        )
     finally:
         srv.stop()
 
 
 def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
-        tmp_path, tool_qwen2, plain_llama, cold):
+    tmp_path, tool_qwen2, plain_llama, cold
+):
     tags = (" flip", " cut", " version", " model")
     srv = _server(tmp_path, tool_qwen2, **ALL)
     written = []
@@ -251,8 +260,7 @@ def test_files_that_must_not_load_are_removed_and_requests_still_succeed(
         srv.stop()
 
 
-def test_by_default_one_off_prompts_are_never_written_and_reused_prefixes_are(tmp_path,
-                                                                              tool_qwen2):
+def test_by_default_one_off_prompts_are_never_written_and_reused_prefixes_are(tmp_path, tool_qwen2):
     """``prefix_cache_disk_writes: reused`` (the default): first turns of unrelated
     conversations write nothing (no file, no bytes, nothing queued); the next turn of one
     of them, which starts from the memory tier's copy of its prefix, is written."""

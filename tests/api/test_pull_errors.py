@@ -65,15 +65,32 @@ def serve(tmp_path, tiny_llama) -> Iterator[Callable[[str], Served]]:
 
     def start(endpoint: str) -> Served:
         port, home = free_port(), tmp_path / f"home-{len(procs)}"
-        env = dict(os.environ, MLXD_HOME=str(home), HF_ENDPOINT=endpoint,
-                   HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1",
-                   MLXD_MODELS__HUB_TIMEOUT_S="1")
+        env = dict(
+            os.environ,
+            MLXD_HOME=str(home),
+            HF_ENDPOINT=endpoint,
+            HF_HOME=str(tmp_path / "hf-home"),
+            HF_HUB_DISABLE_TELEMETRY="1",
+            MLXD_MODELS__HUB_TIMEOUT_S="1",
+        )
         env.pop("HF_HUB_OFFLINE", None)
         log = tmp_path / f"serve-{len(procs)}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model",
-                                     str(tiny_llama), "--port", str(port)], env=env,
-                                    stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "mlxd",
+                    "serve",
+                    "--model",
+                    str(tiny_llama),
+                    "--port",
+                    str(port),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc, 120, lambda: Path(log).read_text()[-3000:])
@@ -89,8 +106,7 @@ def serve(tmp_path, tiny_llama) -> Iterator[Callable[[str], Served]]:
 
 
 def _pull(srv: Any, name: str, stream: bool) -> httpx.Response:
-    return httpx.post(srv.url + "/api/pull", json={"model": name, "stream": stream},
-                      timeout=120)
+    return httpx.post(srv.url + "/api/pull", json={"model": name, "stream": stream}, timeout=120)
 
 
 def _assert_ollama_error(r: httpx.Response, status: int, *words: str) -> str:
@@ -120,8 +136,9 @@ def test_a_hub_switched_off_is_503(server, stream):
 def test_a_hub_that_cannot_be_reached_is_502(serve):
     srv = serve(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     for stream in (False, True):
-        _assert_ollama_error(_pull(srv, "acme/nope", stream), 502, "hub unreachable",
-                             "ConnectError")
+        _assert_ollama_error(
+            _pull(srv, "acme/nope", stream), 502, "hub unreachable", "ConnectError"
+        )
 
 
 def test_a_hub_that_does_not_answer_is_504(serve):

@@ -15,8 +15,7 @@ from conftest import LiveServer, make_settings
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory):
     home = tmp_path_factory.mktemp("real")
-    settings = make_settings(home, "smollm2-135m-instruct",
-                             models={"auto_download": True})
+    settings = make_settings(home, "smollm2-135m-instruct", models={"auto_download": True})
     srv = LiveServer(settings).start()
     yield srv
     srv.stop()
@@ -47,10 +46,19 @@ def test_generate_applies_the_chat_template_by_default(smollm):
     """A bare prompt made the instruction-tuned model answer end-of-turn at once (an empty
     text); /generate templates it like mlx_lm.generate and Ollama's /api/generate."""
     with httpx.Client(base_url=smollm.url, timeout=120) as c:
-        r = c.post("/generate", json={"prompt": "What is the capital of France?",
-                                      "max_tokens": 12, "temperature": 0})
+        r = c.post(
+            "/generate",
+            json={"prompt": "What is the capital of France?", "max_tokens": 12, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert "Paris" in r.json()["text"]
-        raw = c.post("/generate", json={"prompt": "What is the capital of France?",
-                                        "max_tokens": 12, "temperature": 0, "raw": True})
+        raw = c.post(
+            "/generate",
+            json={
+                "prompt": "What is the capital of France?",
+                "max_tokens": 12,
+                "temperature": 0,
+                "raw": True,
+            },
+        )
     assert raw.json()["usage"]["prompt_tokens"] < r.json()["usage"]["prompt_tokens"]

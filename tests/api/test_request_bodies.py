@@ -15,9 +15,12 @@ def _json_routes(server) -> list[str]:
     """Every POST route the server documents with a JSON request body (the audio upload
     routes take multipart forms)."""
     spec = httpx.get(server.url + "/openapi.json").json()
-    paths = [p for p, ops in spec["paths"].items()
-             if "application/json" in ops.get("post", {}).get("requestBody", {}).get(
-                 "content", {}) and "{" not in p]
+    paths = [
+        p
+        for p, ops in spec["paths"].items()
+        if "application/json" in ops.get("post", {}).get("requestBody", {}).get("content", {})
+        and "{" not in p
+    ]
     assert {"/v1/chat/completions", "/api/generate", "/v1/embeddings", "/generate"} <= set(paths)
     return paths
 
@@ -39,15 +42,22 @@ def test_deep_nesting_is_400_on_every_json_route(server, levels):
     nested = "[" * levels + "]" * levels
     with server.client() as c:
         for path in _json_routes(server):
-            for raw, headers in ((nested, {"content-type": "application/json"}),
-                                 ('{"model": ' + nested + "}", FORM)):
-                _assert_dialect_400(c.post(path, content=raw, headers=headers), path,
-                                    "nests arrays and objects deeper than")
+            for raw, headers in (
+                (nested, {"content-type": "application/json"}),
+                ('{"model": ' + nested + "}", FORM),
+            ):
+                _assert_dialect_400(
+                    c.post(path, content=raw, headers=headers),
+                    path,
+                    "nests arrays and objects deeper than",
+                )
 
 
 def test_lone_surrogate_is_400_on_every_json_route(server):
-    raw = ('{"model": "tiny-llama", "prompt": "a\\ud800b", "input": "a\\ud800b", '
-           '"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 1}')
+    raw = (
+        '{"model": "tiny-llama", "prompt": "a\\ud800b", "input": "a\\ud800b", '
+        '"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 1}'
+    )
     with server.client() as c:
         for path in _json_routes(server):
             _assert_dialect_400(c.post(path, content=raw), path, "lone UTF-16 surrogate")
@@ -59,8 +69,9 @@ def test_lone_surrogate_is_400_on_every_json_route(server):
 def test_a_surrogate_pair_is_text(server):
     raw = '{"messages": [{"role": "user", "content": "hi \\ud83d\\ude00"}], "max_tokens": 1}'
     with server.client() as c:
-        r = c.post("/v1/chat/completions", content=raw,
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        )
     assert r.status_code == 200, r.text
 
 
@@ -73,10 +84,18 @@ def test_any_content_type_is_read_as_json(server, headers):
     calls = {
         "/v1/chat/completions": {"messages": MSG, "max_tokens": 2},
         "/v1/completions": {"prompt": "hi", "max_tokens": 2},
-        "/api/generate": {"model": "tiny-llama", "prompt": "hi", "stream": False,
-                          "options": {"num_predict": 2}},
-        "/api/chat": {"model": "tiny-llama", "messages": MSG, "stream": False,
-                      "options": {"num_predict": 2}},
+        "/api/generate": {
+            "model": "tiny-llama",
+            "prompt": "hi",
+            "stream": False,
+            "options": {"num_predict": 2},
+        },
+        "/api/chat": {
+            "model": "tiny-llama",
+            "messages": MSG,
+            "stream": False,
+            "options": {"num_predict": 2},
+        },
         "/generate": {"prompt": "hi", "max_tokens": 2},
         "/v1/messages": {"max_tokens": 2, "messages": MSG},
         "/v1/responses": {"input": "hi", "max_output_tokens": 2},
@@ -92,8 +111,9 @@ def test_any_content_type_is_read_as_json(server, headers):
 def test_malformed_json_without_content_type_is_400_in_dialect(server):
     with server.client() as c:
         for path in ("/v1/chat/completions", "/api/chat", "/v1/messages", "/v1/embeddings"):
-            _assert_dialect_400(c.post(path, content=b'{"messages": [', headers=FORM), path,
-                                "not valid JSON")
+            _assert_dialect_400(
+                c.post(path, content=b'{"messages": [', headers=FORM), path, "not valid JSON"
+            )
 
 
 def test_server_keeps_serving_after_bad_bodies(server):

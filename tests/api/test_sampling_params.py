@@ -38,8 +38,9 @@ def test_any_int64_seed_is_served(server, path, seed):
     assert first.status_code == 200, first.text
     assert first.json()["usage"]["completion_tokens"] == 3
     # a seed still pins the text, negative ones included
-    assert first.json().get("choices", first.json().get("text")) == \
-        second.json().get("choices", second.json().get("text"))
+    assert first.json().get("choices", first.json().get("text")) == second.json().get(
+        "choices", second.json().get("text")
+    )
 
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/generate"])
@@ -54,16 +55,21 @@ def test_seed_outside_int64_is_400(server, path, seed):
 def test_n_choices_with_the_largest_seed(server):
     """Choice i samples with seed + i: past int64 it must still be a valid key."""
     with server.client() as c:
-        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2, "temperature": 0.8,
-                               "seed": INT64_MAX, "n": 3})
+        r = c.post(
+            CHAT,
+            json={"messages": MSG, "max_tokens": 2, "temperature": 0.8, "seed": INT64_MAX, "n": 3},
+        )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 3
 
 
 @pytest.mark.parametrize("path", ["/api/generate", "/api/chat"])
 def test_ollama_seed_minus_one_means_random(server, path):
-    body = {"model": "tiny-llama", "stream": False,
-            "options": {"seed": -1, "num_predict": 3, "temperature": 0.8}}
+    body = {
+        "model": "tiny-llama",
+        "stream": False,
+        "options": {"seed": -1, "num_predict": 3, "temperature": 0.8},
+    }
     body.update({"messages": MSG} if path == "/api/chat" else {"prompt": "hi"})
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -78,8 +84,12 @@ def test_a_negative_seed_leaves_concurrent_streams_alone(server):
 
     def stream() -> None:
         events = []
-        with httpx.stream("POST", server.url + CHAT, timeout=60, json={
-                "messages": MSG, "max_tokens": 24, "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + CHAT,
+            timeout=60,
+            json={"messages": MSG, "max_tokens": 24, "temperature": 0, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(json.loads(line[6:]))
@@ -89,8 +99,10 @@ def test_a_negative_seed_leaves_concurrent_streams_alone(server):
     t.start()
     with server.client() as c:
         for seed in (-1, -5, -(2**63)):
-            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
-                                                "temperature": 0.9, "seed": seed})
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 4, "temperature": 0.9, "seed": seed},
+            )
             assert r.status_code == 200, r.text
     t.join(60)
     events = done["events"]
@@ -98,21 +110,24 @@ def test_a_negative_seed_leaves_concurrent_streams_alone(server):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -0.1),
-    ("top_p", 0),
-    ("top_p", 1.01),
-    ("top_k", -2),
-    ("min_p", -0.1),
-    ("min_p", 1.5),
-    ("repetition_penalty", 0),
-    ("repetition_penalty", 1e-300),
-    ("repetition_penalty", 1e6),
-    ("presence_penalty", 2.5),
-    ("frequency_penalty", -3),
-    ("n", 0),
-    ("max_tokens", 0),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.1),
+        ("top_p", 0),
+        ("top_p", 1.01),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 1e6),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("n", 0),
+        ("max_tokens", 0),
+    ],
+)
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
 def test_openai_ranges(server, path, field, value):
     body = {"max_tokens": 1, field: value}
@@ -124,30 +139,56 @@ def test_openai_ranges(server, path, field, value):
 def test_logit_bias_values_must_be_finite_and_in_range(server):
     with server.client() as c:
         for raw in ('{"5": 101}', '{"5": NaN}', '{"5": -1e400}'):
-            r = c.post(CHAT, content='{"messages": [{"role": "user", "content": "hi"}], '
-                       '"max_tokens": 1, "logit_bias": ' + raw + "}",
-                       headers={"content-type": "application/json"})
+            r = c.post(
+                CHAT,
+                content='{"messages": [{"role": "user", "content": "hi"}], '
+                '"max_tokens": 1, "logit_bias": ' + raw + "}",
+                headers={"content-type": "application/json"},
+            )
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"].startswith("logit_bias")
 
 
-@pytest.mark.parametrize(("option", "value"), [
-    ("temperature", -1), ("top_p", 0), ("top_k", -1), ("min_p", 2),
-    ("repeat_penalty", 1e-300), ("presence_penalty", 3), ("frequency_penalty", -2.5),
-    ("num_predict", -5), ("seed", -(2**63) - 1),
-])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", -1),
+        ("min_p", 2),
+        ("repeat_penalty", 1e-300),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("num_predict", -5),
+        ("seed", -(2**63) - 1),
+    ],
+)
 def test_ollama_option_ranges(server, option, value):
-    r = httpx.post(server.url + "/api/generate", timeout=60, json={
-        "model": "tiny-llama", "prompt": "hi", "stream": False,
-        "options": {"num_predict": 1, option: value}})
+    r = httpx.post(
+        server.url + "/api/generate",
+        timeout=60,
+        json={
+            "model": "tiny-llama",
+            "prompt": "hi",
+            "stream": False,
+            "options": {"num_predict": 1, option: value},
+        },
+    )
     _ollama_400(r, option)
 
 
 @pytest.mark.parametrize("n", [-1, -2])
 def test_ollama_num_predict_infinite_and_fill_context_are_served(server, n):
-    r = httpx.post(server.url + "/api/generate", timeout=60, json={
-        "model": "tiny-llama", "prompt": "hi", "stream": False,
-        "options": {"num_predict": n, "temperature": 0, "stop": ["e"]}})
+    r = httpx.post(
+        server.url + "/api/generate",
+        timeout=60,
+        json={
+            "model": "tiny-llama",
+            "prompt": "hi",
+            "stream": False,
+            "options": {"num_predict": n, "temperature": 0, "stop": ["e"]},
+        },
+    )
     assert r.status_code == 200, r.text
 
 

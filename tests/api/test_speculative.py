@@ -34,8 +34,9 @@ def _engine(**kw) -> dict:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, tiny_llama):
-    srv = LiveServer(make_settings(tmp_path_factory.mktemp("spec-off"), tiny_llama,
-                                   engine=_engine())).start()
+    srv = LiveServer(
+        make_settings(tmp_path_factory.mktemp("spec-off"), tiny_llama, engine=_engine())
+    ).start()
     yield srv
     srv.stop()
 
@@ -44,10 +45,18 @@ def plain(tmp_path_factory, tiny_llama):
 def lookup(tmp_path_factory, tiny_llama):
     """Prompt lookup, with the prefix cache on (every hit): the prompts repeat across tests,
     so later requests start from KV caches that finished verify steps left behind."""
-    srv = LiveServer(make_settings(
-        tmp_path_factory.mktemp("spec-lookup"), tiny_llama,
-        engine=_engine(speculative="prompt-lookup", speculative_max_batch=16,
-                       prefix_cache_bytes=1 << 28, prefix_cache_min_tokens=0))).start()
+    srv = LiveServer(
+        make_settings(
+            tmp_path_factory.mktemp("spec-lookup"),
+            tiny_llama,
+            engine=_engine(
+                speculative="prompt-lookup",
+                speculative_max_batch=16,
+                prefix_cache_bytes=1 << 28,
+                prefix_cache_min_tokens=0,
+            ),
+        )
+    ).start()
     yield srv
     srv.stop()
 
@@ -83,11 +92,18 @@ def drafted(tmp_path_factory, tiny_llama, partial_draft):
     token unmarked, which this draft must refuse to serve."""
     home = tmp_path_factory.mktemp("spec-draft")
     install_into_store(home / "models", "tiny-draft", partial_draft)
-    install_into_store(home / "models", "tiny-specials",
-                       _specials_edited(tiny_llama, tmp_path_factory.mktemp("m") / "sp"))
-    srv = LiveServer(make_settings(
-        home, tiny_llama, engine=_engine(speculative="draft", draft_model="tiny-draft",
-                                         speculative_max_batch=16))).start()
+    install_into_store(
+        home / "models",
+        "tiny-specials",
+        _specials_edited(tiny_llama, tmp_path_factory.mktemp("m") / "sp"),
+    )
+    srv = LiveServer(
+        make_settings(
+            home,
+            tiny_llama,
+            engine=_engine(speculative="draft", draft_model="tiny-draft", speculative_max_batch=16),
+        )
+    ).start()
     yield srv
     srv.stop()
 
@@ -99,9 +115,13 @@ def poor(tmp_path_factory, tiny_llama):
     home = tmp_path_factory.mktemp("spec-poor")
     src = make_tiny_chat_model(tmp_path_factory.mktemp("m") / "poor-src", "llama", seed=7)
     install_into_store(home / "models", "tiny-poor", src)
-    srv = LiveServer(make_settings(
-        home, tiny_llama, engine=_engine(speculative="draft", draft_model="tiny-poor",
-                                         speculative_max_batch=4))).start()
+    srv = LiveServer(
+        make_settings(
+            home,
+            tiny_llama,
+            engine=_engine(speculative="draft", draft_model="tiny-poor", speculative_max_batch=4),
+        )
+    ).start()
     yield srv
     srv.stop()
 
@@ -113,10 +133,13 @@ def self_drafted(tmp_path_factory, tiny_llama):
     speculates must not hang on how their arrivals happen to split into groups."""
     copy = tmp_path_factory.mktemp("m") / "same-draft"
     shutil.copytree(tiny_llama, copy)
-    srv = LiveServer(make_settings(
-        tmp_path_factory.mktemp("spec-self"), tiny_llama,
-        engine=_engine(speculative="draft", draft_model=str(copy),
-                       speculative_max_batch=16))).start()
+    srv = LiveServer(
+        make_settings(
+            tmp_path_factory.mktemp("spec-self"),
+            tiny_llama,
+            engine=_engine(speculative="draft", draft_model=str(copy), speculative_max_batch=16),
+        )
+    ).start()
     yield srv
     srv.stop()
 
@@ -137,11 +160,12 @@ def _token_ids(srv, prompts: list[str]) -> list[list[int]]:
     """Each completion's token ids (logprobs naming tokens by id, vLLM's
     return_tokens_as_token_ids): equal text could hide two tokenisations of it."""
     with ThreadPoolExecutor(len(prompts)) as pool:
-        choices = list(pool.map(lambda p: _complete(srv, p, logprobs=0,
-                                                    return_tokens_as_token_ids=True),
-                                prompts))
-    return [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
-            for c in choices]
+        choices = list(
+            pool.map(
+                lambda p: _complete(srv, p, logprobs=0, return_tokens_as_token_ids=True), prompts
+            )
+        )
+    return [[int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]] for c in choices]
 
 
 def _each(srv, bodies: list[dict]) -> list[dict]:
@@ -186,8 +210,10 @@ def test_draft_model_greedy_tokens_match_plain_decoding(plain, drafted, batch):
     assert stats["mode"] == "draft"
     assert stats["accepted_tokens"] > before["accepted_tokens"]
     # and some drafts were rejected: what the rollback is for
-    assert stats["draft_tokens"] - before["draft_tokens"] > \
-        stats["accepted_tokens"] - before["accepted_tokens"]
+    assert (
+        stats["draft_tokens"] - before["draft_tokens"]
+        > stats["accepted_tokens"] - before["accepted_tokens"]
+    )
     # verified together, not one by one. How many rows share a verify step depends on when
     # the concurrent requests arrive and on which rows sit out a step (a newcomer's first
     # token comes from a step without drafts; a row with low acceptance pauses): on a busy
@@ -207,16 +233,20 @@ def test_above_the_max_batch_the_batch_decodes_plainly(plain, poor):
     assert got == [c["text"] for c in _each(plain, bodies)]
     stats = _spec_stats(poor)
     assert stats["large_batch_steps"] > before["large_batch_steps"]
-    assert stats["plain_steps"] - before["plain_steps"] >= \
-        stats["large_batch_steps"] - before["large_batch_steps"]
+    assert (
+        stats["plain_steps"] - before["plain_steps"]
+        >= stats["large_batch_steps"] - before["large_batch_steps"]
+    )
     assert stats["max_verify_batch"] <= 4  # no verify step while the batch was above 4
     assert stats["verify_steps"] > before["verify_steps"]  # the stragglers did speculate
 
 
 def test_a_draft_that_keeps_failing_pauses_and_the_row_decodes_plainly(plain, poor):
     before = _spec_stats(poor)
-    assert _complete(poor, PROMPTS[3], max_tokens=48)["text"] == \
-        _complete(plain, PROMPTS[3], max_tokens=48)["text"]
+    assert (
+        _complete(poor, PROMPTS[3], max_tokens=48)["text"]
+        == _complete(plain, PROMPTS[3], max_tokens=48)["text"]
+    )
     stats = _spec_stats(poor)
     assert stats["acceptance_rate"] < 0.3  # the draft is poor indeed
     assert stats["pauses"] > before["pauses"]
@@ -228,21 +258,28 @@ def test_a_draft_that_keeps_failing_pauses_and_the_row_decodes_plainly(plain, po
 
 
 def test_a_draft_whose_special_tokens_differ_is_refused_at_load(drafted):
-    r = httpx.post(drafted.url + "/v1/completions", timeout=120,
-                   json={"model": "tiny-specials", "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        drafted.url + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny-specials", "prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["code"] == "model_load_failed"
-    assert ("draft model tiny-draft does not share the tokenizer of 'tiny-specials' (their "
-            "special tokens differ, first at id 510: 'not special' for 'tiny-specials', "
-            "'<|im_start|>' for the draft)") in err["message"]
+    assert (
+        "draft model tiny-draft does not share the tokenizer of 'tiny-specials' (their "
+        "special tokens differ, first at id 510: 'not special' for 'tiny-specials', "
+        "'<|im_start|>' for the draft)"
+    ) in err["message"]
     assert _complete(drafted, PROMPTS[0], max_tokens=2)["finish_reason"] == "length"
 
 
 def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_drafted):
     before = _spec_stats(self_drafted)
-    metric_before = {k: _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total")
-                     for k in ("draft", "accepted")}
+    metric_before = {
+        k: _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total")
+        for k in ("draft", "accepted")
+    }
     assert _texts(self_drafted, PROMPTS[:2]) == _texts(plain, PROMPTS[:2])
     stats = _spec_stats(self_drafted)
     drafted = stats["draft_tokens"] - before["draft_tokens"]
@@ -250,13 +287,17 @@ def test_a_self_draft_is_always_accepted_and_the_metrics_show_it(plain, self_dra
     # this test's own verify steps (the server's lifetime mixes in other tests' plain rows)
     emitted = stats["emitted_tokens"] - before["emitted_tokens"]
     assert emitted / (stats["row_steps"] - before["row_steps"]) > 2
-    assert _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == \
-        stats["acceptance_rate"]
-    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") == \
-        pytest.approx(stats["tokens_per_step"])
+    assert (
+        _metric(self_drafted, "mlxd:spec_decode_draft_acceptance_rate") == stats["acceptance_rate"]
+    )
+    assert _metric(self_drafted, "mlxd:spec_decode_tokens_per_step") == pytest.approx(
+        stats["tokens_per_step"]
+    )
     for k in ("draft", "accepted"):
-        assert _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total") - \
-            metric_before[k] == drafted
+        assert (
+            _metric(self_drafted, f"mlxd:spec_decode_num_{k}_tokens_total") - metric_before[k]
+            == drafted
+        )
 
 
 def test_prefix_cache_hits_under_speculation(lookup):
@@ -302,14 +343,22 @@ def test_logprobs_match_plain_decoding(plain, lookup):
     assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-4)
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def _chat(srv, content: str, **kw) -> str:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 48, "temperature": 0, **kw}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 48,
+        "temperature": 0,
+        **kw,
+    }
     r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
@@ -362,8 +411,10 @@ def test_unseeded_sampled_rows_draft_and_keep_max_tokens_and_stops(self_drafted)
     and all 24 tokens."""
     before = _spec_stats(self_drafted)
     sampled = {"temperature": 0.3, "top_p": 0.95, "min_p": 0.01, "logprobs": 0}
-    bodies = [{"prompt": p, **sampled, **({"stop": [","]} if i % 2 else {})}
-              for i, p in enumerate(PROMPTS[:16])]
+    bodies = [
+        {"prompt": p, **sampled, **({"stop": [","]} if i % 2 else {})}
+        for i, p in enumerate(PROMPTS[:16])
+    ]
     outs = _each(self_drafted, bodies)
     for body, out in zip(bodies, outs, strict=True):
         n = len(out["logprobs"]["tokens"])
@@ -381,16 +432,29 @@ def test_unseeded_sampled_rows_draft_and_keep_max_tokens_and_stops(self_drafted)
 
 def _serve(home, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "mlxd", "serve", "--port", "0", *args],
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", "serve", "--port", "0", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.slow  # `mlxd serve` subprocesses
 def test_a_draft_model_with_another_tokenizer_stops_the_server_with_a_clear_error(
-        tmp_path, tiny_llama):
+    tmp_path, tiny_llama
+):
     other = make_tiny_chat_model(tmp_path / "other-vocab", "llama", vocab_size=640)
-    r = _serve(tmp_path / "home", "--model", str(tiny_llama), "--speculative", "draft",
-               "--draft-model", str(other))
+    r = _serve(
+        tmp_path / "home",
+        "--model",
+        str(tiny_llama),
+        "--speculative",
+        "draft",
+        "--draft-model",
+        str(other),
+    )
     assert r.returncode != 0
     assert "draft model other-vocab does not share the tokenizer of 'tiny-llama'" in r.stderr
 
@@ -410,8 +474,19 @@ class _Served:
         env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1"}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mlxd", "serve", "--port", self.url.rsplit(":", 1)[1],
-                 *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "mlxd",
+                    "serve",
+                    "--port",
+                    self.url.rsplit(":", 1)[1],
+                    *args,
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         wait_healthy(self.url, self.proc, 90, self.log.read_text)
 
     def health(self) -> dict:
@@ -425,7 +500,8 @@ class _Served:
 
 @pytest.mark.slow
 def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
-        tmp_path, tiny_llama, plain):
+    tmp_path, tiny_llama, plain
+):
     srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "prompt-lookup")
     try:
         text = _complete(srv, PROMPTS[0])["text"]
@@ -438,7 +514,8 @@ def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
 
 @pytest.mark.slow
 def test_serve_draft_model_flag_takes_a_store_name_and_warns_when_its_eos_differs(
-        tmp_path, tiny_llama, partial_draft, plain):
+    tmp_path, tiny_llama, partial_draft, plain
+):
     """The draft ends sequences on <|im_end|> alone, the target on <|endoftext|> too: a
     base/instruct pair looks like this. It serves (the target decides where a sequence
     ends), with a warning."""
@@ -448,8 +525,15 @@ def test_serve_draft_model_flag_takes_a_store_name_and_warns_when_its_eos_differ
     gen["eos_token_id"] = [gen["eos_token_id"][0]]
     (eos_draft / "generation_config.json").write_text(json.dumps(gen))
     install_into_store(tmp_path / "models", "tiny-eos-draft", eos_draft)
-    srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "draft",
-                  "--draft-model", "tiny-eos-draft")
+    srv = _Served(
+        tmp_path,
+        "--model",
+        str(tiny_llama),
+        "--speculative",
+        "draft",
+        "--draft-model",
+        "tiny-eos-draft",
+    )
     try:
         text = _complete(srv, PROMPTS[1])["text"]
         stats = _spec_stats(srv)

@@ -13,13 +13,14 @@ import httpx
 MODEL = "long-llama"
 BUDGET = 32
 STREAMS = 3
-WORDS = ("ocean garden market river stone lantern winter harbor music library "
-         "quiet morning city bridge forest letter").split()
+WORDS = (
+    "ocean garden market river stone lantern winter harbor music library "
+    "quiet morning city bridge forest letter"
+).split()
 
 
 def _long_prompt() -> str:
-    return " ".join(f"{WORDS[i % len(WORDS)]} {WORDS[(i * 7) % len(WORDS)]}."
-                    for i in range(110))
+    return " ".join(f"{WORDS[i % len(WORDS)]} {WORDS[(i * 7) % len(WORDS)]}." for i in range(110))
 
 
 def _budget_stats(srv) -> dict:
@@ -27,11 +28,14 @@ def _budget_stats(srv) -> dict:
     return model["step_budget"]
 
 
-def _stream(srv, body: dict, stamps: list[float], stop: threading.Event,
-            text: list[str] | None = None) -> None:
+def _stream(
+    srv, body: dict, stamps: list[float], stop: threading.Event, text: list[str] | None = None
+) -> None:
     """POST a streaming chat; a monotonic stamp per content chunk, until done or ``stop``."""
-    with httpx.Client(base_url=srv.url, timeout=120) as c, \
-            c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+    with (
+        httpx.Client(base_url=srv.url, timeout=120) as c,
+        c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if stop.is_set() or line == "data: [DONE]":
@@ -54,12 +58,16 @@ def _wait_for(pred, timeout: float = 60.0) -> bool:
     return False
 
 
-def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_server,
-                                                                      long_llama):
-    srv = start_server(long_llama, engine={"max_step_tokens": BUDGET, "max_num_seqs": 8,
-                                           "prefix_cache_bytes": 0})
-    long = {"model": MODEL, "messages": [{"role": "user", "content": _long_prompt()}],
-            "max_tokens": 12, "temperature": 0}
+def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_server, long_llama):
+    srv = start_server(
+        long_llama, engine={"max_step_tokens": BUDGET, "max_num_seqs": 8, "prefix_cache_bytes": 0}
+    )
+    long = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": _long_prompt()}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     with httpx.Client(base_url=srv.url, timeout=120) as c:
         alone = c.post("/v1/chat/completions", json=long).json()
     prompt_tokens = alone["usage"]["prompt_tokens"]
@@ -69,9 +77,24 @@ def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_serve
 
     stop = threading.Event()
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
-    streams = [threading.Thread(target=_stream, daemon=True, args=(srv, {
-        "model": MODEL, "messages": [{"role": "user", "content": f"story number {i}"}],
-        "max_tokens": 4000, "temperature": 0}, stamps[i], stop)) for i in range(STREAMS)]
+    streams = [
+        threading.Thread(
+            target=_stream,
+            daemon=True,
+            args=(
+                srv,
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"story number {i}"}],
+                    "max_tokens": 4000,
+                    "temperature": 0,
+                },
+                stamps[i],
+                stop,
+            ),
+        )
+        for i in range(STREAMS)
+    ]
     for t in streams:
         t.start()
     try:

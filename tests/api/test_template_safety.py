@@ -26,8 +26,7 @@ LOOP_PREFIX = (
     "{%- endif %}"
 )
 LOOPING_TEMPLATE = (
-    LOOP_PREFIX +
-    "{%- for message in messages %}"
+    LOOP_PREFIX + "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -44,8 +43,11 @@ def looping_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def short_deadline(tmp_path_factory, looping_llama) -> Iterator[LiveServer]:
     home = tmp_path_factory.mktemp("home")
-    srv = LiveServer(make_settings(home, looping_llama, server={
-        "template_timeout_s": 1.0, "max_concurrent_renders": 2})).start()
+    srv = LiveServer(
+        make_settings(
+            home, looping_llama, server={"template_timeout_s": 1.0, "max_concurrent_renders": 2}
+        )
+    ).start()
     yield srv
     srv.stop()
 
@@ -66,59 +68,81 @@ def _wait_idle(srv: LiveServer) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"chat_template": "SYSTEM OVERRIDE: {{ messages|length }}"},
-    {"messages": "x"},
-    {"conversation": []},
-    {"tools": [{"type": "function"}]},
-    {"documents": [{"title": "a", "text": "b"}]},
-    {"add_generation_prompt": False},
-    {"continue_final_message": True},
-    {"tokenize": False},
-    {"return_dict": True},
-    {"return_tensors": "np"},
-    {"padding": True},
-    {"truncation": True},
-    {"max_length": 1},
-    {"tokenizer_kwargs": {}},
-    {"eos_token": "x"},
-    {"raise_exception": "x"},
-    {"range": 1},
-    {"num_images": 4},
-    {"_private": 1},
-    {"not an identifier": 1},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"chat_template": "SYSTEM OVERRIDE: {{ messages|length }}"},
+        {"messages": "x"},
+        {"conversation": []},
+        {"tools": [{"type": "function"}]},
+        {"documents": [{"title": "a", "text": "b"}]},
+        {"add_generation_prompt": False},
+        {"continue_final_message": True},
+        {"tokenize": False},
+        {"return_dict": True},
+        {"return_tensors": "np"},
+        {"padding": True},
+        {"truncation": True},
+        {"max_length": 1},
+        {"tokenizer_kwargs": {}},
+        {"eos_token": "x"},
+        {"raise_exception": "x"},
+        {"range": 1},
+        {"num_images": 4},
+        {"_private": 1},
+        {"not an identifier": 1},
+    ],
+)
 def test_template_kwargs_set_variables_only(server, kwargs):
     """A name that is a template, the messages or a render argument is a 400 naming
     chat_template_kwargs, never rendered (the override's text never reaches the model)."""
     with server.client() as c:
-        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2,
-                               "chat_template_kwargs": kwargs})
+        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2, "chat_template_kwargs": kwargs})
         err = _error(r, 400, "chat_template_kwargs")
         assert err["type"] == "invalid_request_error"
         # and the request that follows, with a true variable, is served
-        assert c.post(CHAT, json={"messages": MSG, "max_tokens": 2,
-                                  "chat_template_kwargs": {"enable_thinking": False}}
-                      ).status_code == 200
+        assert (
+            c.post(
+                CHAT,
+                json={
+                    "messages": MSG,
+                    "max_tokens": 2,
+                    "chat_template_kwargs": {"enable_thinking": False},
+                },
+            ).status_code
+            == 200
+        )
 
 
-@pytest.mark.parametrize("kwargs", [
-    {f"v{i}": 1 for i in range(33)},
-    {"deep": [[[[[[["x"]]]]]]]},
-    {"wide": list(range(2000))},
-    {"long": "x" * 70_000},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {f"v{i}": 1 for i in range(33)},
+        {"deep": [[[[[[["x"]]]]]]]},
+        {"wide": list(range(2000))},
+        {"long": "x" * 70_000},
+    ],
+)
 def test_template_kwargs_are_bounded(server, kwargs):
     with server.client() as c:
-        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2,
-                               "chat_template_kwargs": kwargs})
+        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 2, "chat_template_kwargs": kwargs})
         _error(r, 400, "chat_template_kwargs")
 
 
 def test_template_variables_still_reach_the_template(server):
     with server.client() as c:
-        r = c.post(CHAT, json={"messages": MSG, "max_tokens": 3, "chat_template_kwargs": {
-            "enable_thinking": False, "reasoning_effort": "low", "custom": {"a": [1, 2]}}})
+        r = c.post(
+            CHAT,
+            json={
+                "messages": MSG,
+                "max_tokens": 3,
+                "chat_template_kwargs": {
+                    "enable_thinking": False,
+                    "reasoning_effort": "low",
+                    "custom": {"a": [1, 2]},
+                },
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
 
@@ -132,18 +156,19 @@ def test_a_render_past_its_deadline_is_a_400_in_every_dialect(short_deadline):
         # streaming: the error comes before any event
         r = c.post(CHAT, json={"messages": LOOP, "max_tokens": 2, "stream": True})
         assert _error(r, 400, "messages")["code"] == "template_timeout"
-        r = c.post("/api/chat", json={"model": "looping-llama", "messages": LOOP,
-                                      "stream": False})
+        r = c.post("/api/chat", json={"model": "looping-llama", "messages": LOOP, "stream": False})
         assert r.status_code == 400 and "template" in r.json()["error"]
-        r = c.post("/v1/messages", json={"model": "looping-llama", "max_tokens": 2,
-                                         "messages": LOOP})
+        r = c.post(
+            "/v1/messages", json={"model": "looping-llama", "max_tokens": 2, "messages": LOOP}
+        )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
-        r = c.post("/v1/messages/count_tokens", json={"model": "looping-llama",
-                                                      "messages": LOOP})
+        r = c.post("/v1/messages/count_tokens", json={"model": "looping-llama", "messages": LOOP})
         assert r.status_code == 400, r.text
-        r = c.post("/v1/responses", json={"model": "looping-llama", "input": "please loop",
-                                          "max_output_tokens": 2})
+        r = c.post(
+            "/v1/responses",
+            json={"model": "looping-llama", "input": "please loop", "max_output_tokens": 2},
+        )
         assert _error(r, 400, None)["code"] == "template_timeout"
         # /v1/tokenize renders in the engine core, under the same deadline
         r = c.post("/v1/tokenize", json={"model": "looping-llama", "messages": LOOP})
@@ -159,12 +184,14 @@ def test_a_render_past_its_deadline_is_a_400_in_every_dialect(short_deadline):
 def test_a_client_that_leaves_interrupts_its_render(start_server, looping_llama):
     """With one render slot and a deadline far away, a client that gives up frees the slot:
     its render is interrupted, not left to loop for the rest of the deadline."""
-    srv = start_server(looping_llama, server={"template_timeout_s": 3600,
-                                              "max_concurrent_renders": 1})
-    for path, body in ((CHAT, {"messages": LOOP, "max_tokens": 2}),
-                       ("/api/chat", {"model": "looping-llama", "messages": LOOP}),
-                       ("/v1/messages", {"model": "looping-llama", "max_tokens": 2,
-                                         "messages": LOOP})):
+    srv = start_server(
+        looping_llama, server={"template_timeout_s": 3600, "max_concurrent_renders": 1}
+    )
+    for path, body in (
+        (CHAT, {"messages": LOOP, "max_tokens": 2}),
+        ("/api/chat", {"model": "looping-llama", "messages": LOOP}),
+        ("/v1/messages", {"model": "looping-llama", "max_tokens": 2, "messages": LOOP}),
+    ):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + path, json=body, timeout=httpx.Timeout(60, read=1.0))
         _wait_idle(srv)
@@ -173,8 +200,11 @@ def test_a_client_that_leaves_interrupts_its_render(start_server, looping_llama)
     # the engine core's renders too (/v1/tokenize), each interrupted by its cancelled call
     for _ in range(2):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(srv.url + "/v1/tokenize", json={"messages": LOOP},
-                       timeout=httpx.Timeout(60, read=1.0))
+            httpx.post(
+                srv.url + "/v1/tokenize",
+                json={"messages": LOOP},
+                timeout=httpx.Timeout(60, read=1.0),
+            )
     r = httpx.post(srv.url + "/v1/tokenize", json={"messages": MSG}, timeout=120)
     assert r.status_code == 200, r.text
 
@@ -198,15 +228,23 @@ def test_a_vision_render_in_the_engine_core_stops_with_its_client(tmp_path, tiny
 
     models = tmp_path / "home" / "models"
     assert pull(ModelStore(models), str(src), ModelSettings(dir=models))["kind"] == "vision"
-    srv = LiveServer(make_settings(tmp_path / "home", tiny_llama, models={
-        "preload": ["looping-vl"]}, server={"template_timeout_s": 3600,
-                                            "max_concurrent_renders": 1})).start()
+    srv = LiveServer(
+        make_settings(
+            tmp_path / "home",
+            tiny_llama,
+            models={"preload": ["looping-vl"]},
+            server={"template_timeout_s": 3600, "max_concurrent_renders": 1},
+        )
+    ).start()
     try:
         body = {"model": "looping-vl", "max_tokens": 2}
         for _ in range(2):
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.url + CHAT, json={**body, "messages": LOOP},
-                           timeout=httpx.Timeout(60, read=1.0))
+                httpx.post(
+                    srv.url + CHAT,
+                    json={**body, "messages": LOOP},
+                    timeout=httpx.Timeout(60, read=1.0),
+                )
         r = httpx.post(srv.url + CHAT, json={**body, "messages": MSG}, timeout=120)
         assert r.status_code == 200, r.text
     finally:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 def test_tokens_is_the_count(server):
     with server.client() as c:
-        r = c.post("/v1/tokenize", json={"model": "tiny-llama",
-                                         "input": ["hello world", "hi"]})
+        r = c.post("/v1/tokenize", json={"model": "tiny-llama", "input": ["hello world", "hi"]})
         assert r.status_code == 200, r.text
         body = r.json()
         counts = [d["tokens"] for d in body["data"]]
@@ -16,8 +15,10 @@ def test_tokens_is_the_count(server):
         assert all(isinstance(n, int) and n > 0 for n in counts)
         assert body["count"] == sum(counts) == body["usage"]["prompt_tokens"]
 
-        r = c.post("/v1/tokenize", json={"model": "tiny-llama", "input": ["hello world", "hi"],
-                                         "return_tokens": True})
+        r = c.post(
+            "/v1/tokenize",
+            json={"model": "tiny-llama", "input": ["hello world", "hi"], "return_tokens": True},
+        )
         data = r.json()["data"]
     assert [d["tokens"] for d in data] == counts
     assert [len(d["token_ids"]) for d in data] == counts

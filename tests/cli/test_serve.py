@@ -17,8 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def _mlxd(*args: str, env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mlxd", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlxd", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _env(tmp_path) -> dict:
@@ -43,9 +49,20 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
     port = free_port()
     env = _env(tmp_path)
     env["MLXD_ENGINE__MAX_NUM_SEQS"] = "4"  # env reaches the process
-    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port),
-              "--preload", str(tiny_qwen2), "--log-format", "json", "--devices", "all",
-              env=env)
+    p = _mlxd(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        str(port),
+        "--preload",
+        str(tiny_qwen2),
+        "--log-format",
+        "json",
+        "--devices",
+        "all",
+        env=env,
+    )
     try:
         deadline = time.time() + 90
         while True:
@@ -59,22 +76,43 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
             assert time.time() < deadline
             time.sleep(0.2)
         assert {m["name"] for m in r.json()["models"]} == {"tiny-llama", "tiny-qwen2"}
-        assert {(m["max_num_seqs"], m["max_num_seqs_reason"]) for m in r.json()["models"]} \
-            == {(4, "engine.max_num_seqs: 4")}
+        assert {(m["max_num_seqs"], m["max_num_seqs_reason"]) for m in r.json()["models"]} == {
+            (4, "engine.max_num_seqs: 4")
+        }
         assert [c["device"] for c in r.json()["engine_cores"]] == ["cpu:0"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
-            "type": "object", "properties": {"n": {"type": "integer"}}}}}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                             "response_format": schema})
+        schema = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+            },
+        }
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "response_format": schema,
+            },
+        )
         assert r.status_code == 200
         bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                             "response_format": bad})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3,
+                "response_format": bad,
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
         # the front end templated, tokenized and detokenized without MLX, and left the
         # grammars (valid or not) to the core without loading llguidance: the engine core
@@ -93,8 +131,12 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path, tiny_llama, tiny_qwen2):
 
 
 def _wait_healthy(url: str, p: subprocess.Popen, timeout: float = 90) -> dict:
-    return wait_healthy(url, p, timeout, lambda: p.stdout.read() if p.poll() is not None
-                        else f"not healthy after {timeout} s")
+    return wait_healthy(
+        url,
+        p,
+        timeout,
+        lambda: p.stdout.read() if p.poll() is not None else f"not healthy after {timeout} s",
+    )
 
 
 def _maps(pid: int, library: str) -> bool:
@@ -120,8 +162,17 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
     # core's IPC socket paths live there, and a socket path holds 107 bytes at most)
     tmp = Path(tempfile.mkdtemp(prefix="mlxd-"))
     request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
-              env={**_env(tmp_path), "TMPDIR": str(tmp)}, start_new_session=True)
+    p = _mlxd(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        str(port),
+        "--api-workers",
+        "2",
+        env={**_env(tmp_path), "TMPDIR": str(tmp)},
+        start_new_session=True,
+    )
     core_pid = None
     try:
         _wait_healthy(url, p)
@@ -164,8 +215,7 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
                 assert c.post(url + "/v1/chat/completions", json=chat).status_code == 200
         for pid, c in by_pid.items():
             assert c.get(url + "/health").json()["frontend_pid"] == pid  # still that one
-            fams = {f.name: f for f in text_string_to_metric_families(
-                c.get(url + "/metrics").text)}
+            fams = {f.name: f for f in text_string_to_metric_families(c.get(url + "/metrics").text)}
             c.close()
             done = fams["mlxd:request_success"].samples
             assert sum(s.value for s in done if s.name.endswith("_total")) == 12
@@ -176,8 +226,11 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
             assert all("pid" not in s.labels for s in running)
             assert sum(s.value for s in running) == 0
             # the core's families once (from the core, not from either front end's files)
-            assert [s.value for s in fams["mlxd:models_loaded"].samples
-                    if s.labels.get("kind") == "chat"] == [1]
+            assert [
+                s.value
+                for s in fams["mlxd:models_loaded"].samples
+                if s.labels.get("kind") == "chat"
+            ] == [1]
             assert any(f.startswith("process_") for f in fams)
     finally:
         p.send_signal(signal.SIGTERM)
@@ -193,16 +246,16 @@ def test_api_workers_share_one_engine_core(tmp_path, tiny_llama, request):
 def test_max_num_seqs_flag_takes_auto_or_a_number(tmp_path, tiny_llama):
     """``--max-num-seqs auto`` sizes the model's batch at load (the log line and /health say
     how); a value that is neither is a configuration error naming the key."""
-    bad = _mlxd("serve", "--model", str(tiny_llama), "--max-num-seqs", "many",
-                env=_env(tmp_path))
+    bad = _mlxd("serve", "--model", str(tiny_llama), "--max-num-seqs", "many", env=_env(tmp_path))
     out, _ = bad.communicate(timeout=60)
     assert bad.returncode == 2 and "'engine.max_num_seqs'" in out, out
     assert "'auto' or an integer >= 1" in out and "Traceback" not in out
     port = free_port()
     env = _env(tmp_path)
     env["MLXD_ENGINE__MAX_NUM_SEQS"] = "4"  # the flag wins over the environment
-    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--max-num-seqs",
-              "auto", env=env)
+    p = _mlxd(
+        "serve", "--model", str(tiny_llama), "--port", str(port), "--max-num-seqs", "auto", env=env
+    )
     try:
         health = _wait_healthy(f"http://127.0.0.1:{port}", p)
         model = health["models"][0]
@@ -215,8 +268,10 @@ def test_max_num_seqs_flag_takes_auto_or_a_number(tmp_path, tiny_llama):
 
 
 def test_devices_this_host_lacks_exit_2_saying_what_it_has(tmp_path):
-    for spec, message in [("3", "no GPU 3 (MLX sees 0 GPU(s)); on the CPU use cpu or cpu:N"),
-                          ("gpu:x", "expected all, a list of GPU indices")]:
+    for spec, message in [
+        ("3", "no GPU 3 (MLX sees 0 GPU(s)); on the CPU use cpu or cpu:N"),
+        ("gpu:x", "expected all, a list of GPU indices"),
+    ]:
         p = _mlxd("serve", "--devices", spec, "--port", str(free_port()), env=_env(tmp_path))
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 2, out
@@ -227,9 +282,12 @@ def test_split_models_with_several_devices_or_both_splits_exit_2(tmp_path):
     """A rank group per device is not built yet (one check for both kinds of split); nor are
     both kinds of split at once."""
     for args, message in [
-            (("--devices", "cpu:2", "--pipeline-parallel", "2"),
-             "engine.pipeline_parallel > 1 cannot be combined yet"),
-            (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "cannot both be above 1")]:
+        (
+            ("--devices", "cpu:2", "--pipeline-parallel", "2"),
+            "engine.pipeline_parallel > 1 cannot be combined yet",
+        ),
+        (("--tensor-parallel", "2", "--pipeline-parallel", "2"), "cannot both be above 1"),
+    ]:
         p = _mlxd("serve", *args, "--port", str(free_port()), env=_env(tmp_path))
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 2, out
@@ -241,8 +299,19 @@ def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):
     the model per core), and SIGTERM takes the cores down too."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port), "--api-workers", "2",
-              "--devices", "cpu:2", env=_env(tmp_path), start_new_session=True)
+    p = _mlxd(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        str(port),
+        "--api-workers",
+        "2",
+        "--devices",
+        "cpu:2",
+        env=_env(tmp_path),
+        start_new_session=True,
+    )
     core_pids: set[int] = set()
     try:
         _wait_healthy(url, p)
@@ -252,8 +321,7 @@ def test_api_workers_each_reach_every_engine_core(tmp_path, tiny_llama):
             with httpx.Client(timeout=10) as c:  # a new connection each time
                 h = c.get(url + "/health")
                 if h.status_code == 200:
-                    seen[h.json()["frontend_pid"]] = [
-                        c["pid"] for c in h.json()["engine_cores"]]
+                    seen[h.json()["frontend_pid"]] = [c["pid"] for c in h.json()["engine_cores"]]
         assert len(seen) == 2
         views = list(seen.values())
         assert views[0] == views[1] and len(set(views[0])) == 2
@@ -281,16 +349,24 @@ def test_allowed_origins_and_hosts_flags(tmp_path, tiny_llama):
     url = f"http://127.0.0.1:{port}"
     env = _env(tmp_path)
     env["MLXD_SERVER__ALLOWED_ORIGINS"] = "http://env.example"  # the flag wins
-    p = _mlxd("serve", "--model", str(tiny_llama), "--port", str(port),
-              "--allowed-origins", "http://app.example, https://ui.example:8443",
-              "--allowed-hosts", "mlxd.example.com,*.lan", env=env)
+    p = _mlxd(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        str(port),
+        "--allowed-origins",
+        "http://app.example, https://ui.example:8443",
+        "--allowed-hosts",
+        "mlxd.example.com,*.lan",
+        env=env,
+    )
     try:
         _wait_healthy(url, p)
         with httpx.Client(base_url=url, timeout=30) as c:
             for origin in ("http://app.example", "https://ui.example:8443"):
                 r = c.get("/v1/models", headers={"Origin": origin})
-                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == \
-                    origin
+                assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
             for origin in ("http://env.example", "http://evil.example"):
                 assert c.get("/v1/models", headers={"Origin": origin}).status_code == 403
             for host in ("mlxd.example.com:8000", "box.lan", f"localhost:{port}"):
@@ -300,8 +376,14 @@ def test_allowed_origins_and_hosts_flags(tmp_path, tiny_llama):
     finally:
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
-    p = _mlxd("serve", "--allowed-hosts", "http://mlxd.example.com", "--port",
-              str(free_port()), env=_env(tmp_path))
+    p = _mlxd(
+        "serve",
+        "--allowed-hosts",
+        "http://mlxd.example.com",
+        "--port",
+        str(free_port()),
+        env=_env(tmp_path),
+    )
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 2, out
     assert "server.allowed_hosts" in out and "not a host name" in out

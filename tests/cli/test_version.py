@@ -23,7 +23,12 @@ def test_pyproject_takes_its_version_from_the_package():
 def test_both_cli_spellings_print_the_version(tmp_path):
     env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"))
     for args in (["--version"], ["version"]):
-        p = subprocess.run([sys.executable, "-m", "mlxd", *args], capture_output=True,
-                           text=True, env=env, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "mlxd", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert p.returncode == 0, p.stderr
         assert p.stdout.strip() == __version__

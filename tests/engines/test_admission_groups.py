@@ -27,8 +27,13 @@ def _bound(engine: LLMEngine, prompt_end: bool = True) -> LLMEngine:
 
 @pytest.fixture()
 def engine(tiny_llama) -> LLMEngine:
-    return _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
-        max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True)))
+    return _bound(
+        LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True),
+        )
+    )
 
 
 @pytest.fixture()
@@ -49,8 +54,9 @@ def groups(monkeypatch) -> list[list[int]]:
 
 
 def _seq(engine: LLMEngine, text: str, n: int = 6):
-    s = engine.new_sequence(engine.encode_prompt(text), SamplingParams(max_tokens=n,
-                                                                       temperature=0.0))
+    s = engine.new_sequence(
+        engine.encode_prompt(text), SamplingParams(max_tokens=n, temperature=0.0)
+    )
     engine.add(s)
     s.t_added = time.monotonic() - 1.0  # waited long enough: no coalescing delay
     return s
@@ -95,14 +101,21 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(tin
     """mlx-lm's path: the step after a group's prefill moves that group into the decode
     batch; a newcomer arriving then stays out of mlx-lm's prompt batch for that step and
     is prefilled in the next one, alone in a clean group."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
-        max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True)), prompt_end=False)
+    engine = _bound(
+        LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(max_num_seqs=8, prefix_cache_bytes=0, clean_prefill_groups=True),
+        ),
+        prompt_end=False,
+    )
     seen: dict[int, list[int]] = {}
     first = [_seq(engine, "the river runs"), _seq(engine, "a city of music")]
     _step(engine, seen)  # admitted and prefilled up to their last tokens
     prompting = engine._gen._currently_processing
-    assert len(prompting) == 2 and all(rows[0] == [rows[0][0]] and len(rows[0][0]) == 1
-                                       for rows in prompting)
+    assert len(prompting) == 2 and all(
+        rows[0] == [rows[0][0]] and len(rows[0][0]) == 1 for rows in prompting
+    )
     late = _seq(engine, "winter morning in the library")
     _step(engine, seen)  # the group joins the decode batch; the newcomer is held
     assert late.uid == -1 and late in engine._pending
@@ -122,9 +135,19 @@ def test_a_newcomer_waits_while_the_prefilled_group_joins_then_forms_its_own(tin
 @pytest.mark.parametrize("prompt_end", [True, False])
 def test_a_prompt_mid_prefill_holds_nobody(tiny_llama, prompt_end):
     """A prompt longer than a prefill chunk is still being prefilled: newcomers join it."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
-        max_num_seqs=8, prefill_step_size=16, prefix_cache_bytes=0,
-        clean_prefill_groups=True)), prompt_end)
+    engine = _bound(
+        LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(
+                max_num_seqs=8,
+                prefill_step_size=16,
+                prefix_cache_bytes=0,
+                clean_prefill_groups=True,
+            ),
+        ),
+        prompt_end,
+    )
     long = _seq(engine, " ".join(["ocean garden market"] * 20))
     seen: dict[int, list[int]] = {}
     _step(engine, seen)  # the first 16-token chunk
@@ -142,8 +165,14 @@ def test_mlx_lm_gets_no_more_than_one_prefill_group_at_a_time(tiny_llama, groups
     (not in mlx-lm's own queue, whence they would be merged into the first group's
     joining step), and go in as the next clean group once the first has joined: in the
     next step when the group joined in its prefill step, the one after on mlx-lm's path."""
-    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
-        max_num_seqs=16, prefix_cache_bytes=0, clean_prefill_groups=True)), prompt_end)
+    engine = _bound(
+        LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(max_num_seqs=16, prefix_cache_bytes=0, clean_prefill_groups=True),
+        ),
+        prompt_end,
+    )
     seen: dict[int, list[int]] = {}
     seqs = [_seq(engine, f"story {i} of the ocean") for i in range(12)]
     _step(engine, seen)
@@ -184,14 +213,16 @@ def test_an_idle_batch_takes_a_burst_as_one_group(engine, groups, monkeypatch):
     from mlxd.engines import llm
 
     now = [1000.0]
-    monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
-                                                     perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        llm, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
+    )
     gap = llm.BURST_GAP_S
     engine._step_ema = 0.010  # a 10 ms decode step: held at most 20 ms
 
     def arrive(text: str):
-        s = engine.new_sequence(engine.encode_prompt(text),
-                                SamplingParams(max_tokens=4, temperature=0.0))
+        s = engine.new_sequence(
+            engine.encode_prompt(text), SamplingParams(max_tokens=4, temperature=0.0)
+        )
         engine.add(s)
         return s
 
@@ -220,27 +251,37 @@ def test_an_idle_batch_takes_a_burst_as_one_group(engine, groups, monkeypatch):
     assert groups[-1] == [lone.uid] and len(groups) == 2
 
 
-def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, groups,
-                                                                 monkeypatch):
+def test_a_burst_that_never_pauses_is_held_no_longer_than_the_cap(tiny_llama, groups, monkeypatch):
     """Arrivals closer than the gap for longer than the cap (two decode steps): the first
     has waited the cap, and everything that came goes in as one group."""
     from types import SimpleNamespace
 
     from mlxd.engines import llm
 
-    engine = _bound(LLMEngine("tiny", tiny_llama, TextEngineOptions(
-        max_num_seqs=16, prefill_batch_size=16, prefix_cache_bytes=0,
-        clean_prefill_groups=True)))
+    engine = _bound(
+        LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(
+                max_num_seqs=16,
+                prefill_batch_size=16,
+                prefix_cache_bytes=0,
+                clean_prefill_groups=True,
+            ),
+        )
+    )
     now = [1000.0]
-    monkeypatch.setattr(llm, "time", SimpleNamespace(monotonic=lambda: now[0],
-                                                     perf_counter=time.perf_counter))
+    monkeypatch.setattr(
+        llm, "time", SimpleNamespace(monotonic=lambda: now[0], perf_counter=time.perf_counter)
+    )
     engine._step_ema = 0.010  # the cap: two decode steps, 20 ms
     seqs = []
     for i in range(10):  # one every 2 ms for 18 ms
         if i:
             now[0] += 0.002
-        seqs.append(engine.new_sequence(engine.encode_prompt(f"story {i}"),
-                                        SamplingParams(max_tokens=2)))
+        seqs.append(
+            engine.new_sequence(engine.encode_prompt(f"story {i}"), SamplingParams(max_tokens=2))
+        )
         engine.add(seqs[-1])
         assert not engine.has_work()
     now[0] = 1000.0205  # 20 ms after the first, 2.5 after the last

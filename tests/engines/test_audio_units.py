@@ -31,21 +31,25 @@ def test_segments_without_timestamps_or_a_closing_one_run_to_the_window_end():
     assert split_segments([TS, TS + 10], TS, EOT, 4.0) == []
 
 
-@pytest.mark.parametrize("text, limit, want", [
-    ("One. Two! Three?", 300, ["One. Two! Three?"]),
-    ("First sentence here. Second one here.", 25, ["First sentence here.", "Second one here."]),
-    ("a" * 10 + " " + "b" * 10, 12, ["a" * 10, "b" * 10]),
-    ("x" * 30, 12, ["x" * 12, "x" * 12, "x" * 6]),
-    ("  Line one\nLine two  ", 9, ["Line one", "Line two"]),
-])
+@pytest.mark.parametrize(
+    "text, limit, want",
+    [
+        ("One. Two! Three?", 300, ["One. Two! Three?"]),
+        ("First sentence here. Second one here.", 25, ["First sentence here.", "Second one here."]),
+        ("a" * 10 + " " + "b" * 10, 12, ["a" * 10, "b" * 10]),
+        ("x" * 30, 12, ["x" * 12, "x" * 12, "x" * 6]),
+        ("  Line one\nLine two  ", 9, ["Line one", "Line two"]),
+    ],
+)
 def test_split_text(text, limit, want):
     out = split_text(text, limit)
     assert out == want and all(len(p) <= limit for p in out)
 
 
 def _tone(seconds: float, rate: int) -> np.ndarray:
-    return (0.3 * np.sin(2 * np.pi * 440 * np.arange(int(seconds * rate)) / rate)
-            ).astype(np.float32)
+    return (0.3 * np.sin(2 * np.pi * 440 * np.arange(int(seconds * rate)) / rate)).astype(
+        np.float32
+    )
 
 
 @pytest.mark.parametrize("fmt", ["wav", "mp3", "flac", "opus", "aac"])
@@ -84,13 +88,14 @@ RATE = 1000  # window_bounds works in samples: a low rate keeps these arrays sma
 def _steady(seconds: float) -> np.ndarray:
     """A tone with a little noise: no stretch of it is quieter than the rest."""
     t = np.arange(int(seconds * RATE)) / RATE
-    return (0.3 * np.sin(2 * np.pi * 97 * t)
-            + 0.01 * np.random.RandomState(0).randn(t.size)).astype(np.float32)
+    return (
+        0.3 * np.sin(2 * np.pi * 97 * t) + 0.01 * np.random.RandomState(0).randn(t.size)
+    ).astype(np.float32)
 
 
 def _with_gap(seconds: float, at: float, length: float, level: float = 0.0) -> np.ndarray:
     x = _steady(seconds)
-    x[int(at * RATE):int((at + length) * RATE)] *= level
+    x[int(at * RATE) : int((at + length) * RATE)] *= level
     return x
 
 
@@ -109,8 +114,7 @@ def test_window_bounds_cut_in_a_pause_of_the_last_seconds():
     from mlxd.frontend.audio import window_bounds
 
     # a 0.1 s silence at 27.0 s: its middle is the cut, and the next window starts there
-    assert window_bounds(_with_gap(40, 27.0, 0.1), RATE, 30, 5) == \
-        [(0, 27050), (27050, 40 * RATE)]
+    assert window_bounds(_with_gap(40, 27.0, 0.1), RATE, 30, 5) == [(0, 27050), (27050, 40 * RATE)]
     # a quieter stretch (-20 dB) counts as a pause too; the cuts chain over a long file
     # (the second window, 26.05 s to at most 56.05 s, finds the silence at 54 s)
     x = np.concatenate([_with_gap(28, 26.0, 0.1, level=0.1), _with_gap(40, 26.0, 0.1)])

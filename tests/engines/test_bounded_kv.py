@@ -13,12 +13,15 @@ from mlxd.engines.options import TextEngineOptions
 BOUND = 64
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
-         ) -> tuple[list[list[int]], set[str], int]:
+def _run(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], set[str], int]:
     """Generate greedily; (tokens per prompt, the batch's cache classes, peak KV bytes
     once every row is decoding)."""
-    seqs = [engine.new_sequence(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            for p in prompts]
+    seqs = [
+        engine.new_sequence(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        for p in prompts
+    ]
     out: dict[int, list[int]] = {id(s): [] for s in seqs}
     for s in seqs:
         s.handle = None
@@ -55,7 +58,7 @@ def test_the_bound_holds_in_a_batch(engines):
     assert hasattr(bounded.model, "make_cache")  # the case mlx-lm's own bound skipped
     long = bounded.encode_prompt("the quick brown fox jumps over the lazy dog " * 8)
     assert len(long) > 2 * BOUND
-    prompts = [long, long[:BOUND + 10], bounded.encode_prompt("Hi")]
+    prompts = [long, long[: BOUND + 10], bounded.encode_prompt("Hi")]
     toks, classes, peak = _run(bounded, prompts, 60)
     _, plain_classes, plain_peak = _run(plain, prompts, 60)
     assert classes == {"BatchRotatingKVCache"} and "BatchRotatingKVCache" not in plain_classes

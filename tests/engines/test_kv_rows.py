@@ -25,8 +25,12 @@ def _group(lengths: list[int], tag: float) -> BatchKVCache:
     longest = max(lengths)
     c = BatchKVCache([longest - n for n in lengths])
     if longest:
-        k = mx.arange(len(lengths) * H * longest * D, dtype=mx.float32).reshape(
-            len(lengths), H, longest, D) + tag
+        k = (
+            mx.arange(len(lengths) * H * longest * D, dtype=mx.float32).reshape(
+                len(lengths), H, longest, D
+            )
+            + tag
+        )
         c.update_and_fetch(k, -k)
     return c
 
@@ -34,10 +38,14 @@ def _group(lengths: list[int], tag: float) -> BatchKVCache:
 def _rows(c: BatchKVCache, n: int) -> list[np.ndarray]:
     """Each live row's positions from its start to the end index, keys and values."""
     lp = c.left_padding.tolist()
-    k, v = c.keys_and_values() if isinstance(c, RowPoolKVCache) else (
-        c.keys[..., :c._idx, :], c.values[..., :c._idx, :])
-    return [np.concatenate([np.array(k[i, :, lp[i]:]), np.array(v[i, :, lp[i]:])])
-            for i in range(n)]
+    k, v = (
+        c.keys_and_values()
+        if isinstance(c, RowPoolKVCache)
+        else (c.keys[..., : c._idx, :], c.values[..., : c._idx, :])
+    )
+    return [
+        np.concatenate([np.array(k[i, :, lp[i] :]), np.array(v[i, :, lp[i] :])]) for i in range(n)
+    ]
 
 
 def _same(ours: BatchKVCache, theirs: BatchKVCache) -> None:
@@ -80,8 +88,10 @@ def test_the_pool_holds_what_mlx_lm_holds_through_joins_leaves_and_steps(seed):
         n = theirs.offset.shape[0]
         op = rng.random()
         if op < 0.3:
-            lengths = [rng.randint(1, 12) if rng.random() < 0.85 else rng.randint(200, 300)
-                       for _ in range(rng.randint(1, 4))]
+            lengths = [
+                rng.randint(1, 12) if rng.random() < 0.85 else rng.randint(200, 300)
+                for _ in range(rng.randint(1, 4))
+            ]
             tag += 1000.0
             capacity = ours.capacity if isinstance(ours, RowPoolKVCache) else -1
             before = ours
@@ -147,16 +157,17 @@ def model_and_tokenizer(tiny_llama):
     return load(str(tiny_llama))
 
 
-def test_a_batch_joined_and_left_all_the_time_decodes_what_mlx_lm_decodes(
-        model_and_tokenizer):
+def test_a_batch_joined_and_left_all_the_time_decodes_what_mlx_lm_decodes(model_and_tokenizer):
     """Requests of different lengths arrive every few steps and finish at different
     steps, so the decode batch is joined and left over and over: the same greedy tokens
     as mlx-lm's own batch, and the joins after the first land in spare rows."""
     model, tok = model_and_tokenizer
     words = "the river runs to the sea a city of music and light winter morning".split()
     rng = random.Random(7)
-    plan = [(step, tok.encode(" ".join(rng.sample(words, rng.randint(1, 9)))),
-             rng.randint(3, 14)) for step in range(0, 40, 3)]
+    plan = [
+        (step, tok.encode(" ".join(rng.sample(words, rng.randint(1, 9)))), rng.randint(3, 14))
+        for step in range(0, 40, 3)
+    ]
     kw = dict(prefill_step_size=16, completion_batch_size=16, prefill_batch_size=4)
     results = []
     for cls in (ServingBatchGenerator, BatchGenerator):
@@ -172,8 +183,9 @@ def test_a_batch_joined_and_left_all_the_time_decodes_what_mlx_lm_decodes(
                 out[r.uid].append(r.token)
             caches = gen._generation_batch.prompt_cache
             pooled += bool(caches) and isinstance(caches[0], RowPoolKVCache)
-            if step > 40 and all(len(v) == n for v, (_, _, n) in zip(
-                    out.values(), plan, strict=True)):
+            if step > 40 and all(
+                len(v) == n for v, (_, _, n) in zip(out.values(), plan, strict=True)
+            ):
                 break
         results.append((list(out.values()), pooled))
     (ours, pooled), (theirs, _) = results

@@ -21,7 +21,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def run(splitter: OutputSplitter, text: str, chunk: int) -> tuple[str, str, list]:
     content, reasoning, calls = [], [], []
     for i in range(0, len(text), chunk):
-        c, r, k = splitter.feed(text[i:i + chunk])
+        c, r, k = splitter.feed(text[i : i + chunk])
         content.append(c)
         reasoning.append(r)
         calls.extend(k)
@@ -76,9 +76,17 @@ def test_parallel_off_keeps_the_first_call_and_no_tools_means_no_parsing():
 def test_template_messages_and_the_fallback_syntax():
     history = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     fixed = template_messages(history)

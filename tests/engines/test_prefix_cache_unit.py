@@ -126,8 +126,7 @@ def test_an_insert_compares_only_entries_that_may_be_its_prefix(monkeypatch):
     assert len(pc) == 202
     calls = []
     real = prefix_cache.common_prefix
-    monkeypatch.setattr(prefix_cache, "common_prefix",
-                        lambda a, b: calls.append(1) or real(a, b))
+    monkeypatch.setattr(prefix_cache, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
     longer = boundary + [1, 2, 3]
     pc.insert(longer, kv(len(longer)))
     assert len(calls) <= 2  # `boundary` (and nothing of the 200 that share the preamble)

@@ -18,8 +18,9 @@ def kv(n: int, layers: int = 2, seed: int = 0) -> list[KVCache]:
     out = []
     for i in range(layers):
         c = KVCache()
-        c.keys = (mx.arange(n * 8, dtype=mx.float32).reshape(1, 2, n, 4) + seed + i) \
-            .astype(mx.bfloat16)
+        c.keys = (mx.arange(n * 8, dtype=mx.float32).reshape(1, 2, n, 4) + seed + i).astype(
+            mx.bfloat16
+        )
         c.values = c.keys * 2
         c.offset = n
         out.append(c)
@@ -191,16 +192,22 @@ def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama
     from mlxd.engines.llm import LLMEngine
 
     def engine() -> LLMEngine:
-        e = LLMEngine("m", tiny_llama, TextEngineOptions(
-            prefix_cache_bytes=1 << 26, prefix_cache_dir=tmp_path,
-            prefix_cache_disk_bytes=1 << 26, prefix_cache_disk_min_tokens=32,
-            prefix_cache_disk_writes="all"))  # the first, one-off request too
+        e = LLMEngine(
+            "m",
+            tiny_llama,
+            TextEngineOptions(
+                prefix_cache_bytes=1 << 26,
+                prefix_cache_dir=tmp_path,
+                prefix_cache_disk_bytes=1 << 26,
+                prefix_cache_disk_min_tokens=32,
+                prefix_cache_disk_writes="all",
+            ),
+        )  # the first, one-off request too
         e.bind()
         return e
 
     def run(e: LLMEngine, prompts: list[list[int]], settle=None) -> None:
-        seqs = [e.new_sequence(p, SamplingParams(max_tokens=2, temperature=0.0))
-                for p in prompts]
+        seqs = [e.new_sequence(p, SamplingParams(max_tokens=2, temperature=0.0)) for p in prompts]
         for s in seqs:
             s.handle = None
             e.add(s)
@@ -223,8 +230,11 @@ def test_a_newcomer_shares_a_finished_read_not_yet_taken_in(tmp_path, tiny_llama
         assert second.disk.stats()["entries"] == 1
         on_disk = second.disk.stats()["bytes"]
         # each newcomer is added only once the reads in flight are done
-        run(second, [prompt + [5, 6], prompt + [7, 8]],
-            settle=lambda: [f.result(10) for _, f in second._loading])
+        run(
+            second,
+            [prompt + [5, 6], prompt + [7, 8]],
+            settle=lambda: [f.result(10) for _, f in second._loading],
+        )
         st = second.disk.stats()
         assert st["hits"] == 2 and st["bytes_read"] == on_disk
     finally:
@@ -246,8 +256,7 @@ def test_a_write_compares_only_entries_near_its_prefix(tmp_path, monkeypatch):
     assert d.stats()["entries"] == 31
     calls = []
     real = prefix_disk.common_prefix
-    monkeypatch.setattr(prefix_disk, "common_prefix",
-                        lambda a, b: calls.append(1) or real(a, b))
+    monkeypatch.setattr(prefix_disk, "common_prefix", lambda a, b: calls.append(1) or real(a, b))
     write(d, preamble + list(range(40)) + [4] * 40)  # differs from `near` in its last 10
     assert d.stats()["entries"] == 31  # `near` went
     assert len(calls) <= 2

@@ -30,10 +30,12 @@ def _second_best(logprobs: mx.array) -> mx.array:
 def _run(gen, prompts, late, processors):
     """Per uid: (tokens, the first token's logprobs, the step of the first token); ``late``
     is inserted at the first step that answers."""
-    samplers = [make_sampler(temp=0.0), _second_best] * (len(prompts) // 2) + \
-        [make_sampler(temp=0.0)] * (len(prompts) % 2)
-    uids = gen.insert(prompts, max_tokens=[6] * len(prompts), samplers=samplers,
-                      logits_processors=processors)
+    samplers = [make_sampler(temp=0.0), _second_best] * (len(prompts) // 2) + [
+        make_sampler(temp=0.0)
+    ] * (len(prompts) % 2)
+    uids = gen.insert(
+        prompts, max_tokens=[6] * len(prompts), samplers=samplers, logits_processors=processors
+    )
     out: dict[int, list] = {u: [[], None, None] for u in uids}
     step = 0
     while late is not None or any(len(v[0]) < 6 for v in out.values()):
@@ -57,14 +59,17 @@ def _counting_model_calls(monkeypatch, model) -> list[int]:
     calls: list[int] = []
     cls = type(model)
     real = cls.__call__
-    monkeypatch.setattr(cls, "__call__",
-                        lambda self, x, *a, **k: (calls.append(x.shape[0]),
-                                                  real(self, x, *a, **k))[1])
+    monkeypatch.setattr(
+        cls,
+        "__call__",
+        lambda self, x, *a, **k: (calls.append(x.shape[0]), real(self, x, *a, **k))[1],
+    )
     return calls
 
 
-def test_first_tokens_are_mlx_lms_with_a_pass_fewer_and_a_step_sooner(model_and_tokenizer,
-                                                                      monkeypatch):
+def test_first_tokens_are_mlx_lms_with_a_pass_fewer_and_a_step_sooner(
+    model_and_tokenizer, monkeypatch
+):
     """Prompts of other lengths (right padding), one over three prefill chunks (it goes on
     while the others start: mlx-lm's split), a one-token prompt, a newcomer while the batch
     decodes; greedy rows and a sampler of another kind per row (mlx-lm's per-row path); a
@@ -72,14 +77,19 @@ def test_first_tokens_are_mlx_lms_with_a_pass_fewer_and_a_step_sooner(model_and_
     mlx-lm's batch, the processors saw the same contexts, every first token came a step
     sooner, and each group ran one forward pass fewer."""
     model, tok = model_and_tokenizer
-    prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
-               tok.encode(" ".join(["ocean garden market"] * 12)), tok.encode("x")[:1]]
+    prompts = [
+        tok.encode("the river runs to the sea"),
+        tok.encode("a city"),
+        tok.encode(" ".join(["ocean garden market"] * 12)),
+        tok.encode("x")[:1],
+    ]
     late = tok.encode("winter morning in the library")
-    kw = dict(max_tokens=6, prefill_step_size=16, completion_batch_size=8,
-              prefill_batch_size=4)
+    kw = dict(max_tokens=6, prefill_step_size=16, completion_batch_size=8, prefill_batch_size=4)
     results, contexts, passes = {}, {}, {}
-    for name, gen in (("mlx-lm", BatchGenerator(model, **kw)),
-                      ("ours", ServingBatchGenerator(model, prompt_end=True, **kw))):
+    for name, gen in (
+        ("mlx-lm", BatchGenerator(model, **kw)),
+        ("ours", ServingBatchGenerator(model, prompt_end=True, **kw)),
+    ):
         seen: list[list[int]] = []
 
         def recording(context, logits, seen=seen):
@@ -116,8 +126,9 @@ def test_a_bounded_batch_decodes_alike(model_and_tokenizer):
     assert len(long) > 64
     out = {}
     for prompt_end in (True, False):
-        gen = BoundedBatchGenerator(model, max_kv_size=32, prompt_end=prompt_end,
-                                    max_tokens=12, prefill_step_size=16)
+        gen = BoundedBatchGenerator(
+            model, max_kv_size=32, prompt_end=prompt_end, max_tokens=12, prefill_step_size=16
+        )
         uids = gen.insert(prompts, max_tokens=[12] * 3)
         got: dict[int, list[int]] = {u: [] for u in uids}
         while any(len(v) < 12 for v in got.values()):
@@ -127,8 +138,7 @@ def test_a_bounded_batch_decodes_alike(model_and_tokenizer):
     assert out[True] == out[False]
 
 
-def test_which_models_take_their_first_token_from_the_prefill(model_and_tokenizer,
-                                                              tiny_qwen2):
+def test_which_models_take_their_first_token_from_the_prefill(model_and_tokenizer, tiny_qwen2):
     model, _ = model_and_tokenizer
     assert supports_prompt_end(model)
     assert supports_prompt_end(load(str(tiny_qwen2))[0])
@@ -158,6 +168,7 @@ def test_which_models_take_their_first_token_from_the_prefill(model_and_tokenize
 
         def make_cache(self):
             from mlx_lm.models.cache import make_prompt_cache
+
             return make_prompt_cache(self.inner)
 
     mixing = Mixing(model)

@@ -42,19 +42,20 @@ def test_same_tokens_as_mlx_lm_across_padding_and_chunks(model_and_tokenizer, pr
     (several chunks), plus a newcomer prefilled while the batch decodes; with the first
     token from mlx-lm's pass of the last prompt token, and from the prefill pass."""
     model, tok = model_and_tokenizer
-    prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
-               tok.encode(" ".join(["ocean garden market"] * 12))]
+    prompts = [
+        tok.encode("the river runs to the sea"),
+        tok.encode("a city"),
+        tok.encode(" ".join(["ocean garden market"] * 12)),
+    ]
     late = tok.encode("winter morning in the library")
-    kw = dict(max_tokens=8, prefill_step_size=16, completion_batch_size=8,
-              prefill_batch_size=4)
+    kw = dict(max_tokens=8, prefill_step_size=16, completion_batch_size=8, prefill_batch_size=4)
     ours = _run(ServingBatchGenerator(model, prompt_end=prompt_end, **kw), prompts, late)
     theirs = _run(BatchGenerator(model, **kw), prompts, late)
     assert list(ours.values()) == list(theirs.values())
     assert all(len(v) == 8 for v in ours.values())
 
 
-def test_a_prefill_beside_a_running_batch_keeps_the_buffer_cache(model_and_tokenizer,
-                                                                 monkeypatch):
+def test_a_prefill_beside_a_running_batch_keeps_the_buffer_cache(model_and_tokenizer, monkeypatch):
     model, tok = model_and_tokenizer
     cached = {}
     for cls in (BatchGenerator, ServingBatchGenerator):
@@ -90,8 +91,10 @@ def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
 
     engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
     engine.bind()
-    seq = engine.new_sequence(engine.encode_prompt("the river runs to the sea"),
-                              SamplingParams(max_tokens=6, temperature=0.0))
+    seq = engine.new_sequence(
+        engine.encode_prompt("the river runs to the sea"),
+        SamplingParams(max_tokens=6, temperature=0.0),
+    )
     engine.add(seq)
     held = []
     while not seq.finished:  # (on a GPU an idle batch first waits out a burst: 3 ms)
@@ -102,8 +105,13 @@ def test_the_engine_clears_the_buffer_cache_when_its_batch_runs_dry(tiny_llama):
     assert mx.get_cache_memory() == 0
 
 
-def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
-                late: list[int] | None = None, cancel_at: int | None = None):
+def _decode_all(
+    gen,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    late: list[int] | None = None,
+    cancel_at: int | None = None,
+):
     """Every response per uid (token, finish, all_tokens, the finished row's KV as
     arrays), with ``late`` inserted at the first finish and the last prompt's row removed
     (a client gone) at step ``cancel_at``."""
@@ -119,8 +127,10 @@ def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
             out[r.uid].append((r.token, r.finish_reason))
             if r.finish_reason is not None:
                 live.discard(r.uid)
-                kv[r.uid] = (r.all_tokens,  # as handed over, compared at the end
-                             [mx.array(c.state[0]) for c in r.prompt_cache])
+                kv[r.uid] = (
+                    r.all_tokens,  # as handed over, compared at the end
+                    [mx.array(c.state[0]) for c in r.prompt_cache],
+                )
                 if late is not None:
                     (u,) = gen.insert([late], max_tokens=[5])
                     out[u], late = [], None
@@ -133,7 +143,8 @@ def _decode_all(gen, prompts: list[list[int]], max_tokens: list[int],
 
 @pytest.mark.parametrize("prompt_end", [False, True])
 def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
-        model_and_tokenizer, monkeypatch, prompt_end):
+    model_and_tokenizer, monkeypatch, prompt_end
+):
     """``defer_leaves`` (a GPU's default): rows that finish one by one stay in the decode
     batch until half of it is finished or newcomers join, so mlx-lm filters the batch
     (a host read that waits for the device) a few times instead of once per finish. What
@@ -142,28 +153,42 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
     from mlx_lm.generate import GenerationBatch
 
     model, tok = model_and_tokenizer
-    prompts = [tok.encode(t) for t in ("the river runs to the sea", "a city",
-                                       "winter morning in the library", "ocean garden",
-                                       "a story of light", "music at night", "old stones",
-                                       "the market opens")]
+    prompts = [
+        tok.encode(t)
+        for t in (
+            "the river runs to the sea",
+            "a city",
+            "winter morning in the library",
+            "ocean garden",
+            "a story of light",
+            "music at night",
+            "old stones",
+            "the market opens",
+        )
+    ]
     max_tokens = [3, 4, 5, 6, 7, 8, 9, 10]
     filters = []
     real = GenerationBatch.filter
-    monkeypatch.setattr(GenerationBatch, "filter",
-                        lambda self, keep: (filters.append(len(keep)), real(self, keep))[1])
+    monkeypatch.setattr(
+        GenerationBatch,
+        "filter",
+        lambda self, keep: (filters.append(len(keep)), real(self, keep))[1],
+    )
     kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
     results = {}
-    for name, gen in (("mlx-lm", BatchGenerator(model, **kw)),
-                      ("deferred", ServingBatchGenerator(model, defer_leaves=True,
-                                                         prompt_end=prompt_end, **kw))):
+    for name, gen in (
+        ("mlx-lm", BatchGenerator(model, **kw)),
+        ("deferred", ServingBatchGenerator(model, defer_leaves=True, prompt_end=prompt_end, **kw)),
+    ):
         filters.clear()
         alone = _decode_all(gen, prompts, max_tokens)
         n_alone = len(filters)
         joined = _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one"))
         # the same point of the rows' decoding: a step sooner where first tokens come
         # from the prefill pass
-        cancelled = _decode_all(gen, prompts, max_tokens,
-                                cancel_at=4 - (name == "deferred" and prompt_end))
+        cancelled = _decode_all(
+            gen, prompts, max_tokens, cancel_at=4 - (name == "deferred" and prompt_end)
+        )
         if name == "deferred":
             assert len(gen._generation_batch) == 0
         results[name] = (alone, joined, cancelled, n_alone)
@@ -174,8 +199,10 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
         for uid, (tokens, keys) in our_kv.items():
             assert tokens == their_kv[uid][0]
             # equal up to float rounding: a batch of another size may round differently
-            assert all(a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
-                       for a, b in zip(keys, their_kv[uid][1], strict=True))
+            assert all(
+                a.shape == b.shape and mx.allclose(a, b, atol=1e-5).item()
+                for a, b in zip(keys, their_kv[uid][1], strict=True)
+            )
     # eight rows finishing one step apart: mlx-lm filters at every finish, the deferred
     # batch when half is finished (4 of 8), then at 2 of 4, 1 of 2 and the last
     assert results["mlx-lm"][3] == 8 and results["deferred"][3] == 4
@@ -184,10 +211,12 @@ def test_finished_rows_left_in_the_batch_change_nothing_but_the_reshapes(
 def test_finished_rows_are_not_counted_as_running(model_and_tokenizer):
     """The batch's length (what mlx-lm's scheduler and the engine read) is its live rows."""
     model, tok = model_and_tokenizer
-    gen = ServingBatchGenerator(model, defer_leaves=True, max_tokens=8,
-                                completion_batch_size=8, prefill_batch_size=8)
-    gen.insert([tok.encode(t) for t in ("one", "two two", "three three three")],
-               max_tokens=[2, 6, 6])
+    gen = ServingBatchGenerator(
+        model, defer_leaves=True, max_tokens=8, completion_batch_size=8, prefill_batch_size=8
+    )
+    gen.insert(
+        [tok.encode(t) for t in ("one", "two two", "three three three")], max_tokens=[2, 6, 6]
+    )
     while True:
         _, responses = gen.next()
         if any(r.finish_reason for r in responses):
@@ -196,20 +225,31 @@ def test_finished_rows_are_not_counted_as_running(model_and_tokenizer):
     assert len(batch.uids) == 3 and len(batch) == 2  # one finished row still held
 
 
-def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_alike(
-        tiny_llama):
+def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_alike(tiny_llama):
     """Through LLMEngine: rows finishing one by one with ``defer_leaves`` on, then each
     one's next turn served from the prefix cache, decode what they decode with it off."""
     from mlxd.core.types import SamplingParams
     from mlxd.engines.llm import LLMEngine
 
     def run(defer: bool) -> list[list[int]]:
-        engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(
-            max_num_seqs=8, prefix_cache_bytes=1 << 26, prefix_cache_min_tokens=4,
-            defer_leaves=defer))
+        engine = LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(
+                max_num_seqs=8,
+                prefix_cache_bytes=1 << 26,
+                prefix_cache_min_tokens=4,
+                defer_leaves=defer,
+            ),
+        )
         engine.bind()
-        texts = ["the river runs to the sea", "a city of music", "winter morning",
-                 "ocean garden market", "a story of light and stone"]
+        texts = [
+            "the river runs to the sea",
+            "a city of music",
+            "winter morning",
+            "ocean garden market",
+            "a story of light and stone",
+        ]
         out = []
         for turn in range(2):
             seqs = []
@@ -217,8 +257,7 @@ def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_al
                 ids = engine.encode_prompt(text)
                 if turn:  # the first turn's prompt and reply, then more
                     ids = ids + out[i] + engine.encode_prompt(" and then")
-                seq = engine.new_sequence(ids, SamplingParams(max_tokens=3 + i,
-                                                              temperature=0.0))
+                seq = engine.new_sequence(ids, SamplingParams(max_tokens=3 + i, temperature=0.0))
                 engine.add(seq)
                 seqs.append(seq)
             got: dict[int, list[int]] = {}
@@ -236,7 +275,8 @@ def test_an_engine_leaving_finished_rows_in_the_batch_serves_the_prefix_cache_al
 
 
 def test_a_finished_row_held_in_the_batch_runs_no_processors_and_shares_a_sampler(
-        model_and_tokenizer):
+    model_and_tokenizer,
+):
     """A held row's processors (a grammar past its end would fail) are never called again,
     and its sampler becomes a live row's, which keeps mlx-lm's one batched sampler call."""
     from mlx_lm.sample_utils import make_sampler
@@ -248,15 +288,19 @@ def test_a_finished_row_held_in_the_batch_runs_no_processors_and_shares_a_sample
         def processor(tokens, logits):
             calls[name] += 1
             return logits
+
         return processor
 
     shared = make_sampler(temp=0.0)
-    gen = ServingBatchGenerator(model, defer_leaves=True, max_tokens=8,
-                                completion_batch_size=8, prefill_batch_size=8)
+    gen = ServingBatchGenerator(
+        model, defer_leaves=True, max_tokens=8, completion_batch_size=8, prefill_batch_size=8
+    )
     short, long_, other = gen.insert(
         [tok.encode("one"), tok.encode("two two"), tok.encode("three three three")],
-        max_tokens=[2, 6, 6], samplers=[make_sampler(temp=0.0), shared, shared],
-        logits_processors=[[counting("short")], [counting("long")], []])
+        max_tokens=[2, 6, 6],
+        samplers=[make_sampler(temp=0.0), shared, shared],
+        logits_processors=[[counting("short")], [counting("long")], []],
+    )
     finished = set()
     while len(finished) < 3:
         _, responses = gen.next()
@@ -277,8 +321,10 @@ def _budgeted(gen, prompts: list[list[int]], late: list[int], n: int = 8):
     tokens each step fed: (decode rows, prefill rows x longest chunk)."""
     steps: list[tuple[int, int]] = []
     real = gen.step_stats.record
-    gen.step_stats.record = lambda decode, prefill: (steps.append((decode, prefill)),
-                                                      real(decode, prefill))
+    gen.step_stats.record = lambda decode, prefill: (
+        steps.append((decode, prefill)),
+        real(decode, prefill),
+    )
     uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
     out: dict[int, list[int]] = {u: [] for u in uids}
     inserted = False
@@ -300,26 +346,40 @@ def test_greedy_tokens_are_the_same_under_any_step_budget(model_and_tokenizer, p
     tokens with no budget (mlx-lm's chunks), a large one and a tiny one, and every step
     of the budgeted runs within its budget, padding counted."""
     model, tok = model_and_tokenizer
-    prompts = [tok.encode("the river runs to the sea"), tok.encode("a city"),
-               tok.encode(" ".join(["ocean garden market"] * 12)),
-               tok.encode(" ".join(["winter morning"] * 20))]
+    prompts = [
+        tok.encode("the river runs to the sea"),
+        tok.encode("a city"),
+        tok.encode(" ".join(["ocean garden market"] * 12)),
+        tok.encode(" ".join(["winter morning"] * 20)),
+    ]
     late = tok.encode(" ".join(["a library of quiet rooms"] * 6))
-    kw = dict(max_tokens=8, prefill_step_size=64, completion_batch_size=8,
-              prefill_batch_size=4, prompt_end=prompt_end)
+    kw = dict(
+        max_tokens=8,
+        prefill_step_size=64,
+        completion_batch_size=8,
+        prefill_batch_size=4,
+        prompt_end=prompt_end,
+    )
     free, _ = _budgeted(ServingBatchGenerator(model, **kw), prompts, late)
-    theirs = _run(BatchGenerator(model, max_tokens=8, prefill_step_size=64,
-                                 completion_batch_size=8, prefill_batch_size=4),
-                  prompts, late)
+    theirs = _run(
+        BatchGenerator(
+            model, max_tokens=8, prefill_step_size=64, completion_batch_size=8, prefill_batch_size=4
+        ),
+        prompts,
+        late,
+    )
     assert free == list(theirs.values())
     for budget in (4096, 40, 20):
-        got, steps = _budgeted(ServingBatchGenerator(model, max_step_tokens=budget, **kw),
-                               prompts, late)
+        got, steps = _budgeted(
+            ServingBatchGenerator(model, max_step_tokens=budget, **kw), prompts, late
+        )
         assert got == free, budget
         assert all(len(v) == 8 for v in got)
         # decode rows first: a step's prefill fills what is left, and never less than
         # the least chunk a prompt gets
-        over = [(d, p) for d, p in steps
-                if d + p > max(budget, d + serving_batch.MIN_PREFILL_TOKENS)]
+        over = [
+            (d, p) for d, p in steps if d + p > max(budget, d + serving_batch.MIN_PREFILL_TOKENS)
+        ]
         assert over == [], (budget, over)
         if budget == 20:  # the long prompts took many steps, prefill beside decode
             assert sum(1 for d, p in steps if p) > 2 * len(free[3]) // 20
@@ -327,16 +387,24 @@ def test_greedy_tokens_are_the_same_under_any_step_budget(model_and_tokenizer, p
 
 
 @pytest.mark.parametrize("prompt_end", [False, True])
-def test_the_budget_shares_a_step_among_the_prompts_being_prefilled(model_and_tokenizer,
-                                                                   prompt_end):
+def test_the_budget_shares_a_step_among_the_prompts_being_prefilled(
+    model_and_tokenizer, prompt_end
+):
     """Four long prompts at once under a budget of 64: each gets 16 tokens a step (one
     chunk length for all, the pass being padded to its longest), none waits for another."""
     model, tok = model_and_tokenizer
-    gen = ServingBatchGenerator(model, max_tokens=4, prefill_step_size=512,
-                                prefill_batch_size=4, prompt_end=prompt_end,
-                                max_step_tokens=64)
-    gen.insert([tok.encode(" ".join([w] * 30)) for w in ("ocean", "river", "sea", "lake")],
-               max_tokens=[4] * 4)
+    gen = ServingBatchGenerator(
+        model,
+        max_tokens=4,
+        prefill_step_size=512,
+        prefill_batch_size=4,
+        prompt_end=prompt_end,
+        max_step_tokens=64,
+    )
+    gen.insert(
+        [tok.encode(" ".join([w] * 30)) for w in ("ocean", "river", "sea", "lake")],
+        max_tokens=[4] * 4,
+    )
     prompt_responses, _ = gen.next()
     assert [r.progress[0] for r in prompt_responses] == [16, 16, 16, 16]
     assert gen.step_stats.largest_prefill_tokens == 64
@@ -346,15 +414,21 @@ def test_a_full_decode_batch_leaves_the_least_chunk_to_a_prompt(model_and_tokeni
     """Decode rows as many as the budget: a waiting prompt still gets its least chunk
     each step, and the prompt batch takes in no more newcomers than that feeds."""
     model, tok = model_and_tokenizer
-    gen = ServingBatchGenerator(model, max_tokens=40, prefill_step_size=512,
-                                prefill_batch_size=8, completion_batch_size=16,
-                                prompt_end=True)
+    gen = ServingBatchGenerator(
+        model,
+        max_tokens=40,
+        prefill_step_size=512,
+        prefill_batch_size=8,
+        completion_batch_size=16,
+        prompt_end=True,
+    )
     gen.insert([tok.encode(f"story {i}") for i in range(8)], max_tokens=[40] * 8)
     gen.next()
     assert len(gen._generation_batch) == 8
     gen.max_step_tokens = 8
-    gen.insert([tok.encode(" ".join(["ocean"] * 40)), tok.encode("a second one")],
-               max_tokens=[4, 4])
+    gen.insert(
+        [tok.encode(" ".join(["ocean"] * 40)), tok.encode("a second one")], max_tokens=[4, 4]
+    )
     prompt_responses, responses = gen.next()
     assert len(responses) == 8
     assert [r.progress[0] for r in prompt_responses] == [serving_batch.MIN_PREFILL_TOKENS]
@@ -369,8 +443,10 @@ def test_auto_is_a_number_per_backend_and_the_engine_shows_its_steps(tiny_llama)
 
     engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
     engine.bind()
-    seq = engine.new_sequence(engine.encode_prompt(" ".join(["ocean garden"] * 60)),
-                              SamplingParams(max_tokens=3, temperature=0.0))
+    seq = engine.new_sequence(
+        engine.encode_prompt(" ".join(["ocean garden"] * 60)),
+        SamplingParams(max_tokens=3, temperature=0.0),
+    )
     engine.add(seq)
     while not seq.finished:
         engine.step()
@@ -388,21 +464,36 @@ def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(ti
     from mlxd.core.types import SamplingParams
     from mlxd.engines.llm import LLMEngine
 
-    texts = [" ".join(["ocean garden market"] * 8), "the river runs to the sea " * 3,
-             " ".join(["winter morning library"] * 14)]
+    texts = [
+        " ".join(["ocean garden market"] * 8),
+        "the river runs to the sea " * 3,
+        " ".join(["winter morning library"] * 14),
+    ]
     got, stats = [], []
     for budget in (0, 24):
-        engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(
-            max_num_seqs=4, prefix_cache_bytes=0, speculative="prompt-lookup",
-            max_step_tokens=budget))
+        engine = LLMEngine(
+            "tiny",
+            tiny_llama,
+            TextEngineOptions(
+                max_num_seqs=4,
+                prefix_cache_bytes=0,
+                speculative="prompt-lookup",
+                max_step_tokens=budget,
+            ),
+        )
         engine.bind()
         steps: list[tuple[int, int]] = []
         real = engine._gen.step_stats.record
         engine._gen.step_stats.record = lambda d, p, real=real, steps=steps: (
-            steps.append((d, p)), real(d, p))
-        seqs = [engine.new_sequence(engine.encode_prompt(t),
-                                    SamplingParams(max_tokens=24, temperature=0.0))
-                for t in texts]
+            steps.append((d, p)),
+            real(d, p),
+        )
+        seqs = [
+            engine.new_sequence(
+                engine.encode_prompt(t), SamplingParams(max_tokens=24, temperature=0.0)
+            )
+            for t in texts
+        ]
         out: dict[int, list[int]] = {id(s): [] for s in seqs}
         for s in seqs:
             engine.add(s)

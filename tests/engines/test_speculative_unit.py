@@ -34,8 +34,9 @@ def _freq(tokens: np.ndarray) -> np.ndarray:
     return np.bincount(tokens, minlength=V) / max(len(tokens), 1)
 
 
-def _emitted(drafts: np.ndarray, accepted: np.ndarray, nxt: np.ndarray, pos: int
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _emitted(
+    drafts: np.ndarray, accepted: np.ndarray, nxt: np.ndarray, pos: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ``pos`` of each row's output (drafts[:a] + [next]) where the row has one."""
     has = accepted >= pos
     tok = np.where(accepted > pos, drafts[:, min(pos, drafts.shape[1] - 1)], nxt)
@@ -53,9 +54,13 @@ def test_rejection_sampling_follows_the_target_distribution(one_hot):
     else:
         drafts = np.stack([rng.choice(V, size=N, p=q[0]), rng.choice(V, size=N, p=q[1])], 1)
         q_arg = mx.broadcast_to(mx.array(q, dtype=mx.float32)[None], (N, 2, V))
-    acc, nxt = verify_sampled(mx.broadcast_to(mx.array(p, dtype=mx.float32)[None], (N, 3, V)),
-                              mx.array(drafts), mx.full((N,), 2, dtype=mx.int32), q=q_arg,
-                              key=mx.random.key(1))
+    acc, nxt = verify_sampled(
+        mx.broadcast_to(mx.array(p, dtype=mx.float32)[None], (N, 3, V)),
+        mx.array(drafts),
+        mx.full((N,), 2, dtype=mx.int32),
+        q=q_arg,
+        key=mx.random.key(1),
+    )
     acc, nxt = np.array(acc), np.array(nxt)
     first, _ = _emitted(drafts, acc, nxt, 0)
     assert np.abs(_freq(first) - p[0]).max() < 0.006
@@ -70,13 +75,17 @@ def test_rejection_sampling_follows_the_target_distribution(one_hot):
     assert abs((acc >= 1).mean() - expected) < 0.006
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7),
-    SamplingParams(temperature=1.3, top_p=0.8),
-    SamplingParams(temperature=0.9, top_k=3),
-    SamplingParams(temperature=1.0, min_p=0.2),
-    SamplingParams(temperature=0.6, top_k=6, top_p=0.9, min_p=0.05),
-], ids=["temperature", "top_p", "top_k", "min_p", "all"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=3),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.6, top_k=6, top_p=0.9, min_p=0.05),
+    ],
+    ids=["temperature", "top_p", "top_k", "min_p", "all"],
+)
 def test_sampling_probs_is_the_distribution_the_sampler_draws_from(params):
     """Verification accepts drafts against ``sampling_probs``; if it differed from what the
     row's own sampler draws from (filter order, temperature before or after top_p...),
@@ -213,7 +222,7 @@ def test_rolling_rows_back_leaves_the_cache_of_the_accepted_tokens(tiny):
     got = model(nxt, cache=caches)[:, -1]
     for i, (r, v, d) in enumerate(zip(rows, verify, drop, strict=True)):
         ref = make_prompt_cache(model)
-        kept = r + v[:len(v) - d]
+        kept = r + v[: len(v) - d]
         want = model(mx.array([kept + [70 + i]]), cache=ref)[0, -1]
         assert mx.allclose(got[i], want, atol=1e-4).item(), i
 
@@ -241,8 +250,9 @@ def test_warm_up_drafts_every_length_in_turn_whatever_the_row_did():
 def test_loading_with_speculation_runs_verify_steps_in_the_warm_up(tiny):
     from mlxd.engines.llm import LLMEngine
 
-    engine = LLMEngine("t", tiny, TextEngineOptions(speculative="prompt-lookup",
-                                                    speculative_max_batch=4))
+    engine = LLMEngine(
+        "t", tiny, TextEngineOptions(speculative="prompt-lookup", speculative_max_batch=4)
+    )
     try:
         engine.bind()
         seen = []
@@ -338,8 +348,13 @@ def test_a_gpu_warm_up_runs_longer_prompts_and_the_draft_models_own_shapes(tiny,
     import mlxd.engines.llm as llm
 
     monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
-    engine = llm.LLMEngine("d", tiny, TextEngineOptions(
-        speculative="draft", draft_path=tiny, max_num_seqs=4, prefill_step_size=200))
+    engine = llm.LLMEngine(
+        "d",
+        tiny,
+        TextEngineOptions(
+            speculative="draft", draft_path=tiny, max_num_seqs=4, prefill_step_size=200
+        ),
+    )
     try:
         engine.bind()
         prompts, fed, dtypes = [], [], []
@@ -390,8 +405,9 @@ def test_a_draft_catches_up_in_passes_no_longer_than_the_warm_up_ran(tiny):
     widths: list[int] = []
 
     def drafts(max_catch_up: int | None) -> list[int]:
-        drafter = DraftModel(_FeedSpy(model, widths), 1000, prefill_step_size=64,
-                             max_catch_up=max_catch_up)
+        drafter = DraftModel(
+            _FeedSpy(model, widths), 1000, prefill_step_size=64, max_catch_up=max_catch_up
+        )
         drafter.prefill(7, prompt)
         widths.clear()
         return drafter.propose(7, prompt + missed, 3)

@@ -20,13 +20,18 @@ TEXTS = ["Hello, world!", "naïve café — 日本語 🙂", "  spaces\tand\nnew
 @pytest.fixture(scope="module")
 def qwen_tok(tmp_path_factory) -> Path:
     return write_byte_level_tokenizer(
-        tmp_path_factory.mktemp("qwen-tok"), merges=[("H", "e"), ("l", "l"), ("He", "ll"),
-                                                     ("Ġ", "w")],
+        tmp_path_factory.mktemp("qwen-tok"),
+        merges=[("H", "e"), ("l", "l"), ("He", "ll"), ("Ġ", "w")],
         special=SPECIAL,
-        tokenizer_config={"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>",
-                          "pad_token": "<|endoftext|>", "chat_template": CHATML},
+        tokenizer_config={
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "chat_template": CHATML,
+        },
         # <|im_end|>'s id: after the 256 byte tokens, the four merges and two specials
-        config={"model_type": "qwen2", "eos_token_id": 256 + 4 + 2})
+        config={"model_type": "qwen2", "eos_token_id": 256 + 4 + 2},
+    )
 
 
 def test_same_tokens_template_and_text_without_the_python_vocabulary(qwen_tok):
@@ -44,7 +49,8 @@ def test_same_tokens_template_and_text_without_the_python_vocabulary(qwen_tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
     proc = TextProcessor("q", ours, len(ours))
     assert proc.encode_messages(msgs) == ref.apply_chat_template(
-        msgs, add_generation_prompt=True, tokenize=True)
+        msgs, add_generation_prompt=True, tokenize=True
+    )
     ids = ref.encode(TEXTS[1])
     d_ours, d_ref = proc.detokenizer, ref.detokenizer
     for t in ids:

@@ -25,9 +25,13 @@ def tok_dir(tmp_path_factory) -> Path:
     return write_byte_level_tokenizer(
         tmp_path_factory.mktemp("tok-side"),
         special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
-        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast",
-                          "eos_token": "<|im_end|>", "chat_template": CHATML},
-        config={"model_type": "qwen2"})
+        tokenizer_config={
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|im_end|>",
+            "chat_template": CHATML,
+        },
+        config={"model_type": "qwen2"},
+    )
 
 
 def test_a_front_end_process_tokenizes_and_templates_without_mlx_or_llguidance(tok_dir):
@@ -63,8 +67,7 @@ def test_a_front_end_process_tokenizes_and_templates_without_mlx_or_llguidance(t
         print(json.dumps({{"ids": ids, "text": d.text, "heavy": heavy,
                           "version": sys.modules["mlx_lm"].__version__}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["heavy"] == []
@@ -73,7 +76,8 @@ def test_a_front_end_process_tokenizes_and_templates_without_mlx_or_llguidance(t
 
     assert got["version"] == mlx_lm.__version__
     ref = mlx_lm_load(tok_dir).apply_chat_template(
-        [{"role": "user", "content": "héllo"}], add_generation_prompt=True, tokenize=True)
+        [{"role": "user", "content": "héllo"}], add_generation_prompt=True, tokenize=True
+    )
     assert got["ids"] == list(ref if not isinstance(ref, dict) else ref["input_ids"])
 
 
@@ -87,8 +91,9 @@ def test_family_defaults_come_from_the_loaded_models_module():
     assert tokenizer_defaults(spark) == muse_spark.TOKENIZER_DEFAULTS
     assert tokenizer_defaults(llama.Model.__new__(llama.Model)) is None
     assert tokenizer_defaults(None) is None
-    entry = SimpleNamespace(name="m", kind="chat", path=Path("/m"),
-                            engine=SimpleNamespace(model=spark, vocab_size=10))
+    entry = SimpleNamespace(
+        name="m", kind="chat", path=Path("/m"), engine=SimpleNamespace(model=spark, vocab_size=10)
+    )
     info = model_info(entry)
     assert info.tokenizer_defaults == muse_spark.TOKENIZER_DEFAULTS
     wire = p.frontend_decoder().decode(p.encoder().encode(p.Reply(1, 1, info)))
@@ -100,7 +105,6 @@ def test_the_front_ends_tokenizer_applies_the_defaults_it_is_sent(tok_dir):
     for a checkpoint that names neither."""
     plain = load_tokenizer(tok_dir)
     assert not plain.has_tool_calling
-    tok = load_tokenizer(tok_dir, defaults={"eos_token_ids": [4], "tool_parser_type":
-                                            "json_tools"})
+    tok = load_tokenizer(tok_dir, defaults={"eos_token_ids": [4], "tool_parser_type": "json_tools"})
     assert 4 in tok.eos_token_ids
     assert tok.has_tool_calling and tok.tool_call_start == "<tool_call>"

@@ -25,19 +25,22 @@ def _mode(family: str) -> str | None:
     return FeatureEncoder(model, FeatureCache(4, 1 << 20)).mode
 
 
-@pytest.mark.parametrize("family, mode", [
-    ("qwen2_vl", "per_image"),
-    ("qwen2_5_vl", "per_image"),
-    ("gemma4", "per_request"),
-    ("lfm2_vl", "per_request"),
-    ("deepseek_v4", "per_request"),
-    # encode_images, but its get_input_embeddings never reads cached features back: a
-    # cache would run the encoder twice per miss and once per "hit"
-    ("deepseek_v41", None),
-    ("idefics3", None),
-    ("paligemma", None),
-    ("gemma3", None),
-    ("qwen3_vl", None),
-])
+@pytest.mark.parametrize(
+    "family, mode",
+    [
+        ("qwen2_vl", "per_image"),
+        ("qwen2_5_vl", "per_image"),
+        ("gemma4", "per_request"),
+        ("lfm2_vl", "per_request"),
+        ("deepseek_v4", "per_request"),
+        # encode_images, but its get_input_embeddings never reads cached features back: a
+        # cache would run the encoder twice per miss and once per "hit"
+        ("deepseek_v41", None),
+        ("idefics3", None),
+        ("paligemma", None),
+        ("gemma3", None),
+        ("qwen3_vl", None),
+    ],
+)
 def test_feature_cache_mode_per_family(family, mode):
     assert _mode(family) == mode

@@ -48,10 +48,12 @@ def _mid_generation(engine: VisionEngine, n: int = 3) -> tuple[set[str], int]:
 
 def test_each_scheme_builds_its_cache_and_shrinks_the_kv(vlm_dir):
     seen: dict[str, tuple[set[str], int]] = {}
-    for label, opts in {"full": {}, "uniform-8": {"kv_bits": 8, "kv_group_size": 32},
-                        "turboquant-3.5": {"kv_bits": 3.5},
-                        "turboquant-4": {"kv_bits": 4, "kv_quant_scheme": "turboquant"},
-                        }.items():
+    for label, opts in {
+        "full": {},
+        "uniform-8": {"kv_bits": 8, "kv_group_size": 32},
+        "turboquant-3.5": {"kv_bits": 3.5},
+        "turboquant-4": {"kv_bits": 4, "kv_quant_scheme": "turboquant"},
+    }.items():
         engine = VisionEngine("v", vlm_dir, VisionEngineOptions(**opts))
         try:
             assert engine.batching

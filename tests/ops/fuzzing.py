@@ -56,14 +56,16 @@ NO_SUCH_MODEL = "fuzz-no-such-model"
 # or, for a name that happens to be a local path, import it into the store: a run must change
 # nothing. Its negative mode still runs: invalid pulls are refused before any download.
 EXCLUDED: dict[tuple[str, str, GenerationMode], str] = {
-    ("POST", "/api/pull", GenerationMode.POSITIVE):
-        "a valid pull downloads or imports a model (changes the store, needs the network); "
-        "its validation is fuzzed in negative mode",
+    (
+        "POST",
+        "/api/pull",
+        GenerationMode.POSITIVE,
+    ): "a valid pull downloads or imports a model (changes the store, needs the network); "
+    "its validation is fuzzed in negative mode",
 }
 # Names the fixers below treat as the requested output length, by dialect.
 _LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "num_predict")
 _NO_STATE_CHANGE = {("POST", "/unload"), ("DELETE", "/api/delete")}
-
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,14 @@ class KnownIssue:
 KNOWN_ISSUES: dict[str, KnownIssue] = {}  # none open: rerank with a chat model that
 # cannot score (no single-token yes/no) was a 500 and is a 400 now (runtime/encoders.py)
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
-          response_schema_conformance, response_headers_conformance, negative_data_rejection]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+    negative_data_rejection,
+]
 
 
 def _clamp(obj: dict[str, Any]) -> None:
@@ -99,8 +107,13 @@ def _clamp(obj: dict[str, Any]) -> None:
         _clamp(opts)
 
 
-def tame(case: schemathesis.Case, mode: GenerationMode, model: str, use_model: bool,
-         contained: bool = True) -> schemathesis.Case:
+def tame(
+    case: schemathesis.Case,
+    mode: GenerationMode,
+    model: str,
+    use_model: bool,
+    contained: bool = True,
+) -> schemathesis.Case:
     """Small outputs and, when ``contained``, no state changes; see the module docstring."""
     body = case.body
     if isinstance(body, dict):
@@ -110,8 +123,7 @@ def tame(case: schemathesis.Case, mode: GenerationMode, model: str, use_model: b
             for k in ("model", "name"):
                 if isinstance(body.get(k), str):
                     body[k] = NO_SUCH_MODEL
-        elif mode == GenerationMode.POSITIVE and use_model and isinstance(
-                body.get("model"), str):
+        elif mode == GenerationMode.POSITIVE and use_model and isinstance(body.get("model"), str):
             body["model"] = model
     return case
 
@@ -133,22 +145,35 @@ class RunResult:
     unsatisfiable: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"operation": self.operation, "mode": self.mode, "examples": self.examples,
-                "seconds": round(self.seconds, 2),
-                "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
-                "failure": self.failure, "excluded": self.excluded, "known": self.known,
-                "unsatisfiable": self.unsatisfiable}
+        return {
+            "operation": self.operation,
+            "mode": self.mode,
+            "examples": self.examples,
+            "seconds": round(self.seconds, 2),
+            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+            "failure": self.failure,
+            "excluded": self.excluded,
+            "known": self.known,
+            "unsatisfiable": self.unsatisfiable,
+        }
 
 
-def load_schema(base_url: str, headers: dict[str, str] | None = None
-                ) -> schemathesis.BaseSchema:
+def load_schema(base_url: str, headers: dict[str, str] | None = None) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(base_url + "/openapi.json", headers=headers or {})
 
 
-def fuzz_operation(operation: schemathesis.APIOperation, mode: GenerationMode, *,
-                   base_url: str, model: str, max_examples: int, seed: int = 0,
-                   shrink: bool = False, timeout: float = 60.0, contained: bool = True
-                   ) -> RunResult:
+def fuzz_operation(
+    operation: schemathesis.APIOperation,
+    mode: GenerationMode,
+    *,
+    base_url: str,
+    model: str,
+    max_examples: int,
+    seed: int = 0,
+    shrink: bool = False,
+    timeout: float = 60.0,
+    contained: bool = True,
+) -> RunResult:
     """Run ``max_examples`` generated requests against one operation in one mode; the first
     failing check stops the run (hypothesis then shrinks it when ``shrink``).
 
@@ -163,9 +188,14 @@ def fuzz_operation(operation: schemathesis.APIOperation, mode: GenerationMode, *
     strategy = st.tuples(operation.as_strategy(generation_mode=mode), st.booleans())
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
 
-    @hypothesis.settings(max_examples=max_examples, deadline=None, database=None,
-                         phases=phases, suppress_health_check=list(HealthCheck),
-                         print_blob=False)
+    @hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
     @hypothesis.seed(seed)
     @hypothesis.given(strategy)
     def run(drawn: tuple[schemathesis.Case, bool]) -> None:
@@ -175,11 +205,18 @@ def fuzz_operation(operation: schemathesis.APIOperation, mode: GenerationMode, *
         res.statuses[response.status_code] += 1
         for name, issue in KNOWN_ISSUES.items():
             if issue.matches(operation.path, response.status_code, response.text):
-                seen = res.known.setdefault(name, {
-                    "count": 0, "request": {"method": label.split()[0], "path": case.formatted_path,
-                                            "body": case.body},
-                    "response": {"status": response.status_code,
-                                 "body": response.text[:500]}})
+                seen = res.known.setdefault(
+                    name,
+                    {
+                        "count": 0,
+                        "request": {
+                            "method": label.split()[0],
+                            "path": case.formatted_path,
+                            "body": case.body,
+                        },
+                        "response": {"status": response.status_code, "body": response.text[:500]},
+                    },
+                )
                 seen["count"] += 1
                 return
         case.validate_response(response, checks=CHECKS)

@@ -25,8 +25,18 @@ from typing import Any
 
 import httpx
 
-KINDS = ("chat", "chat_stream", "completion", "embed", "rerank", "tokenize", "ollama_chat",
-         "ollama_generate", "anthropic", "anthropic_stream")
+KINDS = (
+    "chat",
+    "chat_stream",
+    "completion",
+    "embed",
+    "rerank",
+    "tokenize",
+    "ollama_chat",
+    "ollama_generate",
+    "anthropic",
+    "anthropic_stream",
+)
 STREAMING = {"chat_stream", "ollama_chat", "ollama_generate", "anthropic_stream"}
 
 
@@ -82,19 +92,26 @@ class SoakResult:
             return round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else 0.0
 
         return {
-            "requests": self.requests, "seconds": round(self.seconds, 1),
-            "requests_per_second": round(self.requests / self.seconds, 1)
-            if self.seconds else 0.0,
+            "requests": self.requests,
+            "seconds": round(self.seconds, 1),
+            "requests_per_second": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
-            "by_kind": {k: {str(s): n for s, n in sorted(c.items())}
-                        for k, c in sorted(self.by_kind.items())},
+            "by_kind": {
+                k: {str(s): n for s, n in sorted(c.items())}
+                for k, c in sorted(self.by_kind.items())
+            },
             "server_errors_5xx": self.server_errors,
             "transport_errors": self.transport_errors[:20],
             "stream_errors": self.stream_errors[:20],
             "disconnected_mid_stream": self.disconnected,
-            "malformed": self.malformed, "malformed_not_4xx": self.malformed_not_4xx[:20],
-            "latency_s": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
-                          "max": round(lat[-1], 3) if lat else 0.0},
+            "malformed": self.malformed,
+            "malformed_not_4xx": self.malformed_not_4xx[:20],
+            "latency_s": {
+                "p50": pct(0.5),
+                "p90": pct(0.9),
+                "p99": pct(0.99),
+                "max": round(lat[-1], 3) if lat else 0.0,
+            },
             "rss_kib": {"middle": self.rss_mid, "end": self.rss_end},
             "engine_memory_bytes": {"middle": self.memory_mid, "end": self.memory_end},
             "rss_growth_second_half": {k: round(v, 4) for k, v in self.rss_growth().items()},
@@ -104,36 +121,56 @@ class SoakResult:
 def memory_books(health: dict[str, Any]) -> dict[str, int]:
     """MLX's active and cache bytes and the prefix caches' bytes, from a /health body."""
     mem = health.get("memory", {})
-    return {"mlx_active": int(mem.get("active_bytes", 0)),
-            "mlx_cache": int(mem.get("cache_bytes", 0)),
-            "prefix_caches": sum(int((m.get("prefix_cache") or {}).get("bytes", 0))
-                                 for m in health.get("models", []))}
+    return {
+        "mlx_active": int(mem.get("active_bytes", 0)),
+        "mlx_cache": int(mem.get("cache_bytes", 0)),
+        "prefix_caches": sum(
+            int((m.get("prefix_cache") or {}).get("bytes", 0)) for m in health.get("models", [])
+        ),
+    }
 
 
 def _request(kind: str, m: Models, i: int, max_tokens: int) -> tuple[str, dict[str, Any]]:
     text = f"Request {i}: tell me something about the number {i % 97}."
     msgs = [{"role": "user", "content": text}]
     if kind in ("chat", "chat_stream"):
-        return "/v1/chat/completions", {"model": m.chat, "messages": msgs,
-                                        "max_tokens": max_tokens, "temperature": 0.7,
-                                        "stream": kind == "chat_stream"}
+        return "/v1/chat/completions", {
+            "model": m.chat,
+            "messages": msgs,
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "stream": kind == "chat_stream",
+        }
     if kind == "completion":
         return "/v1/completions", {"model": m.chat, "prompt": text, "max_tokens": max_tokens}
     if kind == "embed":
         return "/v1/embeddings", {"model": m.embed, "input": [text, f"short {i}"]}
     if kind == "rerank":
-        return "/v1/rerank", {"model": m.rerank, "query": text,
-                              "documents": ["a number", "a colour", f"the number {i % 97}"]}
+        return "/v1/rerank", {
+            "model": m.rerank,
+            "query": text,
+            "documents": ["a number", "a colour", f"the number {i % 97}"],
+        }
     if kind == "tokenize":
         return "/v1/tokenize", {"model": m.chat, "messages": msgs}
     if kind == "ollama_chat":
-        return "/api/chat", {"model": m.chat, "messages": msgs,
-                             "options": {"num_predict": max_tokens}}
+        return "/api/chat", {
+            "model": m.chat,
+            "messages": msgs,
+            "options": {"num_predict": max_tokens},
+        }
     if kind == "ollama_generate":
-        return "/api/generate", {"model": m.chat, "prompt": text,
-                                 "options": {"num_predict": max_tokens}}
-    return "/v1/messages", {"model": m.chat, "messages": msgs, "max_tokens": max_tokens,
-                            "stream": kind == "anthropic_stream"}
+        return "/api/generate", {
+            "model": m.chat,
+            "prompt": text,
+            "options": {"num_predict": max_tokens},
+        }
+    return "/v1/messages", {
+        "model": m.chat,
+        "messages": msgs,
+        "max_tokens": max_tokens,
+        "stream": kind == "anthropic_stream",
+    }
 
 
 def _malformed(rng: random.Random, path: str, body: dict[str, Any]) -> bytes:
@@ -144,8 +181,7 @@ def _malformed(rng: random.Random, path: str, body: dict[str, Any]) -> bytes:
         bad = dict(body, model=12345)  # a wrong type
         return json.dumps(bad).encode()
     # the payload field of the wrong JSON type (a missing prompt is valid in Ollama: a load)
-    bad = {k: (5 if k in ("messages", "prompt", "input", "query") else v)
-           for k, v in body.items()}
+    bad = {k: (5 if k in ("messages", "prompt", "input", "query") else v) for k, v in body.items()}
     return json.dumps(bad).encode()
 
 
@@ -155,14 +191,25 @@ def _stream_error(kind: str, text: str) -> bool:
     return "event: error" in text or '"error"' in text
 
 
-async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
-                   pids: dict[str, int], max_tokens: int = 8, disconnect: float = 0.2,
-                   malformed: float = 0.05, seed: int = 0,
-                   on_progress: Callable[[int], None] | None = None) -> SoakResult:
+async def run_soak(
+    url: str,
+    models: Models,
+    *,
+    requests: int,
+    concurrency: int,
+    pids: dict[str, int],
+    max_tokens: int = 8,
+    disconnect: float = 0.2,
+    malformed: float = 0.05,
+    seed: int = 0,
+    on_progress: Callable[[int], None] | None = None,
+) -> SoakResult:
     rng = random.Random(seed)
     res = SoakResult()
-    plan = [(i, rng.choice(KINDS), rng.random() < malformed, rng.random() < disconnect)
-            for i in range(requests)]
+    plan = [
+        (i, rng.choice(KINDS), rng.random() < malformed, rng.random() < disconnect)
+        for i in range(requests)
+    ]
     queue: asyncio.Queue = asyncio.Queue()
     for item in plan:
         queue.put_nowait(item)
@@ -178,8 +225,11 @@ async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
         try:
             if bad:
                 res.malformed += 1
-                r = await c.post(path, content=_malformed(rng, path, body),
-                                 headers={"content-type": "application/json"})
+                r = await c.post(
+                    path,
+                    content=_malformed(rng, path, body),
+                    headers={"content-type": "application/json"},
+                )
                 status = r.status_code
                 if not 400 <= status < 500:
                     res.malformed_not_4xx.append(f"{path} -> {status}: {r.text[:200]}")
@@ -210,8 +260,11 @@ async def run_soak(url: str, models: Models, *, requests: int, concurrency: int,
             if done == half:
                 res.rss_mid = {k: rss_kib(p) for k, p in pids.items()}
                 mid = asyncio.ensure_future(c.get("/health"))
-                mid.add_done_callback(lambda f: res.memory_mid.update(
-                    memory_books(f.result().json()) if not f.exception() else {}))
+                mid.add_done_callback(
+                    lambda f: res.memory_mid.update(
+                        memory_books(f.result().json()) if not f.exception() else {}
+                    )
+                )
                 pending.append(mid)
             if on_progress is not None:
                 on_progress(done)
@@ -239,7 +292,8 @@ def wait_idle(url: str, timeout: float = 30) -> dict[str, Any]:
     while True:
         h = httpx.get(url + "/health", timeout=10).json()
         busy = h.get("requests_in_flight", 0) or any(
-            m.get("running", 0) or m.get("waiting", 0) for m in h.get("models", []))
+            m.get("running", 0) or m.get("waiting", 0) for m in h.get("models", [])
+        )
         if not busy or time.monotonic() > deadline:
             return h
         time.sleep(0.2)

@@ -35,10 +35,12 @@ def access_log(caplog):
 
 
 def test_a_newline_in_user_does_not_forge_a_line(server, access_log):
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                   headers={"X-Request-ID": "forge-user"},
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                         "user": FORGED})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        headers={"X-Request-ID": "forge-user"},
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "user": FORGED},
+    )
     assert r.status_code == 200, r.text
     rec = access_log("forge-user")
     text = TEXT.format(rec)
@@ -49,8 +51,11 @@ def test_a_newline_in_user_does_not_forge_a_line(server, access_log):
 
 
 def test_a_control_character_in_the_path_is_escaped(server, access_log):
-    r = httpx.get(server.url + "/v1/models/x%0D%0AINFO%20forged%1B[31m%E2%80%A8",
-                  headers={"X-Request-ID": "forge-path"}, timeout=10)
+    r = httpx.get(
+        server.url + "/v1/models/x%0D%0AINFO%20forged%1B[31m%E2%80%A8",
+        headers={"X-Request-ID": "forge-path"},
+        timeout=10,
+    )
     assert r.status_code == 404
     rec = access_log("forge-path")
     text = TEXT.format(rec)
@@ -62,9 +67,12 @@ def test_a_control_character_in_the_path_is_escaped(server, access_log):
 
 
 def test_a_value_cannot_pass_for_another_field(server, access_log):
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   headers={"X-Request-ID": "forge-field"},
-                   json={"prompt": "hi", "max_tokens": 1, "user": 'bob status=500 "x"'})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        headers={"X-Request-ID": "forge-field"},
+        json={"prompt": "hi", "max_tokens": 1, "user": 'bob status=500 "x"'},
+    )
     assert r.status_code == 200, r.text
     msg = access_log("forge-field").getMessage()
     assert 'user="bob status=500 \\"x\\""' in msg

@@ -39,8 +39,13 @@ def _openai(extra: dict) -> dict:
 
 
 def _ollama(extra: dict) -> dict:
-    return {"model": "tiny-llama", "messages": [USER], "stream": False,
-            "options": {"num_predict": 4}, **extra}
+    return {
+        "model": "tiny-llama",
+        "messages": [USER],
+        "stream": False,
+        "options": {"num_predict": 4},
+        **extra,
+    }
 
 
 def _ollama_options(extra: dict) -> dict:
@@ -64,36 +69,91 @@ def cases() -> list[tuple[str, str, dict | bytes]]:
         out += [
             (f"schema{i}", "/v1/chat/completions", _openai({"response_format": fmt})),
             (f"schema{i}", "/api/chat", _ollama({"format": schema})),
-            (f"schema{i}", "/v1/responses", _responses({"text": {"format": {
-                "type": "json_schema", "name": "x", "schema": schema}}})),
-            (f"schema{i}", "/v1/messages", _anthropic({"output_config": {"format": {
-                "type": "json_schema", "schema": schema}}})),
+            (
+                f"schema{i}",
+                "/v1/responses",
+                _responses(
+                    {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+                ),
+            ),
+            (
+                f"schema{i}",
+                "/v1/messages",
+                _anthropic(
+                    {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+                ),
+            ),
         ]
     for i, calls in enumerate(BAD_TOOL_CALLS):
         msgs = [USER, {"role": "assistant", "content": "", "tool_calls": calls}, USER]
-        out += [(f"tool_calls{i}", "/v1/chat/completions", _openai({"messages": msgs})),
-                (f"tool_calls{i}", "/api/chat", _ollama({"messages": msgs}))]
+        out += [
+            (f"tool_calls{i}", "/v1/chat/completions", _openai({"messages": msgs})),
+            (f"tool_calls{i}", "/api/chat", _ollama({"messages": msgs})),
+        ]
     out += [
-        ("tool_use input", "/v1/messages", _anthropic({"messages": [
-            USER, {"role": "assistant", "content": [
-                {"type": "tool_use", "id": "a", "name": "f", "input": "notadict"}]}, USER]})),
-        ("function_call item", "/v1/responses", _responses({"input": [
-            {"type": "function_call", "call_id": "a", "name": 5, "arguments": "{}"}]})),
+        (
+            "tool_use input",
+            "/v1/messages",
+            _anthropic(
+                {
+                    "messages": [
+                        USER,
+                        {
+                            "role": "assistant",
+                            "content": [
+                                {"type": "tool_use", "id": "a", "name": "f", "input": "notadict"}
+                            ],
+                        },
+                        USER,
+                    ]
+                }
+            ),
+        ),
+        (
+            "function_call item",
+            "/v1/responses",
+            _responses(
+                {"input": [{"type": "function_call", "call_id": "a", "name": 5, "arguments": "{}"}]}
+            ),
+        ),
     ]
-    for key in ("chat_template", "messages", "tools", "add_generation_prompt", "tokenize",
-                "raise_exception", "_private", "not an identifier"):
-        out.append((f"template {key}", "/v1/chat/completions",
-                    _openai({"chat_template_kwargs": {key: "{{ 7 * 7 }}"}})))
-    for path, build in (("/v1/chat/completions", _openai), ("/api/chat", _ollama_options),
-                        ("/v1/messages", _anthropic), ("/v1/responses", _responses)):
+    for key in (
+        "chat_template",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "tokenize",
+        "raise_exception",
+        "_private",
+        "not an identifier",
+    ):
+        out.append(
+            (
+                f"template {key}",
+                "/v1/chat/completions",
+                _openai({"chat_template_kwargs": {key: "{{ 7 * 7 }}"}}),
+            )
+        )
+    for path, build in (
+        ("/v1/chat/completions", _openai),
+        ("/api/chat", _ollama_options),
+        ("/v1/messages", _anthropic),
+        ("/v1/responses", _responses),
+    ):
         out += [
             ("blank model", path, {**build({}), "model": "  "}),
             ("deep json", path, b'{"messages": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
             ("not json", path, b"\xff\xfe{"),
-            ("infinite temperature", path,
-             json.dumps(build({"temperature": "INF"})).replace('"INF"', "1e999").encode()),
-            ("NaN top_p", path,
-             json.dumps(build({"top_p": "NAN"})).replace('"NAN"', "NaN").encode()),
+            (
+                "infinite temperature",
+                path,
+                json.dumps(build({"temperature": "INF"})).replace('"INF"', "1e999").encode(),
+            ),
+            (
+                "NaN top_p",
+                path,
+                json.dumps(build({"top_p": "NAN"})).replace('"NAN"', "NaN").encode(),
+            ),
         ]
     return out
 
@@ -141,18 +201,32 @@ def test_every_hostile_input_is_a_4xx_in_its_dialect(srv):
 
 def test_a_hostile_stream_ends_with_an_error_event_not_a_stop(srv):
     """A grammar that fails while generating, streamed: an error event, never a 'stop'."""
-    body = _openai({"stream": True, "max_tokens": 16, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "string",
-                                                   "pattern": "^(a{1000}){1000}$"}},
-            "required": ["a"]}}}})
-    with srv.client(timeout=120) as c, c.stream("POST", "/v1/chat/completions",
-                                                json=body) as r:
+    body = _openai(
+        {
+            "stream": True,
+            "max_tokens": 16,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                        "required": ["a"],
+                    },
+                },
+            },
+        }
+    )
+    with srv.client(timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code == 400:  # refused before it ran: as good
             return
         assert r.status_code == 200
-        events = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     finishes = [ch.get("finish_reason") for e in events for ch in e.get("choices", [])]
     assert "stop" not in finishes
     assert any("error" in e for e in events) or "length" in finishes, events[-3:]

@@ -46,8 +46,12 @@ def _public(require_key: bool) -> dict[tuple[str, str], int]:
     if not require_key:
         out |= {("GET", "/metrics"): 200, ("HEAD", "/metrics"): 200}
     for m in ("GET", "HEAD"):  # the web UI: the page, and a file it does not have
-        out |= {(m, "/"): 200, (m, "/ui/"): 200, (m, "/ui"): 307,
-                (m, "/ui/static/{path:path}"): 404}
+        out |= {
+            (m, "/"): 200,
+            (m, "/ui/"): 200,
+            (m, "/ui"): 307,
+            (m, "/ui/static/{path:path}"): 404,
+        }
     return out
 
 
@@ -83,9 +87,14 @@ def _minimal(method: str, path: str) -> dict[str, Any]:
 def keyed(request, tmp_path_factory, tiny_llama) -> Iterator[tuple[LiveServer, bool]]:
     require_key: bool = request.param
     home = tmp_path_factory.mktemp("auth")
-    srv = LiveServer(make_settings(home, tiny_llama,
-                                   security={"api_keys": [{"key": KEY, "name": "t"}]},
-                                   metrics={"require_key": require_key})).start()
+    srv = LiveServer(
+        make_settings(
+            home,
+            tiny_llama,
+            security={"api_keys": [{"key": KEY, "name": "t"}]},
+            metrics={"require_key": require_key},
+        )
+    ).start()
     yield srv, require_key
     srv.stop()
 
@@ -111,13 +120,16 @@ def test_the_walk_sees_every_documented_operation(keyed) -> None:
     srv, _ = keyed
     # OpenAPI writes '{model_id}' where the route says '{model_id:path}'
     walked = {(m, re.sub(r":[^}]+}", "}", p)) for m, p in served_routes(srv.app)}
-    documented = {(m.upper(), p) for p, ops in srv.app.openapi()["paths"].items()
-                  for m in ops}
+    documented = {(m.upper(), p) for p, ops in srv.app.openapi()["paths"].items() for m in ops}
     assert documented, "the OpenAPI document lists no operation"
     assert documented <= walked, documented - walked
     # the walk also reaches what the document hides (aliases, docs pages, /metrics)
-    assert {("GET", "/openapi.json"), ("GET", "/metrics"), ("HEAD", "/health"),
-            ("POST", "/chat/completions")} <= walked
+    assert {
+        ("GET", "/openapi.json"),
+        ("GET", "/metrics"),
+        ("HEAD", "/health"),
+        ("POST", "/chat/completions"),
+    } <= walked
 
 
 def test_every_route_refuses_a_missing_or_wrong_key(keyed) -> None:
@@ -132,8 +144,7 @@ def test_every_route_refuses_a_missing_or_wrong_key(keyed) -> None:
             kw = _minimal(method, template)
             if (method, template) in public:
                 r = c.request(method, path, **kw)
-                assert r.status_code == public[method, template], (method, template,
-                                                                   r.status_code)
+                assert r.status_code == public[method, template], (method, template, r.status_code)
                 continue
             for what, headers in WRONG_CREDENTIALS.items():
                 r = c.request(method, path, headers=headers, **kw)
@@ -153,12 +164,21 @@ def test_paths_no_route_serves_are_refused_before_routing(keyed) -> None:
     comes first. Near-misses of the public paths are not public."""
     srv, require_key = keyed
     with srv.client() as c:
-        for method, path in [("GET", "/no/such/route"), ("GET", "/v1/chat/completions"),
-                             ("PUT", "/v1/models"), ("GET", "/health/"), ("GET", "/Health"),
-                             ("GET", "/metrics/"), ("GET", "/api/nothing"),
-                             ("DELETE", "/v1/messages/x"), ("POST", "/"),
-                             ("POST", "/ui/static/app.js"), ("GET", "/ui/api/nothing"),
-                             ("GET", "/uix"), ("GET", "/ui/apix")]:
+        for method, path in [
+            ("GET", "/no/such/route"),
+            ("GET", "/v1/chat/completions"),
+            ("PUT", "/v1/models"),
+            ("GET", "/health/"),
+            ("GET", "/Health"),
+            ("GET", "/metrics/"),
+            ("GET", "/api/nothing"),
+            ("DELETE", "/v1/messages/x"),
+            ("POST", "/"),
+            ("POST", "/ui/static/app.js"),
+            ("GET", "/ui/api/nothing"),
+            ("GET", "/uix"),
+            ("GET", "/ui/apix"),
+        ]:
             r = c.request(method, path)
             assert r.status_code == 401, (method, path, r.status_code)
             _assert_dialect(method, path, r)

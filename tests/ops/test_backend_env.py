@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="reads /proc/<pid>/environ")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/<pid>/environ"
+)
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -86,8 +86,14 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(version):
             except kubernetes_validate.ValidationError as exc:
                 pytest.fail(f"{name}: {doc['kind']} {doc['metadata']['name']}: {exc.message}")
             kinds.append(doc["kind"])
-    assert {"Deployment", "Service", "ConfigMap", "PersistentVolumeClaim",
-            "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= set(kinds)
+    assert {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+    } <= set(kinds)
 
 
 def test_the_validator_catches_a_bad_manifest():
@@ -112,8 +118,10 @@ def _compose() -> dict:
 def test_compose_file_validates_against_the_compose_spec_schema():
     schema = json.loads((FIXTURES / "compose-spec.schema.json").read_text())
     validator = jsonschema.Draft201909Validator(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(_compose())]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(_compose())
+    ]
     assert errors == []
     broken = _compose()
     broken["services"]["proxy"]["ports"] = "8000:8080"  # a list in the spec
@@ -125,8 +133,7 @@ def test_compose_runs_two_replicas_behind_an_sse_friendly_proxy_sharing_redis():
     from mlxd.config import Settings
 
     services = _compose()["services"]
-    replicas = {n: s for n, s in services.items()
-                if s.get("command", [None])[0] == "serve"}
+    replicas = {n: s for n, s in services.items() if s.get("command", [None])[0] == "serve"}
     assert len(replicas) == 2
     cfg_mount = "./mlxd.yaml:/etc/mlxd/mlxd.yaml:ro"
     settings = Settings(**yaml.safe_load((COMPOSE / "mlxd.yaml").read_text()))
@@ -171,8 +178,11 @@ def test_the_configmap_is_a_valid_mlxd_config_and_the_ports_agree():
         assert c[probe]["httpGet"]["port"] in ("http", settings.server.port)
     svc = _find("Service", "mlxd")
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
-    for sel in (svc["spec"]["selector"], dep["spec"]["selector"]["matchLabels"],
-                _find("PodDisruptionBudget", "mlxd")["spec"]["selector"]["matchLabels"]):
+    for sel in (
+        svc["spec"]["selector"],
+        dep["spec"]["selector"]["matchLabels"],
+        _find("PodDisruptionBudget", "mlxd")["spec"]["selector"]["matchLabels"],
+    ):
         assert sel.items() <= pod["metadata"]["labels"].items()
     assert c["args"] == ["serve", "--config", "/etc/mlxd/mlxd.yaml"]
     # the model store is the PVC, MLXD_HOME (pid file, logs) is per pod
@@ -194,8 +204,7 @@ def test_the_init_container_pulls_every_model_served():
     settings = Settings(**_config_yaml())
     cm = _find("ConfigMap", "mlxd-config")
     pulled = cm["data"]["pull-models"].split()
-    served = {settings.models.default, settings.models.default_embedding,
-              *settings.models.preload}
+    served = {settings.models.default, settings.models.default_embedding, *settings.models.preload}
     assert served <= set(pulled)
     pod = _find("Deployment", "mlxd")["spec"]["template"]["spec"]
     init = pod["initContainers"][0]
@@ -223,8 +232,13 @@ def test_prestop_drains_with_mlxd_stop_within_the_grace_period(tmp_path):
     argv = cmd.split()[1:]
     argv[argv.index("--port") + 1] = str(free_port())
     env = {"MLXD_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-m", "mlxd", *argv], capture_output=True, text=True,
-                       env={**env, "PYTHONPATH": ":".join(sys.path)}, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxd", *argv],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": ":".join(sys.path)},
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "not running" in r.stdout
 
@@ -243,8 +257,7 @@ def test_hpa_metric_is_an_mlxd_metric_through_the_adapter_rule():
     assert series in exported
     gauge = metrics.num_requests_waiting
     assert gauge._type == "gauge"  # an average per pod makes sense only for a level
-    as_name = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"),
-                     series)
+    as_name = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
     hpa = _find("HorizontalPodAutoscaler", "mlxd")
     metric = hpa["spec"]["metrics"][0]
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == as_name
@@ -283,7 +296,8 @@ def test_probe_paths_and_the_hpa_series_exist_on_the_live_server(from_manifests)
         assert r.status_code == 200, (probe, r.text)
         assert r.json()["status"] == "ok"
     path = _find("Deployment", "mlxd")["spec"]["template"]["metadata"]["annotations"][
-        "prometheus.io/path"]
+        "prometheus.io/path"
+    ]
     text = httpx.get(srv.url + path, headers=pod, timeout=10).text
     series = re.match(r"[^{]+", _adapter_rule()["seriesQuery"]).group(0)
     assert f"# TYPE {series} gauge" in text
@@ -333,8 +347,9 @@ http {{
 def proxy(tmp_path_factory, tiny_llama, from_manifests):
     """deploy/compose/nginx.conf under a real nginx, its two upstreams two live servers
     (the replicas' hostnames and the listen port swapped for this machine's)."""
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                      else None)
+    nginx = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
     if nginx is None:
         if os.environ.get("CI"):
             pytest.fail("nginx missing (.ci/run installs Debian's nginx-light)")
@@ -349,9 +364,12 @@ def proxy(tmp_path_factory, tiny_llama, from_manifests):
     conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{port};")
     (tmp / "mlxd.conf").write_text(conf)
     (tmp / "nginx.conf").write_text(_NGINX_MAIN.format(tmp=tmp))
-    p = subprocess.Popen([nginx, "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
-                          "-e", str(tmp / "error.log")],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [nginx, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-e", str(tmp / "error.log")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 15
     while True:
         with socket.socket() as s:
@@ -359,8 +377,10 @@ def proxy(tmp_path_factory, tiny_llama, from_manifests):
                 break
         if p.poll() is not None or time.time() > deadline:
             b.stop()
-            raise RuntimeError(f"nginx did not start: {p.stderr.read() if p.stderr else ''}"
-                               f"{(tmp / 'error.log').read_text()}")
+            raise RuntimeError(
+                f"nginx did not start: {p.stderr.read() if p.stderr else ''}"
+                f"{(tmp / 'error.log').read_text()}"
+            )
         time.sleep(0.05)
     yield f"http://127.0.0.1:{port}", a, b, tmp / "access.log"
     p.terminate()
@@ -371,8 +391,12 @@ def proxy(tmp_path_factory, tiny_llama, from_manifests):
 def test_proxy_streams_server_sent_events(proxy):
     url, _, _, _ = proxy
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    body = {"model": "tiny-llama", "stream": True, "max_tokens": 8,
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = {
+        "model": "tiny-llama",
+        "stream": True,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -385,16 +409,23 @@ def test_proxy_passes_any_host_name_and_the_ui_own_origin(proxy):
     0.0.0.0) accept any name, and the web UI's origin agrees with that name."""
     url, _, _, _ = proxy
     port = url.rsplit(":", 1)[1]
-    chat = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user",
-                                                                  "content": "hi"}]}
+    chat = {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     for host in ("mlxd.example.com", "mlxd-gateway.default.svc.cluster.local:8080"):
         r = httpx.get(url + "/v1/models", headers={"Host": host}, timeout=10)
         assert r.status_code == 200, host
-    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60,
-                   headers={"Origin": f"http://127.0.0.1:{port}"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json=chat,
+        timeout=60,
+        headers={"Origin": f"http://127.0.0.1:{port}"},
+    )
     assert r.status_code == 200, r.text
-    r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60,
-                   headers={"Origin": "http://evil.example"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json=chat,
+        timeout=60,
+        headers={"Origin": "http://evil.example"},
+    )
     assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin_forbidden"
 
 
@@ -406,13 +437,21 @@ def test_proxy_retries_a_draining_replica_on_the_other(proxy):
     lc.draining = rt.draining = True  # what SIGTERM sets (server.py's drain)
     try:
         assert httpx.get(a.url + "/v1/models").status_code == 503  # A refuses directly
-        codes = [httpx.post(url + "/v1/completions", timeout=60,
-                            json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
-                            ).status_code for _ in range(6)]
+        codes = [
+            httpx.post(
+                url + "/v1/completions",
+                timeout=60,
+                json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+            ).status_code
+            for _ in range(6)
+        ]
     finally:
         lc.draining = rt.draining = False
     assert codes == [200] * 6
-    retried = [line for line in log.read_text().splitlines()
-               if line.startswith("POST /v1/completions 200") and '"503, 200"' in line]
+    retried = [
+        line
+        for line in log.read_text().splitlines()
+        if line.startswith("POST /v1/completions 200") and '"503, 200"' in line
+    ]
     assert retried, log.read_text()
     assert all(f"127.0.0.1:{a.port}, " in line for line in retried)

@@ -22,15 +22,17 @@ def _wait_idle(srv, timeout: float = 30) -> dict:
     while True:
         h = httpx.get(srv.url + "/health", timeout=10).json()
         busy = h.get("requests_in_flight", 0) or any(
-            m.get("running", 0) or m.get("waiting", 0) for m in h.get("models", []))
+            m.get("running", 0) or m.get("waiting", 0) for m in h.get("models", [])
+        )
         if not busy or time.monotonic() > deadline:
             return h
         time.sleep(0.1)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_path, tiny_llama,
-                                                          tiny_qwen2, damage):
+def test_broken_weights_are_a_clear_error_naming_the_model(
+    start_server, tmp_path, tiny_llama, tiny_qwen2, damage
+):
     """model.safetensors cut in half, or overwritten with garbage: a request for that model
     gets an error naming it, promptly; the default model is served before and after."""
     models = tmp_path / "models"
@@ -43,11 +45,12 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
         weights.write_bytes(b"\x00garbage" * 1000)
     srv = start_server(tiny_llama)
     with srv.client(timeout=60) as c:
-        assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}
-                      ).status_code == 200
+        assert (
+            c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}).status_code
+            == 200
+        )
         for path, body in [
-            ("/v1/chat/completions", {"model": "broken-qwen", "messages": MSGS,
-                                      "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": "broken-qwen", "messages": MSGS, "max_tokens": 2}),
             ("/api/chat", {"model": "broken-qwen", "messages": MSGS, "stream": False}),
             ("/v1/messages", {"model": "broken-qwen", "messages": MSGS, "max_tokens": 2}),
         ]:
@@ -55,9 +58,11 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
             assert r.status_code >= 400, (path, r.text)
             assert "broken-qwen" in r.text, (path, r.text)
         # streamed, the error comes as the answer (before any 200) or as an event
-        with c.stream("POST", "/v1/chat/completions", json={
-                "model": "broken-qwen", "messages": MSGS, "max_tokens": 2,
-                "stream": True}) as s:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": "broken-qwen", "messages": MSGS, "max_tokens": 2, "stream": True},
+        ) as s:
             text = s.read().decode()
             assert s.status_code >= 400 or '"error"' in text
             assert "broken-qwen" in text
@@ -65,8 +70,15 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
         pid = srv.health()["engine_core"]["pid"]
         r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
         assert r.status_code == 200
-        r = c.post("/api/chat", json={"model": "tiny-llama", "messages": MSGS,
-                                      "stream": False, "options": {"num_predict": 2}})
+        r = c.post(
+            "/api/chat",
+            json={
+                "model": "tiny-llama",
+                "messages": MSGS,
+                "stream": False,
+                "options": {"num_predict": 2},
+            },
+        )
         assert r.status_code == 200
         h = srv.health()
         assert h["status"] == "ok" and h["engine_core"]["pid"] == pid
@@ -75,13 +87,15 @@ def test_broken_weights_are_a_clear_error_naming_the_model(start_server, tmp_pat
     shutil.rmtree(stored)
     install_into_store(models, "broken-qwen", tiny_qwen2)
     with srv.client(timeout=60) as c:
-        r = c.post("/v1/chat/completions", json={"model": "broken-qwen", "messages": MSGS,
-                                                 "max_tokens": 2})
+        r = c.post(
+            "/v1/chat/completions", json={"model": "broken-qwen", "messages": MSGS, "max_tokens": 2}
+        )
         assert r.status_code == 200, r.text
 
 
-def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_server,
-                                                                       long_llama: Path):
+def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(
+    start_server, long_llama: Path
+):
     """2 running + 3 queued allowed, 40 at once on a model whose steps are held: the other
     35 get 429 with Retry-After while the admitted still wait for their steps (no waiting
     on a full queue), every admitted request finishes with its tokens once the steps go
@@ -90,17 +104,23 @@ def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_ser
     srv.fault("slow_steps", model="long-llama", seconds=600)  # held until released below
 
     async def storm() -> tuple[list[httpx.Response], list[httpx.Response]]:
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120,
-                                     limits=httpx.Limits(max_connections=64)) as c:
+        async with httpx.AsyncClient(
+            base_url=srv.url, timeout=120, limits=httpx.Limits(max_connections=64)
+        ) as c:
+
             async def one(i: int) -> httpx.Response:
                 if i % 4 == 3:  # some streamed: their refusal must come before any 200
-                    req = c.build_request("POST", "/v1/chat/completions", json={
-                        "messages": MSGS, "max_tokens": 8, "stream": True})
+                    req = c.build_request(
+                        "POST",
+                        "/v1/chat/completions",
+                        json={"messages": MSGS, "max_tokens": 8, "stream": True},
+                    )
                     r = await c.send(req, stream=True)
                     await r.aread()
                     return r
-                return await c.post("/v1/chat/completions",
-                                    json={"messages": MSGS, "max_tokens": 8})
+                return await c.post(
+                    "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 8}
+                )
 
             tasks = [asyncio.ensure_future(one(i)) for i in range(40)]
             try:
@@ -114,8 +134,9 @@ def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_ser
 
     early, results = asyncio.run(storm())
     # answered while no step ran: refusals only, every one but the 5 admitted
-    assert len(early) == 35 and all(r.status_code == 429 for r in early), \
-        sorted(r.status_code for r in early)
+    assert len(early) == 35 and all(r.status_code == 429 for r in early), sorted(
+        r.status_code for r in early
+    )
     ok = [r for r in results if r.status_code == 200]
     refused = [r for r in results if r.status_code == 429]
     assert (len(ok), len(refused)) == (5, 35), sorted({r.status_code for r in results})
@@ -131,8 +152,9 @@ def test_a_storm_beyond_the_queue_gets_429_and_the_admitted_all_finish(start_ser
     assert h["status"] == "ok" and h["requests_in_flight"] == 0
     assert all(m.get("running", 0) == 0 and m.get("waiting", 0) == 0 for m in h["models"])
     # and it serves normally afterwards
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2},
-                   timeout=60)
+    r = httpx.post(
+        srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 200
 
 
@@ -155,8 +177,9 @@ def test_a_core_that_stalls_past_the_heartbeat_timeout_serves_again(start_server
     deadline = time.monotonic() + 120  # a bound to wait only: no outage for good
     status = None
     while time.monotonic() < deadline:
-        r = httpx.post(srv.url + "/v1/chat/completions",
-                       json={"messages": MSGS, "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2}, timeout=30
+        )
         status = r.status_code
         if status == 200:
             break

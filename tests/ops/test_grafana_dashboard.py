@@ -12,9 +12,12 @@ from prometheus_client.parser import text_string_to_metric_families
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "mlxd-dashboard.json"
 # a metric name in PromQL: mlxd's colon names and the process collector's
 _NAME = re.compile(r"\b(mlxd:[a-z0-9_:]+|process_[a-z0-9_]+)\b")
-_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
-                                                               "_created"),
-             "gauge": ("",), "summary": ("_sum", "_count", "_created")}
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+    "summary": ("_sum", "_count", "_created"),
+}
 
 
 def exprs(dashboard: dict) -> list[str]:
@@ -37,8 +40,10 @@ def exposed_names(text: str) -> set[str]:
 
 def test_every_metric_the_dashboard_queries_exists(server):
     with server.client() as c:  # traffic, so that the per-model families have samples
-        r = c.post("/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200
         text = c.get("/metrics").text
     dashboard = json.loads(DASHBOARD.read_text())
@@ -51,8 +56,13 @@ def test_every_metric_the_dashboard_queries_exists(server):
 def test_the_dashboard_has_the_web_uis_figures():
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {p["title"] for p in dashboard["panels"]}
-    assert {"Tokens/s", "Time to first token", "Queue depth", "Requests by status",
-            "Memory"} <= titles
+    assert {
+        "Tokens/s",
+        "Time to first token",
+        "Queue depth",
+        "Requests by status",
+        "Memory",
+    } <= titles
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["job", "model"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))

@@ -18,8 +18,13 @@ def _env(tmp_path: Path, **extra: str) -> dict:
 
 
 def mlxd(*args, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxd", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_example_round_trips_to_the_defaults(tmp_path, monkeypatch):
@@ -47,10 +52,11 @@ def test_example_round_trips_to_the_defaults(tmp_path, monkeypatch):
 
 def test_config_shows_each_values_source(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("server:\n  port: 9100\nengine:\n  max_num_seqs: 7\n"
-                   "security:\n  api_keys:\n    - {key: sk-very-secret, name: ops}\n")
-    env = _env(tmp_path, MLXD_LOG__LEVEL="debug", MLXD_ENGINE__MAX_NUM_SEQS="9",
-               MLXD_PRELOAD="a,b")
+    cfg.write_text(
+        "server:\n  port: 9100\nengine:\n  max_num_seqs: 7\n"
+        "security:\n  api_keys:\n    - {key: sk-very-secret, name: ops}\n"
+    )
+    env = _env(tmp_path, MLXD_LOG__LEVEL="debug", MLXD_ENGINE__MAX_NUM_SEQS="9", MLXD_PRELOAD="a,b")
     r = mlxd("config", "--config", cfg, "--host", "0.0.0.0", "--json", env=env)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)

@@ -33,8 +33,13 @@ class _HeldStream(http.client.HTTPConnection):
 
 
 def mlxd(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxd", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
@@ -67,11 +72,17 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
         assert m.status_code == 200 and "mlxd:http_requests_total" in m.text
         assert 'mlxd:models_loaded{kind="chat"} 1.0' in m.text  # the engine core's families
         # no key applies there: a rebinding page's Host and a foreign Origin are refused
-        m = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5,
-                      headers={"host": f"evil.example:{mport}"})
+        m = httpx.get(
+            f"http://127.0.0.1:{mport}/metrics",
+            timeout=5,
+            headers={"host": f"evil.example:{mport}"},
+        )
         assert m.status_code == 403 and "server.allowed_hosts" in m.text
-        m = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5,
-                      headers={"origin": "http://evil.example"})
+        m = httpx.get(
+            f"http://127.0.0.1:{mport}/metrics",
+            timeout=5,
+            headers={"origin": "http://evil.example"},
+        )
         assert m.status_code == 403 and "mlxd:" not in m.text
 
         # Drain: a request in flight when SIGTERM arrives completes; a new one gets 503.
@@ -80,20 +91,35 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
         # response before the client reads on, so it is in flight when `mlxd stop` signals,
         # however slow this machine is.
         held = _HeldStream("127.0.0.1", port, timeout=120)
-        held.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
-                     body=json.dumps({"messages": [{"role": "user", "content": "x"}],
-                                      "max_tokens": 4000, "stream": True, "logprobs": True,
-                                      "top_logprobs": 20}))
+        held.request(
+            "POST",
+            "/v1/chat/completions",
+            headers={"Content-Type": "application/json"},
+            body=json.dumps(
+                {
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 4000,
+                    "stream": True,
+                    "logprobs": True,
+                    "top_logprobs": 20,
+                }
+            ),
+        )
         stream = held.getresponse()
         assert stream.status == 200 and stream.readline().startswith(b"data: {")
-        stopper = subprocess.Popen([sys.executable, "-m", "mlxd", "stop", "--port", str(port)],
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True)
+        stopper = subprocess.Popen(
+            [sys.executable, "-m", "mlxd", "stop", "--port", str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         refused = None
         deadline = time.time() + 120  # a bound to wait for the signal only
         while time.time() < deadline:
-            r = httpx.post(url + "/v1/completions", json={"prompt": "y", "max_tokens": 1},
-                           timeout=30)
+            r = httpx.post(
+                url + "/v1/completions", json={"prompt": "y", "max_tokens": 1}, timeout=30
+            )
             if r.status_code == 503:
                 refused = r
                 health = httpx.get(url + "/health", timeout=30)
@@ -123,8 +149,11 @@ def test_start_status_stop_with_a_graceful_drain(tmp_path, long_llama):
 def _write_pidfile(home: Path, port: int, pid: int, **extra) -> Path:
     path = home / "run" / f"mlxd-{port}.pid"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": pid, "port": port, "host": "127.0.0.1",
-                                "started_at": time.time(), **extra}))
+    path.write_text(
+        json.dumps(
+            {"pid": pid, "port": port, "host": "127.0.0.1", "started_at": time.time(), **extra}
+        )
+    )
     return path
 
 

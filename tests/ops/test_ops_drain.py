@@ -22,17 +22,33 @@ from mlxd.enginecore.protocol import Fault
 CHAT = [{"role": "user", "content": "go"}]
 
 
-def _serve(tmp_path: Path, model: Path, workers: int, **env_extra: str
-           ) -> tuple[subprocess.Popen, str, Path]:
+def _serve(
+    tmp_path: Path, model: Path, workers: int, **env_extra: str
+) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
-    env.update(MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", MLXD_TEST_FAULTS="1",
-               **env_extra)
+    env.update(
+        MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", MLXD_TEST_FAULTS="1", **env_extra
+    )
     log = tmp_path / "serve.log"
-    p = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(model),
-                          "--port", str(port), "--api-workers", str(workers)], env=env,
-                         stdout=log.open("w"), stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--api-workers",
+            str(workers),
+        ],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, p, 120, log.read_text)
     return p, url, log
@@ -60,8 +76,9 @@ def _clients_on(url: str, pids: set[int], per_pid: int) -> list[tuple[int, httpx
     deadline = time.time() + 60
     while any(want.values()):
         assert time.time() < deadline, want
-        c = httpx.Client(base_url=url, timeout=120,
-                         limits=httpx.Limits(keepalive_expiry=600))  # stays on that one
+        c = httpx.Client(
+            base_url=url, timeout=120, limits=httpx.Limits(keepalive_expiry=600)
+        )  # stays on that one
         pid = c.get("/health").json()["frontend_pid"]
         if want.get(pid):
             want[pid] -= 1
@@ -91,8 +108,9 @@ STREAMS = {
 }
 
 
-def _stream(c: httpx.Client, dialect: str, max_tokens: int, out: dict,
-            started: threading.Event) -> None:
+def _stream(
+    c: httpx.Client, dialect: str, max_tokens: int, out: dict, started: threading.Event
+) -> None:
     path, body = STREAMS[dialect]
     body = {**body, "max_tokens": max_tokens}
     if dialect == "ollama":
@@ -114,8 +132,12 @@ def _stream(c: httpx.Client, dialect: str, max_tokens: int, out: dict,
 
 def _ended_with_error(dialect: str, lines: list[str]) -> bool:
     if dialect == "openai":
-        return (len(lines) >= 2 and lines[-1] == "data: [DONE]"
-                and "shutting_down" in lines[-2] and '"error"' in lines[-2])
+        return (
+            len(lines) >= 2
+            and lines[-1] == "data: [DONE]"
+            and "shutting_down" in lines[-2]
+            and '"error"' in lines[-2]
+        )
     if dialect == "ollama":
         return "shut down" in json.loads(lines[-1]).get("error", "")
     return lines[-2] == "event: error" and json.loads(lines[-1][6:])["type"] == "error"
@@ -126,14 +148,17 @@ def _finished(dialect: str, lines: list[str]) -> bool:
         return lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in lines[-2]
     if dialect == "ollama":
         return json.loads(lines[-1])["done"] is True
-    return lines[-1] == "data: " + json.dumps({"type": "message_stop"},
-                                              separators=(",", ":"))
+    return lines[-1] == "data: " + json.dumps({"type": "message_stop"}, separators=(",", ":"))
 
 
-@pytest.mark.parametrize("workers,group", [(1, False), (2, False), (2, True)],
-                         ids=["one-front-end", "two-front-ends", "ctrl-c-to-the-group"])
+@pytest.mark.parametrize(
+    "workers,group",
+    [(1, False), (2, False), (2, True)],
+    ids=["one-front-end", "two-front-ends", "ctrl-c-to-the-group"],
+)
 def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
-        tmp_path, tiny_llama, workers, group):
+    tmp_path, tiny_llama, workers, group
+):
     """SIGTERM to the server (or SIGINT to its whole process group, as a terminal's Ctrl-C
     sends it): at once /health is 503 "draining" and a new request 503 + Retry-After in
     its dialect while the socket stays open; short streams finish; streams the grace
@@ -146,8 +171,7 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
         jobs = []
         for pid, c in _clients_on(url, pids, 1 + len(STREAMS)):
             n_there = sum(1 for j in jobs if j[0] == pid)
-            dialect, tokens = (("openai", 4) if n_there == 0
-                               else (list(STREAMS)[n_there - 1], 200))
+            dialect, tokens = ("openai", 4) if n_there == 0 else (list(STREAMS)[n_there - 1], 200)
             out: dict = {}
             started = threading.Event()
             t = threading.Thread(target=_stream, args=(c, dialect, tokens, out, started))
@@ -159,11 +183,11 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
         else:
             p.send_signal(signal.SIGTERM)
         refusals = {}
-        for path, body in [(STREAMS["openai"][0], {"messages": CHAT, "max_tokens": 1}),
-                           ("/api/chat", {"model": "tiny-llama", "messages": CHAT,
-                                          "stream": False}),
-                           ("/v1/messages", {"model": "tiny-llama", "messages": CHAT,
-                                             "max_tokens": 1})]:
+        for path, body in [
+            (STREAMS["openai"][0], {"messages": CHAT, "max_tokens": 1}),
+            ("/api/chat", {"model": "tiny-llama", "messages": CHAT, "stream": False}),
+            ("/v1/messages", {"model": "tiny-llama", "messages": CHAT, "max_tokens": 1}),
+        ]:
             deadline = time.time() + 30
             while True:  # admitted only until the signal is seen; never refused meanwhile
                 assert time.time() < deadline
@@ -196,16 +220,18 @@ def test_sigterm_drains_every_front_end_and_the_grace_cuts_streams_cleanly(
     assert "Traceback" not in text and "Exception in ASGI application" not in text, text
     assert text.count("shutting down: new requests get 503") == workers
     over = [line for line in text.splitlines() if "grace period" in line]
-    assert len(over) == workers and all("ending 3 request(s) with an error" in line
-                                        for line in over), over
+    assert len(over) == workers and all(
+        "ending 3 request(s) with an error" in line for line in over
+    ), over
 
 
 def _gauge(url: str, name: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name)
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama):
@@ -219,30 +245,34 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
         core_call(url, Fault("slow_steps", model="tiny-llama", seconds=0.3))
         threads = []
         for _, c in _clients_on(url, {victim}, 5):
-            t = threading.Thread(target=_stream, args=(c, "openai", 200, {},
-                                                       threading.Event()))
+            t = threading.Thread(target=_stream, args=(c, "openai", 200, {}, threading.Event()))
             t.start()
             threads.append(t)
-        assert _wait(lambda: (_gauge(url, "mlxd:num_requests_running"),
-                              _gauge(url, "mlxd:num_requests_waiting")) == (2, 3))
+        assert _wait(
+            lambda: (
+                (_gauge(url, "mlxd:num_requests_running"), _gauge(url, "mlxd:num_requests_waiting"))
+                == (2, 3)
+            )
+        )
         os.kill(victim, signal.SIGKILL)
         for t in threads:
             t.join(60)
-        assert _wait(lambda: httpx.get(url + "/health", timeout=10).json()[
-            "requests_in_flight"] == 0, 20)
+        assert _wait(
+            lambda: httpx.get(url + "/health", timeout=10).json()["requests_in_flight"] == 0, 20
+        )
 
         def replaced() -> bool:
             h = httpx.get(url + "/health", timeout=10)
-            return h.status_code == 200 and h.json()["front_ends"] == {
-                "workers": 2, "restarts": 1}
+            return h.status_code == 200 and h.json()["front_ends"] == {"workers": 2, "restarts": 1}
 
         assert _wait(replaced)
         assert victim not in _front_ends(url, 2)
         assert _gauge(url, "mlxd:num_requests_running") == 0
         assert _gauge(url, "mlxd:num_requests_waiting") == 0
         assert httpx.get(url + "/health", timeout=10).json()["worker_restarts"] == 0
-        r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                       json={"messages": CHAT, "max_tokens": 2})
+        r = httpx.post(
+            url + "/v1/chat/completions", timeout=60, json={"messages": CHAT, "max_tokens": 2}
+        )
         assert r.status_code == 200, r.text
         p.send_signal(signal.SIGTERM)  # the dead front end does not hold up the stop
         assert p.wait(60) == 0

@@ -41,15 +41,20 @@ def test_counters_move_after_traffic(srv):
     m = "long-llama"
     before = scrape(srv)
     with srv.client() as c:
-        r = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5},
+        )
         assert r.status_code == 200
         prompt = r.json()["usage"]["prompt_tokens"]
-        with c.stream("POST", "/v1/completions",
-                      json={"prompt": "once", "max_tokens": 4, "stream": True}) as s:
+        with c.stream(
+            "POST", "/v1/completions", json={"prompt": "once", "max_tokens": 4, "stream": True}
+        ) as s:
             assert s.status_code == 200 and "data: [DONE]" in list(s.iter_lines())
-        r = c.post("/api/generate", json={"model": m, "prompt": "hi", "stream": False,
-                                          "options": {"num_predict": 3}})
+        r = c.post(
+            "/api/generate",
+            json={"model": m, "prompt": "hi", "stream": False, "options": {"num_predict": 3}},
+        )
         assert r.status_code == 200
         r = c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 5})
         assert r.status_code == 400
@@ -68,16 +73,26 @@ def test_counters_move_after_traffic(srv):
     assert after[("mlxd:num_requests_running", (("model", m),))] == 0
     assert after[("mlxd:num_requests_waiting", (("model", m),))] == 0
     # HTTP by route template and status, never by raw path
-    assert d("mlxd:http_requests_total", method="POST", route="/v1/chat/completions",
-             status="200") == 1
-    assert d("mlxd:http_requests_total", method="POST", route="/v1/chat/completions",
-             status="400") == 1
-    assert d("mlxd:http_requests_total", method="GET", route="/v1/models/{model_id:path}",
-             status="404") == 1
+    assert (
+        d("mlxd:http_requests_total", method="POST", route="/v1/chat/completions", status="200")
+        == 1
+    )
+    assert (
+        d("mlxd:http_requests_total", method="POST", route="/v1/chat/completions", status="400")
+        == 1
+    )
+    assert (
+        d(
+            "mlxd:http_requests_total",
+            method="GET",
+            route="/v1/models/{model_id:path}",
+            status="404",
+        )
+        == 1
+    )
     assert d("mlxd:http_requests_total", method="GET", route="unmatched", status="404") == 1
     assert not any("some-model" in str(k) or "/no/such" in str(k) for k in after)
-    assert d("mlxd:http_request_duration_seconds_count", method="POST",
-             route="/api/generate") == 1
+    assert d("mlxd:http_request_duration_seconds_count", method="POST", route="/api/generate") == 1
     # the model cache
     assert after[("mlxd:models_loaded", (("kind", "chat"),))] >= 1
     assert after[("mlxd:model_memory_bytes", (("model", m),))] > 0
@@ -88,14 +103,17 @@ def test_a_client_that_leaves_counts_as_cancelled(srv):
     m = "long-llama"
     before = scrape(srv)
     with httpx.Client(base_url=srv.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions",
-                      json={"prompt": "x", "max_tokens": 4000, "stream": True}) as s:
+        with c.stream(
+            "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 4000, "stream": True}
+        ) as s:
             next(s.iter_lines())
     deadline = time.time() + 10
     while time.time() < deadline:
         after = scrape(srv)
-        if delta(before, after, "mlxd:request_success_total", model=m,
-                 finished_reason="cancelled") == 1:
+        if (
+            delta(before, after, "mlxd:request_success_total", model=m, finished_reason="cancelled")
+            == 1
+        ):
             break
         time.sleep(0.05)
     else:
@@ -105,16 +123,21 @@ def test_a_client_that_leaves_counts_as_cancelled(srv):
 
 def test_request_id_round_trips_and_the_access_log_has_the_facts(srv, caplog):
     with caplog.at_level(logging.INFO, logger="mlxd.access"):
-        r = httpx.post(srv.url + "/generate", json={"prompt": "hi", "max_tokens": 2},
-                       headers={"X-Request-ID": "req-42"}, timeout=30)
+        r = httpx.post(
+            srv.url + "/generate",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"X-Request-ID": "req-42"},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.headers["x-request-id"] == "req-42"
         r = httpx.get(srv.url + "/v1/models", timeout=10)
         generated = r.headers["x-request-id"]
         assert len(generated) == 32
 
         def access_log() -> dict:
-            return {rec.fields["request_id"]: rec for rec in caplog.records
-                    if rec.name == "mlxd.access"}
+            return {
+                rec.fields["request_id"]: rec for rec in caplog.records if rec.name == "mlxd.access"
+            }
 
         # the line is written when the response is done, maybe just after the client has it
         deadline = time.time() + 60

@@ -12,8 +12,10 @@ from conftest import LiveServer, install_into_store, make_settings
 from mlxd.enginecore.protocol import Fault, Loaded
 
 # What MLX's Metal allocator raises when a buffer does not fit.
-METAL_OOM = ("[metal::malloc] Attempting to allocate 68719476736 bytes which is greater "
-             "than the maximum allowed buffer size of 28991029248 bytes.")
+METAL_OOM = (
+    "[metal::malloc] Attempting to allocate 68719476736 bytes which is greater "
+    "than the maximum allowed buffer size of 28991029248 bytes."
+)
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
@@ -74,8 +76,9 @@ def test_oom_while_loading_is_503_and_the_next_load_succeeds(srv):
         r = c.post("/v1/chat/completions", json={**body, "keep_alive": "1s"})
         assert r.status_code == 200 and r.json()["model"] == "spare"
     # idle for its keep_alive: unloaded by the sweeper, counted as an eviction
-    assert _wait(lambda: _metric(srv, "mlxd:model_evictions_total", model="spare",
-                                 reason="idle") == 1, 8)
+    assert _wait(
+        lambda: _metric(srv, "mlxd:model_evictions_total", model="spare", reason="idle") == 1, 8
+    )
     assert "spare" not in [m["name"] for m in srv.core(Loaded()).models]
     assert _metric(srv, "mlxd:models_loaded", kind="chat") == loaded
 
@@ -108,12 +111,13 @@ def test_engine_core_death_under_load_is_survivable(start_server, tiny_llama, ho
     srv = start_server(tiny_llama)
     pid = srv.core_pid
     srv.fault("slow_steps", model="tiny-llama", seconds=0.02)
-    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 200,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 200, "stream": True}
     results: list = []
     started = [threading.Event() for _ in range(6)]
-    threads = [threading.Thread(target=_stream_until_error, args=(srv.url, body, results, ev))
-               for ev in started]
+    threads = [
+        threading.Thread(target=_stream_until_error, args=(srv.url, body, results, ev))
+        for ev in started
+    ]
     for t in threads:
         t.start()
     assert all(ev.wait(20) for ev in started)
@@ -149,19 +153,22 @@ def test_engine_core_death_under_load_is_survivable(start_server, tiny_llama, ho
 def test_kv_caches_count_against_the_memory_budget_and_load_is_shed(start_server, tiny_llama):
     """The budget covers the running batches' KV caches, not only the weights: when they fill
     it, a new request gets 503 + Retry-After (no device OOM), and serving resumes after."""
-    srv = start_server(tiny_llama, models={"memory_budget_bytes": 1_200_000},
-                       engine={"prefix_cache_bytes": 0})
+    srv = start_server(
+        tiny_llama, models={"memory_budget_bytes": 1_200_000}, engine={"prefix_cache_bytes": 0}
+    )
     srv.fault("slow_steps", model="tiny-llama", seconds=0.03)
     body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 120}
     statuses: list = []
 
     def run() -> None:
-        statuses.append(httpx.post(srv.url + "/v1/chat/completions", json=body,
-                                   timeout=60).status_code)
+        statuses.append(
+            httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).status_code
+        )
 
     threads = [threading.Thread(target=run) for _ in range(8)]
     for t in threads:
         t.start()
+
     def over_budget() -> bool:  # the running batches' KV grows as the rows are prefilled
         m = srv.health()["memory"]
         return m["models_bytes"] + m["caches_bytes"] > 1_200_000
@@ -190,17 +197,22 @@ def test_loading_a_model_does_not_pause_the_others(start_server, tiny_llama):
     out: dict = {}
 
     def ask_b() -> None:
-        out["b"] = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-            "model": "second", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        out["b"] = httpx.post(
+            srv.url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "second",
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
 
     b = threading.Thread(target=ask_b)
     b.start()
     try:
         assert _wait(lambda: srv.core(Fault("held_loads")).held_loads == 1, 60)
-        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40,
-                "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
-                          timeout=60) as r:
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: {")]
         assert r.status_code == 200 and len(events) >= 40 and '"length"' in events[-1]
         assert b.is_alive() and srv.core(Fault("held_loads")).held_loads == 1  # B still loading
@@ -211,14 +223,21 @@ def test_loading_a_model_does_not_pause_the_others(start_server, tiny_llama):
     assert {m["name"] for m in srv.health()["models"]} >= {"tiny-llama", "second"}
 
 
-def test_a_client_leaving_during_a_shared_load_does_not_cancel_it(start_server, tiny_llama,
-                                                                  tmp_path):
+def test_a_client_leaving_during_a_shared_load_does_not_cancel_it(
+    start_server, tiny_llama, tmp_path
+):
     """Two requests wait for the same model's load; the first one's client goes away. The
     load goes on for the other, which gets its answer, and the model is loaded once."""
     from fixtures.tiny_models import make_tiny_chat_model
 
-    big = make_tiny_chat_model(tmp_path / "big-src", "llama", hidden_size=640, num_layers=8,
-                               max_position_embeddings=512, seed=6)
+    big = make_tiny_chat_model(
+        tmp_path / "big-src",
+        "llama",
+        hidden_size=640,
+        num_layers=8,
+        max_position_embeddings=512,
+        seed=6,
+    )
     srv = start_server(tiny_llama)
     install_into_store(srv.settings.models_dir, "big", big)
     body = {"model": "big", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -259,8 +278,12 @@ def test_health_code_and_status_agree_while_the_core_dies_and_returns(start_serv
         assert _wait(lambda: len(answers) > 5, 30)
         os.kill(pid, signal.SIGKILL)
         assert _wait(lambda: any(code == 503 for code, _ in answers), 30)
-        assert _wait(lambda: srv.health()["engine_core"]["pid"] not in (None, pid)
-                     and answers[-1] == (200, "ok"), 60)
+        assert _wait(
+            lambda: (
+                srv.health()["engine_core"]["pid"] not in (None, pid) and answers[-1] == (200, "ok")
+            ),
+            60,
+        )
     finally:
         stop.set()
         t.join(60)

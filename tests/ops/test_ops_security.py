@@ -21,18 +21,22 @@ def secured(tmp_path_factory, tiny_llama):
     old = os.environ.get("MLXD_API_KEYS")
     os.environ["MLXD_API_KEYS"] = "dave:sk-dave-0123"
     try:
-        settings = make_settings(home, tiny_llama, security={
-            "api_keys": [
-                {"key": ALICE, "name": "alice"},
-                {"key": BOB, "name": "bob", "requests_per_minute": 2},
-                {"key": CAROL, "name": "carol", "tokens_per_minute": 30},
-            ],
-            "api_key_file": str(keyfile),
-            "max_body_bytes": 4096,
-            "max_tokens_limit": 64,
-            "max_inputs": 4,
-            "cors_origins": ["http://ui.example"],
-        })
+        settings = make_settings(
+            home,
+            tiny_llama,
+            security={
+                "api_keys": [
+                    {"key": ALICE, "name": "alice"},
+                    {"key": BOB, "name": "bob", "requests_per_minute": 2},
+                    {"key": CAROL, "name": "carol", "tokens_per_minute": 30},
+                ],
+                "api_key_file": str(keyfile),
+                "max_body_bytes": 4096,
+                "max_tokens_limit": 64,
+                "max_inputs": 4,
+                "cors_origins": ["http://ui.example"],
+            },
+        )
         srv = LiveServer(settings).start()
     finally:
         if old is None:
@@ -92,8 +96,7 @@ def test_every_route_is_protected_except_health_and_metrics(secured):
                 assert anon.json()["type"] == "error"
                 assert err["type"] == "authentication_error" and "API key" in err["message"]
             else:
-                assert err["code"] == "invalid_api_key" and err["type"] == \
-                    "invalid_request_error"
+                assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
             wrong = c.request(method, url, headers=_auth("sk-wrong"), **kw)
             assert wrong.status_code == 401, (method, path)
             ok = c.request(method, url, headers=_auth(ALICE), **kw)
@@ -104,26 +107,33 @@ def test_both_header_styles_and_every_key_source(secured):
     with secured.client() as c:
         assert c.get("/v1/models", headers={"x-api-key": ALICE}).status_code == 200
         assert c.get("/v1/models", headers=_auth(ALICE)).status_code == 200
-        assert c.get("/v1/models", headers={"Authorization": f"Basic {ALICE}"}
-                     ).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": f"Basic {ALICE}"}).status_code == 401
         assert c.get("/v1/models", headers={"x-api-key": ALICE[:-1]}).status_code == 401
         for key in ("sk-dave-0123", "sk-erin-0123", "sk-frank-0123"):  # env, file, file
             assert c.get("/api/tags", headers=_auth(key)).status_code == 200, key
-        r = c.post("/v1/chat/completions", headers=_auth(ALICE), json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        r = c.post(
+            "/v1/chat/completions",
+            headers=_auth(ALICE),
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_access_log_names_the_key_never_the_secret(secured, caplog):
     def lines():
-        return [r for r in caplog.records if r.name == "mlxd.access"
-                and r.fields["request_id"] == "alice-1"]
+        return [
+            r
+            for r in caplog.records
+            if r.name == "mlxd.access" and r.fields["request_id"] == "alice-1"
+        ]
 
     with caplog.at_level(logging.INFO, logger="mlxd.access"):
         with secured.client() as c:
-            r = c.post("/v1/completions", headers={"x-api-key": ALICE, "X-Request-ID":
-                                                   "alice-1"},
-                       json={"prompt": "hello", "max_tokens": 2})
+            r = c.post(
+                "/v1/completions",
+                headers={"x-api-key": ALICE, "X-Request-ID": "alice-1"},
+                json={"prompt": "hello", "max_tokens": 2},
+            )
             assert r.status_code == 200
         deadline = time.time() + 60  # logged when the response is done, maybe a bit later
         while not lines() and time.time() < deadline:
@@ -132,8 +142,10 @@ def test_access_log_names_the_key_never_the_secret(secured, caplog):
     assert rec.fields["key"] == "alice" and rec.fields["model"] == "tiny-llama"
     assert rec.fields["completion_tokens"] == 2 and rec.fields["prompt_tokens"] >= 1
     assert "key=alice" in rec.getMessage()
-    assert all(ALICE not in r.getMessage() and ALICE not in str(getattr(r, "fields", ""))
-               for r in caplog.records)
+    assert all(
+        ALICE not in r.getMessage() and ALICE not in str(getattr(r, "fields", ""))
+        for r in caplog.records
+    )
 
 
 def test_requests_per_minute_gives_429_with_retry_after(secured):
@@ -155,11 +167,15 @@ def test_requests_per_minute_gives_429_with_retry_after(secured):
 
 def test_tokens_per_minute_charges_real_usage(secured):
     with secured.client() as c:
-        r = c.post("/v1/completions", headers=_auth(CAROL),
-                   json={"prompt": "hello there", "max_tokens": 40})
+        r = c.post(
+            "/v1/completions",
+            headers=_auth(CAROL),
+            json={"prompt": "hello there", "max_tokens": 40},
+        )
         assert r.status_code == 200 and r.json()["usage"]["total_tokens"] > 30
-        r = c.post("/v1/completions", headers=_auth(CAROL),
-                   json={"prompt": "again", "max_tokens": 2})
+        r = c.post(
+            "/v1/completions", headers=_auth(CAROL), json={"prompt": "again", "max_tokens": 2}
+        )
         assert r.status_code == 429
         assert int(r.headers["retry-after"]) >= 2  # >10 tokens over at 0.5 token/s
         assert "tokens per minute" in r.json()["error"]["message"]
@@ -186,20 +202,22 @@ def test_body_limit_is_413_in_the_callers_dialect(secured):
 
 def _chunked(prefix: bytes, size: int, suffix: bytes):
     """A body sent without Content-Length (chunked), ``size`` filler bytes long."""
+
     def chunks():
         yield prefix
         for _ in range(size // 1000):
             yield b"y" * 1000
         yield suffix
+
     return chunks()
 
 
-def test_a_chunked_body_over_the_limit_is_the_same_413_in_every_dialect(start_server,
-                                                                         tiny_llama):
+def test_a_chunked_body_over_the_limit_is_the_same_413_in_every_dialect(start_server, tiny_llama):
     """Counted as it arrives, a body without Content-Length gets the very answer a declared
     one does: 413, code request_too_large, the setting that limits it named."""
-    srv = start_server(tiny_llama, security={"max_body_bytes": 4096},
-                       audio={"max_upload_bytes": 1024})
+    srv = start_server(
+        tiny_llama, security={"max_body_bytes": 4096}, audio={"max_upload_bytes": 1024}
+    )
     with srv.client() as c:
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/generate"):
             r = c.post(path, content=_chunked(b'{"prompt": "', 10_000, b'"}'))
@@ -216,11 +234,15 @@ def test_a_chunked_body_over_the_limit_is_the_same_413_in_every_dialect(start_se
         assert r.json()["error"]["type"] == "request_too_large"
         # an upload's limit is audio.max_upload_bytes plus room for the form around it
         boundary = b"mlxdboundary"
-        head = (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
-                b'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n')
-        r = c.post("/v1/audio/transcriptions",
-                   headers={"content-type": "multipart/form-data; boundary=mlxdboundary"},
-                   content=_chunked(head, 400_000, b"\r\n--" + boundary + b"--\r\n"))
+        head = (
+            b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; '
+            b'filename="a.wav"\r\nContent-Type: audio/wav\r\n\r\n'
+        )
+        r = c.post(
+            "/v1/audio/transcriptions",
+            headers={"content-type": "multipart/form-data; boundary=mlxdboundary"},
+            content=_chunked(head, 400_000, b"\r\n--" + boundary + b"--\r\n"),
+        )
         assert r.status_code == 413, r.text
         err = r.json()["error"]
         assert err["code"] == "request_too_large" and "audio.max_upload_bytes" in err["message"]
@@ -234,17 +256,30 @@ def test_max_tokens_and_max_inputs_limits_are_400(secured):
     with secured.client(headers=_auth(ALICE)) as c:
         r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 65})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-        r = c.post("/v1/chat/completions",
-                   json={"messages": msgs, "max_completion_tokens": 1000})
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 1000})
         assert r.status_code == 400
-        r = c.post("/api/generate", json={"model": "tiny-llama", "prompt": "hi",
-                                          "stream": False, "options": {"num_predict": 65}})
+        r = c.post(
+            "/api/generate",
+            json={
+                "model": "tiny-llama",
+                "prompt": "hi",
+                "stream": False,
+                "options": {"num_predict": 65},
+            },
+        )
         assert r.status_code == 400 and "max_tokens" in r.json()["error"]
         r = c.post("/generate", json={"prompt": "hi", "max_tokens": 65})
         assert r.status_code == 400
         # -1 ("until the context is full") is capped at the limit instead
-        r = c.post("/api/generate", json={"model": "tiny-llama", "prompt": "hi",
-                                          "stream": False, "options": {"num_predict": -1}})
+        r = c.post(
+            "/api/generate",
+            json={
+                "model": "tiny-llama",
+                "prompt": "hi",
+                "stream": False,
+                "options": {"num_predict": -1},
+            },
+        )
         assert r.status_code == 200 and r.json()["eval_count"] == 64
         r = c.post("/v1/chat/completions", json={"messages": msgs * 5, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -253,9 +288,14 @@ def test_max_tokens_and_max_inputs_limits_are_400(secured):
 def test_cors_when_configured(secured):
     origin = {"Origin": "http://ui.example"}
     with secured.client() as c:
-        pre = c.options("/v1/chat/completions", headers={
-            **origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
+        pre = c.options(
+            "/v1/chat/completions",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         assert pre.status_code == 200  # preflight needs no key
         assert pre.headers["access-control-allow-origin"] == "http://ui.example"
         r = c.get("/v1/models", headers={**origin, **_auth(ALICE)})
@@ -303,8 +343,10 @@ def test_anonymous_limit_without_keys(tmp_path):
     r = c.get("/v1/models")
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert c.get("/health").status_code != 429
-    assert "access-control-allow-origin" not in c.get(
-        "/v1/models", headers={"Origin": "http://x.example"}).headers  # CORS off by default
+    assert (
+        "access-control-allow-origin"
+        not in c.get("/v1/models", headers={"Origin": "http://x.example"}).headers
+    )  # CORS off by default
 
 
 def test_missing_key_file_fails_closed(tmp_path):
@@ -352,8 +394,7 @@ def test_trust_remote_code_is_off_unless_set(tiny_llama, monkeypatch):
     src = pathlib.Path(mlxd.__file__).parent
     for f in src.rglob("*.py"):
         text = f.read_text()
-        assert "trust_remote_code=True" not in text and '"trust_remote_code": True' \
-            not in text, f
+        assert "trust_remote_code=True" not in text and '"trust_remote_code": True' not in text, f
     seen = []
     real = llm.mlx_lm_load
 
@@ -365,6 +406,10 @@ def test_trust_remote_code_is_off_unless_set(tiny_llama, monkeypatch):
     create_engine("chat", "t", tiny_llama, Settings(engine={"warmup": False}))
     assert seen[-1]["trust_remote_code"] is False
     assert seen[-1]["tokenizer_config"] == {"trust_remote_code": False}
-    create_engine("chat", "t", tiny_llama,
-                  Settings(engine={"warmup": False}, models={"trust_remote_code": True}))
+    create_engine(
+        "chat",
+        "t",
+        tiny_llama,
+        Settings(engine={"warmup": False}, models={"trust_remote_code": True}),
+    )
     assert seen[-1]["trust_remote_code"] is True

@@ -17,15 +17,24 @@ import pytest
 def _env(tmp_path: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXD_")}
     # a home with a space: the unit must quote it
-    env.update(MLXD_HOME=str(tmp_path / "mlxd home"), HOME=str(tmp_path / "user"),
-               XDG_CONFIG_HOME=str(tmp_path / "user" / ".config"),
-               MLXD_ENGINE__MAX_NUM_SEQS="4", MLXD_API_KEYS="ops:sk-secret-1")
+    env.update(
+        MLXD_HOME=str(tmp_path / "mlxd home"),
+        HOME=str(tmp_path / "user"),
+        XDG_CONFIG_HOME=str(tmp_path / "user" / ".config"),
+        MLXD_ENGINE__MAX_NUM_SEQS="4",
+        MLXD_API_KEYS="ops:sk-secret-1",
+    )
     return env
 
 
 def mlxd(*args, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlxd", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def systemd_verify(unit: Path, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -34,17 +43,29 @@ def systemd_verify(unit: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     runtime = tmp_path / "xdg-runtime"
     runtime.mkdir(mode=0o700, exist_ok=True)
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), SYSTEMD_LOG_LEVEL="notice")
-    r = subprocess.run(["systemd-analyze", "--user", "verify", "--man=no", str(unit)],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        ["systemd-analyze", "--user", "verify", "--man=no", str(unit)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     if r.returncode != 0 and "Failed to initialize manager" in r.stderr:
-        r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
-                           capture_output=True, text=True, env=env, timeout=60)
+        r = subprocess.run(
+            ["systemd-analyze", "verify", "--man=no", str(unit)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
     return r
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None and not os.environ.get("CI"),
-                    reason="systemd-analyze missing (.ci/run installs Debian's systemd; "
-                           "on CI its absence fails this test)")
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None and not os.environ.get("CI"),
+    reason="systemd-analyze missing (.ci/run installs Debian's systemd; "
+    "on CI its absence fails this test)",
+)
 def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     env = _env(tmp_path)
     r = mlxd("service", "install", "--dry-run", "--platform", "linux", env=env)
@@ -60,21 +81,34 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     unit.write_text(unit_text)
     v = systemd_verify(unit, tmp_path)
     assert v.returncode == 0, v.stdout + v.stderr
-    noise = [line for line in (v.stdout + v.stderr).splitlines()
-             if str(unit) in line or "mlxd.service" in line]
+    noise = [
+        line
+        for line in (v.stdout + v.stderr).splitlines()
+        if str(unit) in line or "mlxd.service" in line
+    ]
     assert not noise, noise  # no "Unknown key", "Ignoring", bad quoting...
 
 
 def test_generated_plist_parses(tmp_path):
     env = _env(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "mlxd", "service", "install", "--dry-run",
-                        "--platform", "macos"], env=env, capture_output=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlxd", "service", "install", "--dry-run", "--platform", "macos"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     data = plistlib.loads(r.stdout)
     home = env["MLXD_HOME"]
     assert data["Label"] == "io.mlxd.server"
-    assert data["ProgramArguments"] == [sys.executable, "-m", "mlxd", "serve", "--config",
-                                        f"{home}/config.yaml"]
+    assert data["ProgramArguments"] == [
+        sys.executable,
+        "-m",
+        "mlxd",
+        "serve",
+        "--config",
+        f"{home}/config.yaml",
+    ]
     assert data["EnvironmentVariables"]["MLXD_HOME"] == home
     assert "MLXD_API_KEYS" not in data["EnvironmentVariables"]
     assert data["KeepAlive"] == {"SuccessfulExit": False} and data["RunAtLoad"] is True

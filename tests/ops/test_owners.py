@@ -30,10 +30,18 @@ def keyed(tmp_path_factory, tiny_llama):
     old = os.environ.get("MLXD_API_KEYS")
     os.environ["MLXD_API_KEYS"] = f"alice:{TWIN},grace:{GRACE}"
     try:
-        settings = make_settings(home, tiny_llama, security={
-            "api_keys": [{"key": ALICE, "name": "alice"}, {"key": BOB, "name": "bob"},
-                         {"key": ROOT, "name": "root", "admin": True}],
-            "api_key_file": str(keyfile)})
+        settings = make_settings(
+            home,
+            tiny_llama,
+            security={
+                "api_keys": [
+                    {"key": ALICE, "name": "alice"},
+                    {"key": BOB, "name": "bob"},
+                    {"key": ROOT, "name": "root", "admin": True},
+                ],
+                "api_key_file": str(keyfile),
+            },
+        )
         srv = LiveServer(settings).start()
     finally:
         if old is None:
@@ -49,8 +57,10 @@ def _c(srv: LiveServer, key: str) -> httpx.Client:
 
 
 def _create(c: httpx.Client, text: str, **kw) -> dict:
-    r = c.post("/v1/responses", json={"model": "default", "input": text,
-                                      "max_output_tokens": 3, "temperature": 0, **kw})
+    r = c.post(
+        "/v1/responses",
+        json={"model": "default", "input": text, "max_output_tokens": 3, "temperature": 0, **kw},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -59,8 +69,12 @@ def _as_missing(r: httpx.Response, rid: str, c: httpx.Client, method: str, **kw)
     """``r`` (about ``rid``) is the very answer a never-stored id gets."""
     ref = c.request(method, f"/v1/responses/{MISSING}", **kw)
     assert r.status_code == ref.status_code == 404
-    assert r.json() == {"error": {**ref.json()["error"], "message":
-                                  ref.json()["error"]["message"].replace(MISSING, rid)}}
+    assert r.json() == {
+        "error": {
+            **ref.json()["error"],
+            "message": ref.json()["error"]["message"].replace(MISSING, rid),
+        }
+    }
 
 
 def test_another_keys_response_is_missing_and_intact(keyed):
@@ -74,11 +88,13 @@ def test_another_keys_response_is_missing_and_intact(keyed):
             cont = other.post("/v1/responses", json={**body, "previous_response_id": rid})
             ref = other.post("/v1/responses", json={**body, "previous_response_id": MISSING})
             assert cont.status_code == ref.status_code == 404
-            assert cont.json()["error"]["message"] == \
-                ref.json()["error"]["message"].replace(MISSING, rid)
+            assert cont.json()["error"]["message"] == ref.json()["error"]["message"].replace(
+                MISSING, rid
+            )
             assert cont.json()["error"]["param"] == "previous_response_id"
-            streamed = other.post("/v1/responses", json={**body, "stream": True,
-                                                         "previous_response_id": rid})
+            streamed = other.post(
+                "/v1/responses", json={**body, "stream": True, "previous_response_id": rid}
+            )
             assert streamed.status_code == 404 and "not found" in streamed.text
         # the owner still has it, whole, and can continue and delete it
         got = alice.get(f"/v1/responses/{rid}")
@@ -90,11 +106,16 @@ def test_another_keys_response_is_missing_and_intact(keyed):
 
 def test_a_streamed_response_belongs_to_its_key(keyed):
     with _c(keyed, BOB) as bob, _c(keyed, ALICE) as alice:
-        r = bob.post("/v1/responses", json={"model": "default", "input": "hi", "stream": True,
-                                            "max_output_tokens": 2})
+        r = bob.post(
+            "/v1/responses",
+            json={"model": "default", "input": "hi", "stream": True, "max_output_tokens": 2},
+        )
         assert r.status_code == 200
-        rid = next(line for line in r.text.splitlines() if '"resp_' in line
-                   ).split('"id":"')[1].split('"')[0]
+        rid = (
+            next(line for line in r.text.splitlines() if '"resp_' in line)
+            .split('"id":"')[1]
+            .split('"')[0]
+        )
         assert bob.get(f"/v1/responses/{rid}").status_code == 200
         _as_missing(alice.get(f"/v1/responses/{rid}"), rid, alice, "GET")
 
@@ -123,12 +144,20 @@ def test_the_ui_request_log_shows_a_key_its_own_requests(keyed):
     who = {"alice": ALICE, "bob": BOB, "twin": TWIN, "frank": FRANK, "grace": GRACE}
     with keyed.client() as c:
         for name, key in who.items():
-            assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}",
-                                                "X-Request-ID": f"log-{name}"}
-                         ).status_code == 200
-        assert c.get("/v1/models", headers={"Authorization": "Bearer sk-wrong",
-                                            "X-Request-ID": "log-refused"}
-                     ).status_code == 401
+            assert (
+                c.get(
+                    "/v1/models",
+                    headers={"Authorization": f"Bearer {key}", "X-Request-ID": f"log-{name}"},
+                ).status_code
+                == 200
+            )
+        assert (
+            c.get(
+                "/v1/models",
+                headers={"Authorization": "Bearer sk-wrong", "X-Request-ID": "log-refused"},
+            ).status_code
+            == 401
+        )
     ours = {f"log-{n}" for n in who} | {"log-refused"}
     for name, key in who.items():
         with _c(keyed, key) as c:
@@ -163,8 +192,7 @@ def test_key_syntax_admin_flag_and_the_old_forms():
 
     assert parse_key_item("alice:sk-1") == {"name": "alice", "key": "sk-1"}
     assert parse_key_item("sk-1") == {"key": "sk-1"}
-    assert parse_key_item("alice:sk-1 admin") == {"name": "alice", "key": "sk-1",
-                                                  "admin": True}
+    assert parse_key_item("alice:sk-1 admin") == {"name": "alice", "key": "sk-1", "admin": True}
     assert parse_key_item("  sk-1\tadmin ") == {"key": "sk-1", "admin": True}
     # a ':' in the key stays in the key, with or without the flag
     assert parse_key_item("ops:a:b:admin") == {"name": "ops", "key": "a:b:admin"}
@@ -173,10 +201,11 @@ def test_key_syntax_admin_flag_and_the_old_forms():
     assert parse_key_item("sk-2 # note") == {"key": "sk-2 # note"}
     assert parse_key_item("sk-2 Admin") == {"key": "sk-2 Admin"}
     keys = Settings(security={"api_keys": "a:sk-a admin,sk-b"}).security.api_keys
-    assert [(k.name, k.key, k.admin) for k in keys] == [("a", "sk-a", True),
-                                                        (None, "sk-b", False)]
-    assert Settings(security={"api_keys": [{"key": "k", "admin": True}]}
-                    ).security.api_keys[0].admin is True
+    assert [(k.name, k.key, k.admin) for k in keys] == [("a", "sk-a", True), (None, "sk-b", False)]
+    assert (
+        Settings(security={"api_keys": [{"key": "k", "admin": True}]}).security.api_keys[0].admin
+        is True
+    )
 
 
 def test_a_key_keeps_its_owner_when_the_key_file_changes(tmp_path: Path):
@@ -185,8 +214,9 @@ def test_a_key_keeps_its_owner_when_the_key_file_changes(tmp_path: Path):
 
     f = tmp_path / "keys"
     f.write_text("ops:sk-one\nsk-two admin\n")
-    ring = KeyRing(Settings(security={"api_key_file": str(f)}), environ={"MLXD_API_KEYS":
-                                                                         "ops:sk-three admin"})
+    ring = KeyRing(
+        Settings(security={"api_key_file": str(f)}), environ={"MLXD_API_KEYS": "ops:sk-three admin"}
+    )
     one, two, three = (ring.match(k).principal for k in ("sk-one", "sk-two", "sk-three"))
     assert (one.admin, two.admin, three.admin) == (False, True, True)
     assert len({one.owner, two.owner, three.owner}) == 3  # one name, two keys, two owners

@@ -36,10 +36,17 @@ from mlxd import __version__
 ROOT = Path(__file__).resolve().parents[2]
 HOMEBREW = ROOT / "packaging" / "homebrew"
 DARWIN_ARM64 = {
-    "sys_platform": "darwin", "platform_system": "Darwin", "platform_machine": "arm64",
-    "os_name": "posix", "python_version": "3.12", "python_full_version": "3.12.8",
-    "implementation_name": "cpython", "platform_python_implementation": "CPython",
-    "platform_release": "24.0.0", "platform_version": "", "implementation_version": "3.12.8",
+    "sys_platform": "darwin",
+    "platform_system": "Darwin",
+    "platform_machine": "arm64",
+    "os_name": "posix",
+    "python_version": "3.12",
+    "python_full_version": "3.12.8",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "platform_release": "24.0.0",
+    "platform_version": "",
+    "implementation_version": "3.12.8",
     "extra": "",
 }
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -58,8 +65,11 @@ def formula_resources(text: str) -> dict[str, dict[str, str]]:
         url = re.search(r'^\s+url "([^"]+)"(, using: :nounzip)?$', body, re.M)
         sha = re.search(r'^\s+sha256 "([^"]+)"$', body, re.M)
         assert url and sha, f"resource {m.group(1)} lacks url or sha256:\n{body}"
-        out[m.group(1)] = {"url": url.group(1), "sha256": sha.group(1),
-                           "nounzip": bool(url.group(2))}
+        out[m.group(1)] = {
+            "url": url.group(1),
+            "sha256": sha.group(1),
+            "nounzip": bool(url.group(2)),
+        }
     return out
 
 
@@ -102,15 +112,18 @@ def formula() -> str:
 def test_formula_is_a_python_virtualenv_formula(formula):
     assert re.search(r"^class Mlxd < Formula$", formula, re.M)
     assert "include Language::Python::Virtualenv" in formula
-    assert re.search(r'^  url "https://files\.pythonhosted\.org/\S+/mlxd-[\d.]+\.tar\.gz"$',
-                     formula, re.M)
+    assert re.search(
+        r'^  url "https://files\.pythonhosted\.org/\S+/mlxd-[\d.]+\.tar\.gz"$', formula, re.M
+    )
     assert SHA256.match(re.search(r'^  sha256 "([^"]+)"$', formula, re.M).group(1))
     assert re.search(r'^  depends_on "python@3\.\d+"$', formula, re.M)
     assert "depends_on arch: :arm64" in formula
     assert "venv.pip_install_and_link buildpath" in formula
     # every block opened (class, def, ... do [|x|]) is closed by an `end` at its indent
-    opened = [m.group(1) for m in re.finditer(
-        r"^( *)(?:class |def |\S.* do(?: \|[^|]*\|)?$)", formula, re.M)]
+    opened = [
+        m.group(1)
+        for m in re.finditer(r"^( *)(?:class |def |\S.* do(?: \|[^|]*\|)?$)", formula, re.M)
+    ]
     closed = [m.group(1) for m in re.finditer(r"^( *)end$", formula, re.M)]
     assert sorted(opened) == sorted(closed)
 
@@ -145,14 +158,17 @@ def test_formula_resources_cover_what_mlxd_requires_on_macos(formula):
 def test_formula_is_what_the_generator_renders_from_the_lock(formula, monkeypatch):
     """No hand edits: scripts/gen_formula.py's template, given the lock's pins and the
     formula's own URLs and hashes (fetching them needs the index), gives the same text."""
-    spec = importlib.util.spec_from_file_location("gen_formula",
-                                                  ROOT / "scripts" / "gen_formula.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_formula", ROOT / "scripts" / "gen_formula.py"
+    )
     gen = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gen_formula", gen)  # dataclasses look it up there
     spec.loader.exec_module(gen)
     pins = dict(gen.read_lock(HOMEBREW / "requirements-macos.lock"))
-    arts = [gen.Artifact(name, pins[name], r["url"], r["sha256"])
-            for name, r in formula_resources(formula).items()]
+    arts = [
+        gen.Artifact(name, pins[name], r["url"], r["sha256"])
+        for name, r in formula_resources(formula).items()
+    ]
     sha = re.search(r'^  sha256 "([^"]+)"$', formula, re.M).group(1)
     assert gen.render(gen.project(), sha, arts) == formula
 
@@ -165,8 +181,12 @@ def test_formula_is_what_the_generator_renders_from_the_lock(formula, monkeypatc
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
-    p = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     (sdist,) = out.glob("mlxd-*.tar.gz")
     (wheel,) = out.glob("mlxd-*.whl")
@@ -176,16 +196,19 @@ def dists(tmp_path_factory) -> dict[str, Path]:
 def _modules() -> set[str]:
     """Every module, and every file the web UI serves (package data)."""
     src = ROOT / "src"
-    return ({f.relative_to(src).as_posix() for f in (src / "mlxd").rglob("*.py")}
-            | {f.relative_to(src).as_posix()
-               for f in (src / "mlxd" / "ui" / "static").rglob("*") if f.is_file()})
+    return {f.relative_to(src).as_posix() for f in (src / "mlxd").rglob("*.py")} | {
+        f.relative_to(src).as_posix()
+        for f in (src / "mlxd" / "ui" / "static").rglob("*")
+        if f.is_file()
+    }
 
 
 def test_sdist_and_wheel_carry_every_module(dists):
     with tarfile.open(dists["sdist"]) as tf:
         top = tf.getnames()[0].split("/")[0]
-        sdist = {n.removeprefix(f"{top}/src/") for n in tf.getnames()
-                 if n.startswith(f"{top}/src/")}
+        sdist = {
+            n.removeprefix(f"{top}/src/") for n in tf.getnames() if n.startswith(f"{top}/src/")
+        }
         names = set(tf.getnames())
     assert _modules() <= sdist, _modules() - sdist
     assert {f"{top}/pyproject.toml", f"{top}/README.md"} <= names
@@ -207,12 +230,32 @@ def wheel_venv(dists, tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("wheelvenv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
-                        "--no-deps", "--no-index", "--ignore-installed", str(dists["wheel"])],
-                       capture_output=True, text=True, timeout=120, env=_clean_env())
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            str(dists["wheel"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+    )
     assert p.returncode == 0, p.stderr
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path("
-                           "'purelib'))"], capture_output=True, text=True, check=True)
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     Path(site.stdout.strip(), "_mlxd_test_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
     return venv
@@ -233,30 +276,46 @@ def _env(tmp_path: Path) -> dict:
 def test_installed_wheel_runs_the_cli_from_its_own_files(dists, wheel_venv, tmp_path):
     env = _env(tmp_path)
     mlxd = wheel_venv / "bin" / "mlxd"
-    p = subprocess.run([str(mlxd), "--help"], capture_output=True, text=True, env=env,
-                       timeout=60)
+    p = subprocess.run([str(mlxd), "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "serve" in p.stdout and "doctor" in p.stdout
     # one version: mlxd.__version__ is the wheel's, and what both CLI spellings print
     version = str(parse_wheel_filename(dists["wheel"].name)[1])
     assert version == __version__
     for args in (["version"], ["--version"]):
-        p = subprocess.run([str(mlxd), *args], capture_output=True, text=True, env=env,
-                           timeout=60)
+        p = subprocess.run([str(mlxd), *args], capture_output=True, text=True, env=env, timeout=60)
         assert p.returncode == 0 and p.stdout.strip() == version, (args, p.stderr)
-    p = subprocess.run([str(wheel_venv / "bin" / "python"), "-c",
-                        "import mlxd, mlxd.server, mlxd.api.app, mlxd.cli.main; "
-                        "print(mlxd.__file__)"], capture_output=True, text=True, env=env,
-                       timeout=60)
+    p = subprocess.run(
+        [
+            str(wheel_venv / "bin" / "python"),
+            "-c",
+            "import mlxd, mlxd.server, mlxd.api.app, mlxd.cli.main; print(mlxd.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert Path(p.stdout.strip()).is_relative_to(wheel_venv), p.stdout  # not src/
 
 
 def test_installed_wheel_serves(wheel_venv, tmp_path, tiny_llama):
     port = free_port()
-    proc = subprocess.Popen([str(wheel_venv / "bin" / "mlxd"), "serve", "--model",
-                             str(tiny_llama), "--port", str(port)], env=_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            str(wheel_venv / "bin" / "mlxd"),
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+        ],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 90
         while True:
@@ -272,14 +331,16 @@ def test_installed_wheel_serves(wheel_venv, tmp_path, tiny_llama):
         assert r.json()["version"] == __version__
         ollama = httpx.get(f"http://127.0.0.1:{port}/api/version", timeout=10).json()
         assert ollama["mlxd_version"] == __version__
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         # the web UI's page and files come from the installed package
         page = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
         assert page.status_code == 200 and "/ui/static/app.js" in page.text
-        js = httpx.get(f"http://127.0.0.1:{port}/ui/static/vendor/preact-htm.module.js",
-                       timeout=10)
+        js = httpx.get(f"http://127.0.0.1:{port}/ui/static/vendor/preact-htm.module.js", timeout=10)
         assert js.status_code == 200 and "export" in js.text
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -26,8 +26,7 @@ def run_hook(hook: dict, file: Path) -> subprocess.CompletedProcess:
     argv = shlex.split(hook["entry"])
     assert argv[0] == VENV_RUFF and hook["language"] == "system"
     argv[0] = str(Path(sys.executable).parent / "ruff")
-    return subprocess.run([*argv, str(file)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([*argv, str(file)], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_the_hooks_are_ruff_check_and_ruff_format():

@@ -18,8 +18,12 @@ import httpx
 import pytest
 from conftest import LiveServer, free_port, make_settings
 
-BOB, CAROL, DAVE, ERIN = ("sk-bob-redis-0123", "sk-carol-redis-0123", "sk-dave-redis-0123",
-                          "sk-erin-redis-0123")
+BOB, CAROL, DAVE, ERIN = (
+    "sk-bob-redis-0123",
+    "sk-carol-redis-0123",
+    "sk-dave-redis-0123",
+    "sk-erin-redis-0123",
+)
 KEYS = [
     {"key": BOB, "name": "bob", "requests_per_minute": 3},
     {"key": CAROL, "name": "carol", "tokens_per_minute": 30},
@@ -30,7 +34,8 @@ KEYS = [
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None and not os.environ.get("CI"),
     reason="redis-server missing (.ci/run installs Debian's redis-server; on CI its absence "
-           "fails these tests)")
+    "fails these tests)",
+)
 
 
 class RedisServer:
@@ -44,9 +49,22 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.dir), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = self.client()
         deadline = time.time() + 15
         while True:
@@ -94,10 +112,8 @@ def _replica(home: Path, model: Path, **security) -> LiveServer:
 def replicas(tmp_path_factory, tiny_llama, redis_server):
     home = tmp_path_factory.mktemp("replicas")
     # a generous timeout: a loaded test machine must not look like a Redis outage here
-    a = _replica(home, tiny_llama, rate_limit_store=redis_server.url,
-                 rate_limit_store_timeout_s=5)
-    b = _replica(home, tiny_llama, rate_limit_store=redis_server.url,
-                 rate_limit_store_timeout_s=5)
+    a = _replica(home, tiny_llama, rate_limit_store=redis_server.url, rate_limit_store_timeout_s=5)
+    b = _replica(home, tiny_llama, rate_limit_store=redis_server.url, rate_limit_store_timeout_s=5)
     yield a, b
     a.stop()
     b.stop()
@@ -109,8 +125,11 @@ def _auth(key: str) -> dict:
 
 def test_two_servers_share_one_request_limit(replicas, redis_server):
     a, b = replicas
-    assert [httpx.get(s.url + "/v1/models", headers=_auth(BOB)).status_code
-            for s in (a, b, a)] == [200, 200, 200]
+    assert [httpx.get(s.url + "/v1/models", headers=_auth(BOB)).status_code for s in (a, b, a)] == [
+        200,
+        200,
+        200,
+    ]
     r = httpx.get(b.url + "/v1/models", headers=_auth(BOB))  # B never saw 3 requests itself
     assert r.status_code == 429
     assert int(r.headers["retry-after"]) >= 1
@@ -120,9 +139,15 @@ def test_two_servers_share_one_request_limit(replicas, redis_server):
     r = httpx.get(a.url + "/api/tags", headers=_auth(BOB))  # Ollama's dialect
     assert r.status_code == 429 and isinstance(r.json()["error"], str)
     assert r.headers["retry-after"]
-    r = httpx.post(a.url + "/v1/messages", headers=_auth(BOB),  # Anthropic's
-                   json={"model": "tiny-llama", "max_tokens": 2,
-                         "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        a.url + "/v1/messages",
+        headers=_auth(BOB),  # Anthropic's
+        json={
+            "model": "tiny-llama",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     # other keys and /health are not affected
     assert httpx.get(b.url + "/v1/models", headers=_auth(ERIN)).status_code == 200
@@ -153,11 +178,19 @@ def test_the_shared_check_is_atomic_under_concurrency(replicas):
 
 def test_tokens_used_on_one_server_hold_back_the_other(replicas):
     a, b = replicas
-    r = httpx.post(a.url + "/v1/completions", headers=_auth(CAROL), timeout=60,
-                   json={"model": "tiny-llama", "prompt": "hello there", "max_tokens": 40})
+    r = httpx.post(
+        a.url + "/v1/completions",
+        headers=_auth(CAROL),
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "hello there", "max_tokens": 40},
+    )
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] > 30
-    r = httpx.post(b.url + "/v1/completions", headers=_auth(CAROL), timeout=60,
-                   json={"model": "tiny-llama", "prompt": "again", "max_tokens": 2})
+    r = httpx.post(
+        b.url + "/v1/completions",
+        headers=_auth(CAROL),
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "again", "max_tokens": 2},
+    )
     assert r.status_code == 429
     assert int(r.headers["retry-after"]) >= 2  # >10 tokens over at 0.5 token/s
     assert "tokens per minute" in r.json()["error"]["message"]
@@ -169,13 +202,31 @@ def test_api_workers_front_ends_share_one_limit(tmp_path, tiny_llama, redis_serv
     requests pass (in memory each front end would allow 4)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
-               MLXD_SECURITY__ANONYMOUS_REQUESTS_PER_MINUTE="4",
-               MLXD_SECURITY__RATE_LIMIT_STORE=redis_server.url.replace("/0", "/1"))
-    p = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
-                          "--port", str(port), "--api-workers", "2"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",
+        MLXD_SECURITY__ANONYMOUS_REQUESTS_PER_MINUTE="4",
+        MLXD_SECURITY__RATE_LIMIT_STORE=redis_server.url.replace("/0", "/1"),
+    )
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--api-workers",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         frontends: set[int] = set()
         deadline = time.time() + 120
@@ -218,8 +269,9 @@ def test_unreachable_redis_fails_open_to_local_limits(tmp_path, tiny_llama, capl
         srv = _replica(tmp_path, tiny_llama, rate_limit_store=dead)
         try:
             before = _errors_metric(srv, "open")
-            codes = [httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code
-                     for _ in range(4)]
+            codes = [
+                httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code for _ in range(4)
+            ]
             # served, and still limited: by this process's own buckets
             assert codes == [200, 200, 200, 429]
             assert _errors_metric(srv, "open") >= before + 1
@@ -232,8 +284,9 @@ def test_unreachable_redis_fails_open_to_local_limits(tmp_path, tiny_llama, capl
 
 def test_fail_closed_gives_503_until_redis_is_back(tmp_path, tiny_llama):
     redis = RedisServer(tmp_path).start()
-    srv = _replica(tmp_path, tiny_llama, rate_limit_store=redis.url,
-                   rate_limit_store_failure="closed")
+    srv = _replica(
+        tmp_path, tiny_llama, rate_limit_store=redis.url, rate_limit_store_failure="closed"
+    )
     try:
         assert httpx.get(srv.url + "/v1/models", headers=_auth(BOB)).status_code == 200
         redis.stop()
@@ -265,8 +318,10 @@ def test_store_setting_is_validated(tmp_path):
 
     with pytest.raises(ValueError, match="Redis URL"):
         Settings(security={"rate_limit_store": "memcached://x:11211"})
-    assert Settings(security={"rate_limit_store": "rediss://h:6380/1"}
-                    ).security.rate_limit_store == "rediss://h:6380/1"
+    assert (
+        Settings(security={"rate_limit_store": "rediss://h:6380/1"}).security.rate_limit_store
+        == "rediss://h:6380/1"
+    )
 
 
 def test_lua_buckets_refill_expire_and_go_negative(redis_server):
@@ -281,8 +336,9 @@ def test_lua_buckets_refill_expire_and_go_negative(redis_server):
         try:
             for lim in (store, mem):
                 # 120 a minute: 120 at once, then one more every half second
-                assert [await lim.admit(f"refill-{id(lim)}", 120, None)
-                        for _ in range(120)] == [(0.0, "")] * 120
+                assert [await lim.admit(f"refill-{id(lim)}", 120, None) for _ in range(120)] == [
+                    (0.0, "")
+                ] * 120
                 wait, which = await lim.admit(f"refill-{id(lim)}", 120, None)
                 assert which == "requests per minute" and 0 < wait <= 0.5
                 await asyncio.sleep(wait + 0.05)

@@ -71,8 +71,7 @@ def one(tmp_path_factory, tiny_llama, others):
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory, tiny_llama, others):
-    srv = _server(tmp_path_factory.mktemp("tp2"), tiny_llama, others,
-                  engine={"tensor_parallel": 2})
+    srv = _server(tmp_path_factory.mktemp("tp2"), tiny_llama, others, engine={"tensor_parallel": 2})
     yield srv
     srv.stop()
 
@@ -83,17 +82,51 @@ def _requests(model: str = MODEL, second: str | None = "tiny-qwen2") -> list[dic
     (processors on rank 0), and a row for a second split model stepping alongside. Every
     row names its tokens by id (logprobs with vLLM's return_tokens_as_token_ids)."""
     ids = {"return_tokens_as_token_ids": True}
-    reqs = [{"model": model, "prompt": p, "max_tokens": 6 + 3 * i, "temperature": 0,
-             "logprobs": 1, **ids} for i, p in enumerate(PROMPTS)]
+    reqs = [
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": 6 + 3 * i,
+            "temperature": 0,
+            "logprobs": 1,
+            **ids,
+        }
+        for i, p in enumerate(PROMPTS)
+    ]
     reqs[0]["logprobs"] = 2
-    reqs.append({"model": model, "prompt": "once upon", "max_tokens": 10, "temperature": 0.9,
-                 "seed": 7, "logprobs": 1, **ids})
-    reqs.append({"model": model, "messages": [{"role": "user", "content": "json please"}],
-                 "max_tokens": 12, "temperature": 0, "response_format": {"type": "json_object"},
-                 "logprobs": True, **ids})
+    reqs.append(
+        {
+            "model": model,
+            "prompt": "once upon",
+            "max_tokens": 10,
+            "temperature": 0.9,
+            "seed": 7,
+            "logprobs": 1,
+            **ids,
+        }
+    )
+    reqs.append(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "json please"}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+            "logprobs": True,
+            **ids,
+        }
+    )
     if second is not None:
-        reqs.append({"model": second, "prompt": "hello there", "max_tokens": 8,
-                     "temperature": 0, "logprobs": 1, **ids})
+        reqs.append(
+            {
+                "model": second,
+                "prompt": "hello there",
+                "max_tokens": 8,
+                "temperature": 0,
+                "logprobs": 1,
+                **ids,
+            }
+        )
     return reqs
 
 
@@ -116,6 +149,7 @@ def _token_ids(choice: dict) -> tuple[list[int], list[list[int]]]:
 def _run(srv: LiveServer, reqs: list[dict] | None = None) -> list[tuple]:
     """Each request's (token ids, their top alternatives' ids, completion tokens, finish
     reason), all sent at once."""
+
     def one(body: dict) -> tuple:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = httpx.post(srv.url + path, json=body, timeout=60)
@@ -137,10 +171,15 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp, tmp_path):
     assert group["size"] == 2 and group["backend"] == "ring"
     assert len(set(group["rank_pids"])) == 2 and group["rank_pids"][0] == tp.core_pid
     # `mlxd ps` shows the group: mode, size, backend and the ranks' pids in rank order
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "cli-home"),
-               MLXD_SERVER__PORT=str(tp.port))
-    out = subprocess.run([sys.executable, "-m", "mlxd", "ps"], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    env = dict(os.environ, MLXD_HOME=str(tmp_path / "cli-home"), MLXD_SERVER__PORT=str(tp.port))
+    out = subprocess.run(
+        [sys.executable, "-m", "mlxd", "ps"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     rows = [line.split() for line in out.splitlines()]
     assert ["CORE", "PARALLEL", "RANKS", "BACKEND", "RANK", "PIDS"] in rows
     assert ["0", "tensor", "2", "ring", ",".join(map(str, group["rank_pids"]))] in rows
@@ -152,8 +191,12 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp, tmp_path):
     assert _run(tp) == expected
     # a stream whose client leaves mid-way: rank 0 removes the row, the followers too,
     # and the batch stays in step for the next requests
-    with httpx.stream("POST", tp.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        tp.url + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "go", "max_tokens": 200, "stream": True},
+    ) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
@@ -168,8 +211,11 @@ def test_two_ranks_give_the_tokens_of_one_process(one, tp, tmp_path):
     # a step that fails on rank 0 before it runs fails that batch; every rank starts a
     # fresh batch and the group carries on, in step
     tp.fault("step_error", model=MODEL, message="simulated step failure")
-    r = httpx.post(tp.url + "/v1/completions", json={"model": MODEL, "prompt": "x",
-                                                     "max_tokens": 3}, timeout=60)
+    r = httpx.post(
+        tp.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 3},
+        timeout=60,
+    )
     assert r.status_code == 500 and "simulated step failure" in r.text
     assert _run(tp) == expected
 
@@ -197,16 +243,23 @@ def test_a_model_that_does_not_divide_over_the_ranks_fails_its_load(one, tp, tmp
 
     src = make_tiny_chat_model(tmp_path / "odd", "llama", hidden_size=48)
     install_into_store(tp.settings.models_dir, "odd-heads", src)
-    r = httpx.post(tp.url + "/v1/completions", timeout=60,
-                   json={"model": "odd-heads", "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        tp.url + "/v1/completions",
+        timeout=60,
+        json={"model": "odd-heads", "prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 500, r.text
     assert "num_attention_heads (3) does not divide by 2" in r.json()["error"]["message"]
     assert _run(tp) == _run(one)
 
 
 def _stream(url: str, model: str, out: list, started: threading.Event) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 200, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 200,
+        "stream": True,
+    }
     text = ""
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -221,8 +274,9 @@ def _stream(url: str, model: str, out: list, started: threading.Event) -> None:
         out.append((0, repr(exc)))
 
 
-def _kill_a_rank_and_see_the_group_restart(srv: LiveServer, rank: int, model: str,
-                                           key: str = "tensor_parallel") -> None:
+def _kill_a_rank_and_see_the_group_restart(
+    srv: LiveServer, rank: int, model: str, key: str = "tensor_parallel"
+) -> None:
     """Four streams and one non-streaming request in flight, then kill -9 of ``rank``: every
     one of them ends with a 503 in OpenAI's shape (the streams with an error event), new
     requests get 503 + Retry-After until a new group, with none of the old ranks, has
@@ -232,12 +286,21 @@ def _kill_a_rank_and_see_the_group_restart(srv: LiveServer, rank: int, model: st
     srv.fault("slow_steps", model=model, seconds=0.02)
     results: list = []
     started = [threading.Event() for _ in range(4)]
-    threads = [threading.Thread(target=_stream, args=(srv.url, model, results, ev))
-               for ev in started]
+    threads = [
+        threading.Thread(target=_stream, args=(srv.url, model, results, ev)) for ev in started
+    ]
     whole: list[httpx.Response] = []
-    threads.append(threading.Thread(target=lambda: whole.append(httpx.post(
-        srv.url + "/v1/completions", timeout=60,
-        json={"model": model, "prompt": "go on", "max_tokens": 200}))))
+    threads.append(
+        threading.Thread(
+            target=lambda: whole.append(
+                httpx.post(
+                    srv.url + "/v1/completions",
+                    timeout=60,
+                    json={"model": model, "prompt": "go on", "max_tokens": 200},
+                )
+            )
+        )
+    )
     for t in threads:
         t.start()
     assert all(ev.wait(20) for ev in started)
@@ -287,21 +350,42 @@ def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path,
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "ssh"
-    fake.write_text('#!/bin/sh\nfor last; do :; done\necho "$@" > "$0.args"\n'
-                    'exec /bin/bash -c "$last"\n')
+    fake.write_text(
+        '#!/bin/sh\nfor last; do :; done\necho "$@" > "$0.args"\nexec /bin/bash -c "$last"\n'
+    )
     fake.chmod(0o755)
     hosts = tmp_path / "hosts.json"
-    hosts.write_text('[{"ssh": "head", "ips": ["127.0.0.1"]}, '
-                     '{"ssh": "peer", "ips": ["127.0.0.1"]}]')
+    hosts.write_text(
+        '[{"ssh": "head", "ips": ["127.0.0.1"]}, {"ssh": "peer", "ips": ["127.0.0.1"]}]'
+    )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
-               PATH=f"{bin_dir}:{os.environ['PATH']}",
-               MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts),
-               MLXD_ENGINE__DISTRIBUTED__PORT=str(free_port()))
-    p = subprocess.Popen([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
-                          "--port", str(port), "--tensor-parallel", "2"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts),
+        MLXD_ENGINE__DISTRIBUTED__PORT=str(free_port()),
+    )
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--port",
+            str(port),
+            "--tensor-parallel",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids: list[int] = []
     try:
         assert _wait(lambda: p.poll() is None and _healthy(url), 90), p.poll()
@@ -310,8 +394,9 @@ def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path,
         pids = group["rank_pids"]
         assert group["size"] == 2 and all(_alive(x) for x in pids)
         body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8, "temperature": 0}
-        r, expected = (httpx.post(u + "/v1/completions", json=body, timeout=30)
-                       for u in (url, one.url))
+        r, expected = (
+            httpx.post(u + "/v1/completions", json=body, timeout=30) for u in (url, one.url)
+        )
         assert r.status_code == 200 and r.json()["choices"] == expected.json()["choices"]
     finally:
         p.send_signal(signal.SIGTERM)
@@ -332,20 +417,37 @@ def test_a_hosts_file_that_cannot_start_the_group_stops_the_start(tmp_path, tiny
 
     hosts = tmp_path / "hosts.json"
     hosts.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]')
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"),
-               MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts))
-    p = subprocess.run([sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama),
-                        "--tensor-parallel", "3"], env=env, capture_output=True, text=True,
-                       timeout=60)
+    env = dict(
+        os.environ, MLXD_HOME=str(tmp_path / "home"), MLXD_ENGINE__DISTRIBUTED__HOSTS=str(hosts)
+    )
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlxd",
+            "serve",
+            "--model",
+            str(tiny_llama),
+            "--tensor-parallel",
+            "3",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     assert "engine.distributed.hosts" in p.stderr and "lists 2 hosts" in p.stderr
     with pytest.raises(ConfigError, match="engine.distributed.port: set it"):
-        load_settings(None, {"engine": {"tensor_parallel": 2,
-                                        "distributed": {"hosts": str(hosts)}}})
+        load_settings(
+            None, {"engine": {"tensor_parallel": 2, "distributed": {"hosts": str(hosts)}}}
+        )
     hosts.write_text('[{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b"}]')
     with pytest.raises(ConfigError, match='host 1 .* has no "ips"'):
-        load_settings(None, {"engine": {"tensor_parallel": 2, "distributed": {
-            "hosts": str(hosts), "port": 41000}}})
+        load_settings(
+            None,
+            {"engine": {"tensor_parallel": 2, "distributed": {"hosts": str(hosts), "port": 41000}}},
+        )
 
 
 # -- pipeline parallel: a run of layers per rank -----------------------------------------------
@@ -360,16 +462,28 @@ LONG = " ".join(f"w{i}" for i in range(40))
 def pp(tmp_path_factory, tiny_qwen2, tiny_llama):
     """Two ranks, one layer each of the tiny Qwen2 (its mlx-lm class pipelines); Llama's
     does not, and is installed to be refused."""
-    srv = _server(tmp_path_factory.mktemp("pp2"), tiny_qwen2, {"tiny-llama": tiny_llama},
-                  engine={"pipeline_parallel": 2, "prefill_step_size": 16})
+    srv = _server(
+        tmp_path_factory.mktemp("pp2"),
+        tiny_qwen2,
+        {"tiny-llama": tiny_llama},
+        engine={"pipeline_parallel": 2, "prefill_step_size": 16},
+    )
     yield srv
     srv.stop()
 
 
 def _pp_requests() -> list[dict]:
     reqs = _requests(PP_MODEL, second=None)
-    reqs.append({"model": PP_MODEL, "prompt": LONG, "max_tokens": 7, "temperature": 0,
-                 "logprobs": 1, "return_tokens_as_token_ids": True})
+    reqs.append(
+        {
+            "model": PP_MODEL,
+            "prompt": LONG,
+            "max_tokens": 7,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        }
+    )
     return reqs
 
 
@@ -381,16 +495,22 @@ def test_two_pipeline_ranks_give_the_tokens_of_one_process(one, pp):
     assert "tensor_parallel" not in h["engine_core"]
     cores = httpx.get(pp.url + "/api/ps").json()["engine_cores"]
     assert cores[0]["pipeline_parallel"]["rank_pids"] == group["rank_pids"]
-    r = httpx.post(pp.url + "/v1/completions", timeout=60,
-                   json={"model": PP_MODEL, "prompt": LONG, "max_tokens": 1})
+    r = httpx.post(
+        pp.url + "/v1/completions",
+        timeout=60,
+        json={"model": PP_MODEL, "prompt": LONG, "max_tokens": 1},
+    )
     assert r.json()["usage"]["prompt_tokens"] > 3 * 16  # LONG takes several prefill steps
     expected = _run(one, _pp_requests())
     assert expected[-1][2] == 7
     assert _run(pp, _pp_requests()) == expected
     # a model whose mlx-lm class has no pipelining fails its load, naming why; the group
     # serves on, in step
-    r = httpx.post(pp.url + "/v1/completions", timeout=60,
-                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        pp.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 500, r.text
     assert "has no pipeline parallelism in mlx-lm" in r.json()["error"]["message"]
     assert _run(pp, _pp_requests()) == expected

@@ -19,12 +19,16 @@ def test_device_specs():
     assert [d.name for d in resolve("cpu:3", lambda: 8)] == ["cpu:0", "cpu:1", "cpu:2"]
     assert [d.name for d in resolve("all", lambda: 0)] == ["cpu:0"]
     gpus = resolve("all", lambda: 2)
-    assert [(d.name, d.env["CUDA_VISIBLE_DEVICES"]) for d in gpus] == [("gpu:0", "0"),
-                                                                     ("gpu:1", "1")]
+    assert [(d.name, d.env["CUDA_VISIBLE_DEVICES"]) for d in gpus] == [
+        ("gpu:0", "0"),
+        ("gpu:1", "1"),
+    ]
     # indices count within the CUDA_VISIBLE_DEVICES mlxd itself was given
     pinned = resolve("gpu:1, 0", lambda: 2, visible="4,6")
-    assert [(d.name, d.env["CUDA_VISIBLE_DEVICES"]) for d in pinned] == [("gpu:1", "6"),
-                                                                       ("gpu:0", "4")]
+    assert [(d.name, d.env["CUDA_VISIBLE_DEVICES"]) for d in pinned] == [
+        ("gpu:1", "6"),
+        ("gpu:0", "4"),
+    ]
     with pytest.raises(ValueError, match="no GPU 2"):
         resolve("0,2", lambda: 2)
 
@@ -43,9 +47,13 @@ def test_gpu_probe_reads_the_last_line_and_falls_back_to_none(tmp_path, caplog):
     assert gpu_count(_interpreter(tmp_path / "two", "echo 'a warning'; echo 2")) == 2
     assert gpu_count(_interpreter(tmp_path / "none", "echo 0")) == 0
     caplog.set_level(logging.WARNING, logger="mlxd.enginecore.supervisor")
-    for name, script in [("crash", "echo boom >&2; exit 1"), ("silent", "true"),
-                         ("garbage", "echo gpus"), ("negative", "echo -1"),
-                         ("hang", "exec sleep 5")]:
+    for name, script in [
+        ("crash", "echo boom >&2; exit 1"),
+        ("silent", "true"),
+        ("garbage", "echo gpus"),
+        ("negative", "echo -1"),
+        ("hang", "exec sleep 5"),
+    ]:
         caplog.clear()
         assert gpu_count(_interpreter(tmp_path / name, script), timeout=0.5) == 0, name
         assert "could not count the GPUs" in caplog.text and "assuming none" in caplog.text

@@ -28,8 +28,7 @@ def job(*lengths: int) -> EncodeJob:
 
 def test_a_batch_closes_on_size_tokens_or_wait():
     clock = Clock()
-    q = BatchQueue(BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.005),
-                   clock)
+    q = BatchQueue(BatchPolicy(max_batch_size=4, max_batch_tokens=100, max_wait_s=0.005), clock)
     assert not q.has_work() and q.next_deadline() is None
     q.add(job(3))
     assert not q.has_work()  # alone and fresh: waits for company
@@ -118,14 +117,14 @@ def test_batch_settings_from_yaml_and_both_env_spellings(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXD_BATCH_MAX_WAIT_MS", "2.5")  # the flat name
     monkeypatch.setenv("MLXD_BATCH__MAX_BATCH_TOKENS", "4096")  # the nested one
     s = load_settings(tmp_path / "c.yaml")
-    assert (s.batch.max_batch_size, s.batch.max_wait_ms, s.batch.max_batch_tokens) == \
-        (8, 2.5, 4096)
+    assert (s.batch.max_batch_size, s.batch.max_wait_ms, s.batch.max_batch_tokens) == (8, 2.5, 4096)
     p = batch_policy(s)
     assert (p.max_batch_size, p.max_wait_s, p.max_batch_tokens) == (8, 0.0025, 4096)
     # LLM rerankers pass no more tokens than one prefill step of the chat engine
     e = s.engine
     assert llm_batch_policy(s).max_batch_tokens == min(
-        4096, e.prefill_batch_size * e.prefill_step_size)
+        4096, e.prefill_batch_size * e.prefill_step_size
+    )
 
 
 def test_a_failing_pass_fails_only_its_own_requests():
@@ -143,8 +142,8 @@ def test_a_failing_pass_fails_only_its_own_requests():
     for j in (bad, good):
         j.handle = object()
         eng.add(j)
-    (job1, ev1), = eng.step()
+    ((job1, ev1),) = eng.step()
     assert job1 is bad and "boom" in str(ev1.error)
-    (job2, ev2), = eng.step()  # bad's second input is dropped, good's runs
+    ((job2, ev2),) = eng.step()  # bad's second input is dropped, good's runs
     assert job2 is good and ev2.values == [2] and ev2.error is None
     assert not eng.has_work() and eng.max_batch_seen == 1

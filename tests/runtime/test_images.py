@@ -46,20 +46,23 @@ def test_data_urls_and_raw_base64_decode_to_the_same_bytes():
     assert images.image_bytes(_ref(base64.b64encode(jpeg).decode()), VS) == jpeg  # "/9j/..."
 
 
-@pytest.mark.parametrize("src, words", [
-    ("/etc/passwd", "local file paths"),
-    ("./cat.png", "local file paths"),
-    ("~/cat.png", "local file paths"),
-    ("C:\\cats\\a.png", "local file paths"),
-    ("file:///etc/passwd", "unsupported image URL scheme"),
-    ("ftp://host/x.png", "unsupported image URL scheme"),
-    ("data:image/png,rawbytes", "base64"),
-    ("data:image/png;base64", "no comma"),
-    ("data:image/png;base64,%%%", "not valid base64"),
-    ("not an image at all!", "neither"),
-    ("", "empty"),
-    ("https://example.com/x.png", "allow_remote_images"),
-])
+@pytest.mark.parametrize(
+    "src, words",
+    [
+        ("/etc/passwd", "local file paths"),
+        ("./cat.png", "local file paths"),
+        ("~/cat.png", "local file paths"),
+        ("C:\\cats\\a.png", "local file paths"),
+        ("file:///etc/passwd", "unsupported image URL scheme"),
+        ("ftp://host/x.png", "unsupported image URL scheme"),
+        ("data:image/png,rawbytes", "base64"),
+        ("data:image/png;base64", "no comma"),
+        ("data:image/png;base64,%%%", "not valid base64"),
+        ("not an image at all!", "neither"),
+        ("", "empty"),
+        ("https://example.com/x.png", "allow_remote_images"),
+    ],
+)
 def test_refused_sources_are_400_naming_the_part(src, words):
     with pytest.raises(InvalidRequest) as info:
         images.image_bytes(_ref(src), VS)
@@ -86,20 +89,35 @@ def test_oversized_images_resize_or_reject():
     small = images.decode_image(big, "p", VisionSettings(max_image_pixels=60 * 40))
     assert small.size[0] * small.size[1] <= 60 * 40
     assert abs(small.size[0] / small.size[1] - 1.5) < 0.1  # the aspect ratio is kept
-    jpeg = images.decode_image(_png((800, 600), "JPEG"), "p",
-                               VisionSettings(max_image_pixels=100 * 75))
+    jpeg = images.decode_image(
+        _png((800, 600), "JPEG"), "p", VisionSettings(max_image_pixels=100 * 75)
+    )
     assert jpeg.size[0] * jpeg.size[1] <= 100 * 75
     with pytest.raises(InvalidRequest, match="300x200"):
-        images.decode_image(big, "p", VisionSettings(max_image_pixels=60 * 40,
-                                                     oversize_images="reject"))
+        images.decode_image(
+            big, "p", VisionSettings(max_image_pixels=60 * 40, oversize_images="reject")
+        )
 
 
-@pytest.mark.parametrize("addr, public", [
-    ("8.8.8.8", True), ("2606:4700:4700::1111", True),
-    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
-    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("::1", False),
-    ("fe80::1", False), ("fc00::1", False), ("::ffff:127.0.0.1", False), ("224.0.0.1", False),
-])
+@pytest.mark.parametrize(
+    "addr, public",
+    [
+        ("8.8.8.8", True),
+        ("2606:4700:4700::1111", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fc00::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("224.0.0.1", False),
+    ],
+)
 def test_public_address_check(addr, public):
     assert images._is_public(ipaddress.ip_address(addr)) is public
 
@@ -137,8 +155,7 @@ def test_redirects_are_checked_hop_by_hop(monkeypatch):
 
 
 def test_connection_failures_and_timeouts_are_400():
-    vs = VisionSettings(allow_remote_images=True, allow_private_addresses=True,
-                        fetch_timeout_s=0.5)
+    vs = VisionSettings(allow_remote_images=True, allow_private_addresses=True, fetch_timeout_s=0.5)
     import socket
 
     silent = socket.socket()  # accepts, never answers: the read times out

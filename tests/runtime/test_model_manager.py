@@ -16,8 +16,7 @@ def _loaded(srv) -> list[str]:
 
 
 def _chat(srv, model: str, **kw) -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            **kw}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
 
 
@@ -37,8 +36,14 @@ def store_models(tmp_path, tiny_llama):
     for i, name in enumerate(("m1", "m2", "m3")):
         src = make_tiny_chat_model(tmp_path / "src" / name, "llama", seed=10 + i)
         install_into_store(models, name, src)
-    slow = make_tiny_chat_model(tmp_path / "src" / "slow", "llama", hidden_size=256,
-                                num_layers=4, max_position_embeddings=8192, seed=3)
+    slow = make_tiny_chat_model(
+        tmp_path / "src" / "slow",
+        "llama",
+        hidden_size=256,
+        num_layers=4,
+        max_position_embeddings=8192,
+        seed=3,
+    )
     install_into_store(models, "slow", slow)
     return models
 
@@ -131,10 +136,10 @@ def test_concurrent_first_requests_share_one_load(start_server, tiny_llama, stor
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
-            body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 2}
-            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body)
-                                          for _ in range(8)))
+            body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            return await asyncio.gather(
+                *(c.post("/v1/chat/completions", json=body) for _ in range(8))
+            )
 
     results = asyncio.run(main())
     assert [r.status_code for r in results] == [200] * 8
@@ -142,16 +147,17 @@ def test_concurrent_first_requests_share_one_load(start_server, tiny_llama, stor
 
 
 def test_a_failed_load_is_a_clear_error_and_the_server_stays_healthy(
-        start_server, tiny_llama, store_models):
+    start_server, tiny_llama, store_models
+):
     (store_models / "m2" / "model.safetensors").write_bytes(b"this is not a safetensors file")
     srv = start_server(tiny_llama)
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
-            body = {"model": "m2", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 2}
-            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body)
-                                          for _ in range(3)))
+            body = {"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            return await asyncio.gather(
+                *(c.post("/v1/chat/completions", json=body) for _ in range(3))
+            )
 
     for r in asyncio.run(main()):
         assert r.status_code == 500
@@ -187,8 +193,9 @@ def test_keep_alive_validation(start_server, tiny_llama, store_models):
 
 
 def test_preloaded_models_are_loaded_at_start_and_pinned(start_server, tiny_llama, store_models):
-    srv = start_server(tiny_llama, models={"preload": ["m1"], "keep_alive": "1s",
-                                           "max_chat_models": 2})
+    srv = start_server(
+        tiny_llama, models={"preload": ["m1"], "keep_alive": "1s", "max_chat_models": 2}
+    )
     h = {m["name"]: m for m in srv.health()["models"]}
     assert set(h) == {"tiny-llama", "m1"} and h["m1"]["pinned"]
     time.sleep(2)

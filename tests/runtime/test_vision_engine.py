@@ -31,19 +31,29 @@ def _image(seed: int, size=(60, 44)) -> LoadedImage:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     data = buf.getvalue()
-    return LoadedImage(Image.open(io.BytesIO(data)).convert("RGB"),
-                       hashlib.sha256(data).hexdigest())
+    return LoadedImage(
+        Image.open(io.BytesIO(data)).convert("RGB"), hashlib.sha256(data).hexdigest()
+    )
 
 
 def _msgs(n: int) -> list[dict]:
-    return [{"role": "user", "content": [*({"type": "image"} for _ in range(n)),
-                                         {"type": "text", "text": "Describe."}]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                *({"type": "image"} for _ in range(n)),
+                {"type": "text", "text": "Describe."},
+            ],
+        }
+    ]
 
 
 def _run(engine: VisionEngine, prompts: list, max_tokens: int = 10) -> list[list[int]]:
     """Each prompt's generated token ids (the engine emits ids; front ends detokenize)."""
-    seqs = [engine.new_sequence(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            for p in prompts]
+    seqs = [
+        engine.new_sequence(p, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        for p in prompts
+    ]
     for s in seqs:
         engine.add(s)
     tokens: dict[int, list[int]] = {id(s): [] for s in seqs}
@@ -75,8 +85,10 @@ def test_feature_cache_is_lru_by_entries_and_bytes():
 def test_cache_modes_agree_and_count_encoder_runs(vlm_path):
     engine = VisionEngine("tiny", vlm_path, VisionEngineOptions(max_num_seqs=8))
     i1, i2 = _image(1), _image(2, (90, 40))
-    prompts = [engine.encode_vision(messages=_msgs(2), images=[i1, i2]),
-               engine.encode_vision(messages=_msgs(1), images=[i2])]
+    prompts = [
+        engine.encode_vision(messages=_msgs(2), images=[i1, i2]),
+        engine.encode_vision(messages=_msgs(1), images=[i2]),
+    ]
     want = _run(engine, prompts)
     assert engine.features.mode == "per_image"
     assert (engine.cache_hits, engine.cache_misses, engine.features.encoder_runs) == (1, 2, 2)
@@ -85,7 +97,8 @@ def test_cache_modes_agree_and_count_encoder_runs(vlm_path):
     # generate caches it): one entry per ordered set of images
     model = engine.model
     model.encode_images = lambda pv, **kw: model.vision_tower(
-        pv.astype(mx.float32), kw["image_grid_thw"], output_hidden_states=False)
+        pv.astype(mx.float32), kw["image_grid_thw"], output_hidden_states=False
+    )
     engine.features.mode = "per_request"
     engine.features.cache.clear()
     runs = engine.features.encoder_runs
@@ -108,7 +121,8 @@ def test_one_at_a_time_matches_the_batch(vlm_path):
 
     def prompts(e):
         return [e.encode_vision(messages=_msgs(1), images=[im]) for im in imgs] + [
-            e.encode_vision(messages=[{"role": "user", "content": "Hello"}])]
+            e.encode_vision(messages=[{"role": "user", "content": "Hello"}])
+        ]
 
     a = _run(batched, prompts(batched))
     b = _run(single, prompts(single))

@@ -100,8 +100,10 @@ def test_a_reply_that_does_not_decode_or_answers_another_call_fails_its_call(tmp
         try:
             push.send(enc.encode(p.Heartbeat(epoch=1, pid=os.getpid(), ready=True)))
             await client.wait_ready(10)
-            for reply in (["reply", 1, 1, ["status", "not a status"], None],
-                          p.Reply(1, 2, p.Done())):
+            for reply in (
+                ["reply", 1, 1, ["status", "not a status"], None],
+                p.Reply(1, 2, p.Done()),
+            ):
                 call = asyncio.ensure_future(client.call(p.Status()))
                 await asyncio.sleep(0.05)  # sent, waiting for its reply
                 push.send(enc.encode(reply))

@@ -46,8 +46,11 @@ class FakeHub:
         return sha
 
     def add_dir(self, repo_id: str, model_dir: Path) -> str:
-        files = {f.relative_to(model_dir).as_posix(): f.read_bytes()
-                 for f in sorted(model_dir.rglob("*")) if f.is_file()}
+        files = {
+            f.relative_to(model_dir).as_posix(): f.read_bytes()
+            for f in sorted(model_dir.rglob("*"))
+            if f.is_file()
+        }
         return self.add_repo(repo_id, files)
 
     def start(self) -> FakeHub:
@@ -66,8 +69,11 @@ class FakeHub:
         lfs = path.endswith(".safetensors")
         out = {"type": "file", "oid": _git_oid(data), "size": len(data), "path": path}
         if lfs:
-            out["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                          "pointerSize": 134}
+            out["lfs"] = {
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "pointerSize": 134,
+            }
         return out
 
     def _handler(self):
@@ -115,12 +121,22 @@ class FakeHub:
                         e = hub._entry(p, data)
                         sib = {"rfilename": p, "size": e["size"], "blobId": e["oid"]}
                         if "lfs" in e:
-                            sib["lfs"] = {"sha256": e["lfs"]["oid"], "size": e["size"],
-                                          "pointerSize": 134}
+                            sib["lfs"] = {
+                                "sha256": e["lfs"]["oid"],
+                                "size": e["size"],
+                                "pointerSize": 134,
+                            }
                         siblings.append(sib)
-                    return self._json({"id": m.group(1), "modelId": m.group(1),
-                                       "sha": repo["sha"], "private": False,
-                                       "siblings": siblings, "tags": []})
+                    return self._json(
+                        {
+                            "id": m.group(1),
+                            "modelId": m.group(1),
+                            "sha": repo["sha"],
+                            "private": False,
+                            "siblings": siblings,
+                            "tags": [],
+                        }
+                    )
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?$", path)
                 if m and m.group(1) in hub.repos:
                     repo = hub.repos[m.group(1)]
@@ -158,7 +174,7 @@ class FakeHub:
                 slow = hub.slow if name.endswith(".safetensors") else 0.0
                 try:
                     for i in range(0, len(body), 4096):
-                        self.wfile.write(body[i:i + 4096])
+                        self.wfile.write(body[i : i + 4096])
                         if slow:
                             self.wfile.flush()
                             hub.big_download_started.set()

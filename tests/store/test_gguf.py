@@ -51,8 +51,9 @@ def assert_within_quant_tolerance(src: np.ndarray, got: np.ndarray, type_name: s
         np.testing.assert_allclose(g, b, rtol=rtol, atol=1e-7)
         return
     amax = np.abs(b).max(axis=1)
-    step = {"Q8_0": amax / 127, "Q4_0": amax / 8,
-            "Q4_1": (b.max(axis=1) - b.min(axis=1)) / 15}[type_name]
+    step = {"Q8_0": amax / 127, "Q4_0": amax / 8, "Q4_1": (b.max(axis=1) - b.min(axis=1)) / 15}[
+        type_name
+    ]
     # + float16 rounding of the stored scale/min (relative 2**-11 of the block range).
     bound = STEP_BOUND[type_name] * step + 2e-3 * amax + 1e-7
     assert (np.abs(g - b).max(axis=1) <= bound).all()
@@ -212,30 +213,53 @@ def test_sentencepiece_tokenizer_matches_spm(tmp_path):
     ] * 20
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=model, model_type="bpe", vocab_size=400,
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
-        user_defined_symbols=["<|user|>"], control_symbols=["<|end|>"], bos_id=1, eos_id=2,
-        unk_id=0, pad_id=-1, minloglevel=2,
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        user_defined_symbols=["<|user|>"],
+        control_symbols=["<|end|>"],
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        pad_id=-1,
+        minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     n = sp.get_piece_size()
     types = np.array(
-        [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i)
-         else 5 if sp.is_unused(i)
-         else 4 if sp.id_to_piece(i) == "<|user|>" else 1 for i in range(n)],
+        [
+            3
+            if sp.is_control(i)
+            else 2
+            if sp.is_unknown(i)
+            else 6
+            if sp.is_byte(i)
+            else 5
+            if sp.is_unused(i)
+            else 4
+            if sp.id_to_piece(i) == "<|user|>"
+            else 1
+            for i in range(n)
+        ],
         dtype=np.int32,
     )
     md = llama_metadata()
-    md.update({
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
-        "tokenizer.ggml.scores": np.array([sp.get_score(i) for i in range(n)], np.float32),
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.unknown_token_id": 0,
-        "tokenizer.ggml.add_bos_token": True,
-    })
+    md.update(
+        {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": np.array([sp.get_score(i) for i in range(n)], np.float32),
+            "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_bos_token": True,
+        }
+    )
     for key in ("tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.padding_token_id"):
         md.pop(key)
     tensors = [(nm, x, t) for nm, x, t in llama_tensors("F16") if nm != "token_embd.weight"]
@@ -264,8 +288,9 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     tensors = llama_tensors({"blk.0.ffn_down": "Q3_K", "": "Q4_0"})
     # Q3_K needs 256-wide rows; widen the one tensor so its byte size is well-formed.
-    tensors = [(n, np.zeros((HIDDEN, 256), np.float32) if t == "Q3_K" else x, t)
-               for n, x, t in tensors]
+    tensors = [
+        (n, np.zeros((HIDDEN, 256), np.float32) if t == "Q3_K" else x, t) for n, x, t in tensors
+    ]
     path = tmp_path / "model.gguf"
     write_gguf(path, llama_metadata(), tensors)
     with pytest.raises(GGUFImportError, match="Q3_K"):
@@ -298,8 +323,11 @@ def test_llama3_rope_freqs_are_recognised():
     medium = (wavelens > old / high) & (wavelens < old / low)
     freqs = np.where(medium, 1 / ((1 - smooth) / factor + smooth), freqs).astype(np.float32)
     assert _llama3_rope_scaling(freqs, head_dim, base) == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     }
     with pytest.raises(GGUFImportError):
         _llama3_rope_scaling(freqs * 1.5, head_dim, base)
@@ -336,7 +364,8 @@ def test_real_smollm2_import(tmp_path):
     assert tok.eos_token_ids == {im_end}
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, tokenize=False,
+        add_generation_prompt=True,
+        tokenize=False,
     )
     assert prompt.endswith("<|im_start|>assistant\n")
     assert "Paris" in mlx_lm_generate(model, tok, prompt, max_tokens=12)  # greedy answer

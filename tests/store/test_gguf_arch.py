@@ -30,8 +30,16 @@ from mlxd.store.gguf import import_gguf
 from mlxd.store.gguf_weights import NATIVE_BITS, convert_tensor, pack_codes
 
 Q = GGMLQuantizationType
-EXPECTED_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5,
-                 "Q6_K": 8}
+EXPECTED_BITS = {
+    "Q4_0": 4,
+    "Q4_1": 4,
+    "Q5_0": 5,
+    "Q5_1": 5,
+    "Q8_0": 8,
+    "Q4_K": 4,
+    "Q5_K": 5,
+    "Q6_K": 8,
+}
 LOSSLESS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"}
 
 
@@ -58,8 +66,15 @@ def test_quantized_tensor_conversion(type_name):
 
     nat = convert_tensor(raw, qtype, x.shape, "native")
     assert nat.bits == EXPECTED_BITS[type_name]
-    got = np.array(mx.dequantize(nat.weight, nat.scales.astype(mx.float32),
-                                 nat.biases.astype(mx.float32), group_size=32, bits=nat.bits))
+    got = np.array(
+        mx.dequantize(
+            nat.weight,
+            nat.scales.astype(mx.float32),
+            nat.biases.astype(mx.float32),
+            group_size=32,
+            bits=nat.bits,
+        )
+    )
     groups, err = ref.reshape(-1, 32), np.abs(got - ref).reshape(-1, 32).max(axis=1)
     if type_name in LOSSLESS:  # the block's own affine grid, kept: float rounding only
         assert (err <= 1e-6 * np.abs(groups).max(axis=1) + 1e-9).all(), err.max()
@@ -82,10 +97,21 @@ def _import_both(tmp_path, arch, weight_type, *, tied=True):
 
 
 # A Q4_K_M-like mix: Q6_K for some down/value projections and the output, Q5_K elsewhere.
-Q4_K_M = {"blk.0.ffn_down": "Q6_K", "blk.1.attn_v": "Q6_K", "output": "Q6_K",
-          "blk.1.ffn_down": "Q5_K", "": "Q4_K"}
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3": "gemma3_text", "phi3": "phi3"}
+Q4_K_M = {
+    "blk.0.ffn_down": "Q6_K",
+    "blk.1.attn_v": "Q6_K",
+    "output": "Q6_K",
+    "blk.1.ffn_down": "Q5_K",
+    "": "Q4_K",
+}
+MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -108,20 +134,29 @@ def test_architecture_imports_and_generates(tmp_path, arch):
     assert len(weights) == len(tensors)
     norm = "model.layers.1.input_layernorm.weight"
     shift = 1.0 if arch.startswith("gemma") else 0.0
-    np.testing.assert_allclose(np.array(weights[norm]), decoded["blk.1.attn_norm.weight"] - shift,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.array(weights[norm]), decoded["blk.1.attn_norm.weight"] - shift, rtol=1e-6
+    )
     if arch == "phi3":
-        np.testing.assert_array_equal(np.array(weights["model.layers.0.self_attn.qkv_proj.weight"]),
-                                      decoded["blk.0.attn_qkv.weight"])
+        np.testing.assert_array_equal(
+            np.array(weights["model.layers.0.self_attn.qkv_proj.weight"]),
+            decoded["blk.0.attn_qkv.weight"],
+        )
     else:
-        np.testing.assert_array_equal(np.array(weights["model.layers.0.self_attn.k_proj.weight"]),
-                                      decoded["blk.0.attn_k.weight"])
+        np.testing.assert_array_equal(
+            np.array(weights["model.layers.0.self_attn.k_proj.weight"]),
+            decoded["blk.0.attn_k.weight"],
+        )
     if arch == "qwen2":
-        np.testing.assert_array_equal(np.array(weights["model.layers.1.self_attn.q_proj.bias"]),
-                                      decoded["blk.1.attn_q.bias"])
+        np.testing.assert_array_equal(
+            np.array(weights["model.layers.1.self_attn.q_proj.bias"]), decoded["blk.1.attn_q.bias"]
+        )
     if arch in ("qwen3", "gemma3"):
-        np.testing.assert_allclose(np.array(weights["model.layers.0.self_attn.q_norm.weight"]),
-                                   decoded["blk.0.attn_q_norm.weight"] - shift, rtol=1e-6)
+        np.testing.assert_allclose(
+            np.array(weights["model.layers.0.self_attn.q_norm.weight"]),
+            decoded["blk.0.attn_q_norm.weight"] - shift,
+            rtol=1e-6,
+        )
 
     native, tok = mlx_lm_load(str(tmp_path / "native"))
     reference, _ = mlx_lm_load(str(tmp_path / "f32"))
@@ -133,8 +168,9 @@ def test_architecture_imports_and_generates(tmp_path, arch):
     # native differs from the reference only where Q6_K became 8-bit
     x = mx.array([tok.encode("hello world", add_special_tokens=False)])
     ref_logits = np.array(reference(x))
-    np.testing.assert_allclose(np.array(native(x)), ref_logits,
-                               atol=2e-2 * np.abs(ref_logits).max())
+    np.testing.assert_allclose(
+        np.array(native(x)), ref_logits, atol=2e-2 * np.abs(ref_logits).max()
+    )
 
     prompt = mx.array(tok.encode("<|im_start|>user\nhello<|im_end|>\n"))
     tokens = [int(token) for token, _logprobs in generate_step(prompt, native, max_tokens=5)]
@@ -152,6 +188,11 @@ def test_qwen2_tokenizer_and_other_types(tmp_path, weight_type):
     vocab = bpe_vocab()
     # qwen2 pre-tokenizer: digits one at a time, merges applied, markers kept whole
     ids = tok.encode("hello 42<|im_end|>", add_special_tokens=False)
-    assert ids == [vocab.index("hello"), vocab.index("Ġ"), vocab.index("4"), vocab.index("2"),
-                   vocab.index("<|im_end|>")]
+    assert ids == [
+        vocab.index("hello"),
+        vocab.index("Ġ"),
+        vocab.index("4"),
+        vocab.index("2"),
+        vocab.index("<|im_end|>"),
+    ]
     assert model(mx.array([ids])).shape == (1, len(ids), len(vocab))

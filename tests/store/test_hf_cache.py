@@ -29,8 +29,15 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_chat_model(tmp_path_factory.mktemp("m") / "tiny", "qwen2")
 
 
-def cache_repo(cache: Path, repo: str, files: dict[str, bytes], *, rev: str = REV,
-               ref: bool = True, kind: str = "models") -> Path:
+def cache_repo(
+    cache: Path,
+    repo: str,
+    files: dict[str, bytes],
+    *,
+    rev: str = REV,
+    ref: bool = True,
+    kind: str = "models",
+) -> Path:
     """Lay ``files`` out as a huggingface_hub cache entry; return the snapshot directory."""
     repo_dir = cache / f"{kind}--{repo.replace('/', '--')}"
     snap = repo_dir / "snapshots" / rev
@@ -99,8 +106,9 @@ def test_ensure_model_serves_the_cache_without_download(cache, tmp_path):
     with pytest.raises(ModelNotFound, match="mlxd pull"):
         ensure_model(store, "acme/not-cached", off)
     model, tok = mlx_lm_load(str(path))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert generate(model, tok, prompt, max_tokens=4)  # the tiny model always writes 4 tokens
 
 
@@ -113,9 +121,15 @@ def test_server_lists_and_serves_the_cache_without_a_pull(cache, start_server, t
     for path in ("/models", "/v1/models"):
         ids = [m["id"] for m in httpx.get(srv.url + path, timeout=10).json()["data"]]
         assert "acme/tiny-chat" in ids and "acme/torch-only" not in ids, (path, ids)
-    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-        "model": "acme/tiny-chat", "max_tokens": 3,
-        "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "acme/tiny-chat",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "acme/tiny-chat"
     assert not (srv.settings.models_dir / "acme").exists()  # not copied into the store

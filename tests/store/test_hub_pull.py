@@ -35,15 +35,25 @@ def hub(tiny):
 
 
 def _env(tmp_path, hub: FakeHub) -> dict:
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_ENDPOINT=hub.url,
-               HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(tmp_path / "home"),
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     env.pop("HF_HUB_OFFLINE", None)
     return env
 
 
 def _mlxd(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "mlxd", *args], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert "Traceback" not in p.stderr, p.stderr
     return p
 
@@ -58,8 +68,13 @@ def test_pull_from_the_hub(tmp_path, hub, tiny):
     env = _env(tmp_path, hub)
     p = _mlxd(env, "pull", REPO)
     assert p.returncode == 0, p.stderr
-    assert p.stderr.splitlines() == ["pulling manifest", f"downloading {REPO}",
-                                     "verifying sha256 digest", "writing manifest", "success"]
+    assert p.stderr.splitlines() == [
+        "pulling manifest",
+        f"downloading {REPO}",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]
     [m] = _listed(env)
     assert m["name"] == REPO and m["kind"] == "chat" and m["source"] == f"hf:{REPO}"
     assert m["revision"] == hub.repos[REPO]["sha"]
@@ -79,20 +94,26 @@ def test_missing_repo_is_one_clear_line(tmp_path, hub):
     assert p.returncode == 1
     assert p.stderr.splitlines()[-1] == (
         "mlxd: could not pull 'acme/nope': hf:acme/nope: no repository acme/nope on the hub "
-        "(a private one needs HF_TOKEN)")
+        "(a private one needs HF_TOKEN)"
+    )
 
 
 def test_an_unreachable_hub_is_one_clear_line(tmp_path):
     """HF_HUB_OFFLINE unset, HF_ENDPOINT at a port where nothing listens."""
     from conftest import free_port
 
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"),
-               HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HOME=str(tmp_path / "hf"))
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(tmp_path / "home"),
+        HF_ENDPOINT=f"http://127.0.0.1:{free_port()}",
+        HF_HOME=str(tmp_path / "hf"),
+    )
     env.pop("HF_HUB_OFFLINE", None)
     p = _mlxd(env, "pull", "acme/anything")
     assert p.returncode == 1
     assert p.stderr.splitlines()[-1].startswith(
-        "mlxd: could not pull 'acme/anything': hf:acme/anything: hub unreachable: ConnectError")
+        "mlxd: could not pull 'acme/anything': hf:acme/anything: hub unreachable: ConnectError"
+    )
     assert _listed(env) == []
 
 
@@ -125,8 +146,12 @@ def test_killed_pull_leaves_no_model_and_the_next_one_resumes(tmp_path, hub):
     env = _env(tmp_path, hub)
     models = tmp_path / "home" / "models"
     hub.slow = 0.05  # ~130 chunks of 4 KiB: a few seconds for model.safetensors
-    p = subprocess.Popen([sys.executable, "-m", "mlxd", "pull", REPO], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "mlxd", "pull", REPO],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         assert hub.big_download_started.wait(60), "the download never started"
         time.sleep(0.3)

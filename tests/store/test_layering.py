@@ -39,7 +39,7 @@ def test_store_imports_nothing_above_it():
 
 def test_store_modules_import_no_circle():
     graph = _graph()
-    assert ("mlxd.store.sources" in graph["mlxd.store.pull"])  # the graph sees real arrows
+    assert "mlxd.store.sources" in graph["mlxd.store.pull"]  # the graph sees real arrows
 
     def visit(node: str, stack: tuple[str, ...]) -> None:
         assert node not in stack, "import circle: " + " -> ".join((*stack, node))

@@ -13,15 +13,30 @@ from mlxd.store.names import dir_name, validate_name
 from mlxd.store.pull import ensure_model
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "org/model-1.5B", "llama3:8b",
-                                  "Qwen2.5-0.5B-Instruct-4bit"])
+@pytest.mark.parametrize(
+    "name", ["smollm2-135m-instruct", "org/model-1.5B", "llama3:8b", "Qwen2.5-0.5B-Instruct-4bit"]
+)
 def test_valid_names(name):
     assert validate_name(name) == name
     assert "/" not in dir_name(name) and ".." not in dir_name(name)
 
 
-@pytest.mark.parametrize("name", ["../x", "..", "/etc/passwd", "a/../../b", "a\\b", "a\x00b",
-                                  "", ".hidden", "a/b/c", "x/..", "-rf"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../x",
+        "..",
+        "/etc/passwd",
+        "a/../../b",
+        "a\\b",
+        "a\x00b",
+        "",
+        ".hidden",
+        "a/b/c",
+        "x/..",
+        "-rf",
+    ],
+)
 def test_traversal_names_rejected(name):
     with pytest.raises(InvalidRequest):
         validate_name(name)

@@ -69,8 +69,12 @@ def gguf(tmp_path_factory) -> Path:
 def test_pull_logs_import_progress(tmp_path, gguf, caplog):
     events = []
     with caplog.at_level(logging.INFO, logger="mlxd.store.pull"):
-        pull(ModelStore(tmp_path / "models"), str(gguf), ModelSettings(dtype="float32"),
-             progress=events.append)
+        pull(
+            ModelStore(tmp_path / "models"),
+            str(gguf),
+            ModelSettings(dtype="float32"),
+            progress=events.append,
+        )
     status = "importing Tiny-K.Q8_0.gguf (float32)"
     byte_events = [e for e in events if e.get("status") == status and "total" in e]
     counts = [e["completed"] for e in byte_events]
@@ -84,8 +88,7 @@ def test_pull_logs_import_progress(tmp_path, gguf, caplog):
 
 def _run_on_a_terminal(args: list[str], env: dict) -> str:
     main, child = pty.openpty()
-    proc = subprocess.Popen(args, stdin=child, stdout=child, stderr=child, env=env,
-                            close_fds=True)
+    proc = subprocess.Popen(args, stdin=child, stdout=child, stderr=child, env=env, close_fds=True)
     os.close(child)
     out = b""
     while True:
@@ -107,12 +110,18 @@ def _run_on_a_terminal(args: list[str], env: dict) -> str:
 
 
 def test_cli_pull_draws_a_bar_with_bytes_and_rate(tmp_path, gguf):
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1",
-               COLUMNS="160", TERM="xterm")
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",
+        COLUMNS="160",
+        TERM="xterm",
+    )
     env.pop("MLXD_MODELS__DIR", None)
     screen = _run_on_a_terminal([sys.executable, "-m", "mlxd", "pull", str(gguf)], env)
-    bar = [line for line in screen.splitlines() if "importing Tiny-K.Q8_0.gguf" in line
-           and "━" in line]
+    bar = [
+        line for line in screen.splitlines() if "importing Tiny-K.Q8_0.gguf" in line and "━" in line
+    ]
     assert bar, screen
     final = bar[-1]
     assert re.search(r"\d+(\.\d+)?/\d+(\.\d+)? [kM]B", final), final  # bytes done / total
@@ -123,9 +132,19 @@ def test_cli_pull_draws_a_bar_with_bytes_and_rate(tmp_path, gguf):
 def test_cli_pull_off_a_terminal_prints_each_step_once(tmp_path, gguf):
     env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
     env.pop("MLXD_MODELS__DIR", None)
-    p = subprocess.run([sys.executable, "-m", "mlxd", "pull", str(gguf)], env=env,
-                       capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", "pull", str(gguf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stderr
     # a log or CI gets the steps, not one line per tensor of the import
-    assert p.stderr.splitlines() == ["pulling manifest", "importing Tiny-K.Q8_0.gguf (float32)",
-                                     "verifying sha256 digest", "writing manifest", "success"]
+    assert p.stderr.splitlines() == [
+        "pulling manifest",
+        "importing Tiny-K.Q8_0.gguf (float32)",
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ]

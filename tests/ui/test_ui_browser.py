@@ -43,8 +43,11 @@ from store.fake_hub import FakeHub  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and not os.environ.get("CI"):
-    pytest.skip("Debian's chromium is not installed (apt-get install chromium; on CI its "
-                "absence fails these tests)", allow_module_level=True)
+    pytest.skip(
+        "Debian's chromium is not installed (apt-get install chromium; on CI its "
+        "absence fails these tests)",
+        allow_module_level=True,
+    )
 
 KEY = "ui-secret-key"
 HUB_REPO = "acme/tiny-chat"
@@ -72,16 +75,18 @@ class Served:
         self.url, self.proc, self.log = url, proc, log
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60,
-                            headers={"Authorization": f"Bearer {KEY}"})
+        return httpx.Client(
+            base_url=self.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        )
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory) -> Iterator[FakeHub]:
     # ~22 MB of weights: huggingface_hub reads downloads in 10 MB chunks, so a bigger file
     # is what makes it report progress between "nothing" and "all"
-    model = make_tiny_chat_model(tmp_path_factory.mktemp("hub") / "tiny-chat", "llama",
-                                 hidden_size=384, num_layers=3, seed=3)
+    model = make_tiny_chat_model(
+        tmp_path_factory.mktemp("hub") / "tiny-chat", "llama", hidden_size=384, num_layers=3, seed=3
+    )
     h = FakeHub().start()
     h.add_dir(HUB_REPO, model)
     h.slow = 0.0002  # per 4 KiB: a second or two for the weights
@@ -90,8 +95,9 @@ def hub(tmp_path_factory) -> Iterator[FakeHub]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3, hub
-           ) -> Iterator[Served]:
+def served(
+    tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3, hub
+) -> Iterator[Served]:
     require("mlx_vlm")
     from fixtures.tiny_vlm import make_tiny_qwen2_vl
 
@@ -108,10 +114,12 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir()
     models = base / "home" / "models"  # into the store, as `mlxd pull DIR` puts them
-    for name, make in ((VLM, make_tiny_qwen2_vl), (EMBED, make_tiny_bert_embedder),
-                       (RERANK, make_tiny_cross_encoder)):
-        pull(ModelStore(models), str(make(src / name)), ModelSettings(dir=models),
-             as_name=name)
+    for name, make in (
+        (VLM, make_tiny_qwen2_vl),
+        (EMBED, make_tiny_bert_embedder),
+        (RERANK, make_tiny_cross_encoder),
+    ):
+        pull(ModelStore(models), str(make(src / name)), ModelSettings(dir=models), as_name=name)
     # a slower model: its tokens come over a second or more, so the page shows them arrive;
     # a template that speaks tools (Qwen2.5's syntax); a template that opens a thinking
     # part (<think> in the vocabulary, as Qwen3-Thinking)
@@ -120,15 +128,32 @@ def served(tmp_path_factory, tiny_llama, long_llama, tool_qwen2, thinking_qwen3,
         pull(ModelStore(models), str(src / name), ModelSettings(dir=models), as_name=name)
     shutil.copytree(tiny_llama, src / "tiny-llama")  # the default: the store lists it too
     port = free_port()
-    env = dict(os.environ, MLXD_HOME=str(base / "home"), MLXD_API_KEYS=f"ui-tester:{KEY}",
-               HF_ENDPOINT=hub.url, HF_HOME=str(base / "hf-home"),
-               HF_HUB_DISABLE_TELEMETRY="1")
+    env = dict(
+        os.environ,
+        MLXD_HOME=str(base / "home"),
+        MLXD_API_KEYS=f"ui-tester:{KEY}",
+        HF_ENDPOINT=hub.url,
+        HF_HOME=str(base / "hf-home"),
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     env.pop("HF_HUB_OFFLINE", None)
     log = base / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "mlxd", "serve",
-                                 "--model", str(src / "tiny-llama"), "--port", str(port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxd",
+                "serve",
+                "--model",
+                str(src / "tiny-llama"),
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     srv = Served(f"http://127.0.0.1:{port}", proc, log)
     try:
         wait_healthy(srv.url, proc, 120, lambda: log.read_text()[-3000:])
@@ -183,8 +208,7 @@ def shot(page, name: str) -> None:
 def access_log(served: Served) -> list[str]:
     """The access-log lines the server wrote (text format: time, level, logger, line)."""
     marker = " INFO mlxd.access: "
-    return [ln.split(marker, 1)[1] for ln in served.log.read_text().splitlines()
-            if marker in ln]
+    return [ln.split(marker, 1)[1] for ln in served.log.read_text().splitlines() if marker in ln]
 
 
 def settle(served: Served, timeout: float = 60) -> dict:
@@ -194,8 +218,7 @@ def settle(served: Served, timeout: float = 60) -> dict:
     with served.client() as c:  # without a key /health says only whether it is up
         while True:
             h = c.get("/health").json()
-            if h["requests_in_flight"] == 0 and all(m.get("running", 0) == 0
-                                                    for m in h["models"]):
+            if h["requests_in_flight"] == 0 and all(m.get("running", 0) == 0 for m in h["models"]):
                 return h
             assert time.time() < deadline, h
             time.sleep(0.1)
@@ -230,8 +253,11 @@ def test_overview_loads_without_console_errors(page, served):
     facts = page.locator("[data-testid=facts]")
     facts.wait_for()
     # version, backend, BLAS (its name, the details are on the Server card), uptime, status
-    assert re.fullmatch(r"v\d+\.\d+\S* · backend cpu · BLAS \w+ · up (\d+[dhm] )?\d+[hms]"
-                        r" · ok · forget key", facts.inner_text()), facts.inner_text()
+    assert re.fullmatch(
+        r"v\d+\.\d+\S* · backend cpu · BLAS \w+ · up (\d+[dhm] )?\d+[hms]"
+        r" · ok · forget key",
+        facts.inner_text(),
+    ), facts.inner_text()
     page.locator("[data-testid=loaded] tr[data-model=tiny-llama]").wait_for()
     row = page.inner_text("[data-testid=loaded] tr[data-model=tiny-llama]")
     assert "chat" in row and "yes" in row  # the default model is pinned
@@ -295,9 +321,17 @@ def test_json_schema_mode_constrains_the_reply(page, served):
     page.select_option("select[name=model]", "tiny-llama")
     page.fill("input[name=max_tokens]", "48")
     page.check("input[name=schema-on]")
-    page.fill("textarea[name=schema]", json.dumps({
-        "type": "object", "additionalProperties": False, "required": ["answer"],
-        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}}}))
+    page.fill(
+        "textarea[name=schema]",
+        json.dumps(
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["answer"],
+                "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+            }
+        ),
+    )
     page.fill("textarea[name=prompt]", "Is the sky blue?")
     page.press("textarea[name=prompt]", "Enter")
     page.locator("[data-testid=reply-stats]").wait_for()
@@ -310,17 +344,33 @@ def test_tool_calls_are_shown_apart_from_the_answer(page, served):
     page.select_option("select[name=model]", TOOLS)
     page.fill("input[name=max_tokens]", "64")
     page.check("input[name=tools-on]")
-    page.fill("textarea[name=tools]", json.dumps([{"type": "function", "function": {
-        "name": "get_weather", "parameters": {
-            "type": "object", "required": ["city"], "additionalProperties": False,
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}}}}]))
+    page.fill(
+        "textarea[name=tools]",
+        json.dumps(
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "parameters": {
+                            "type": "object",
+                            "required": ["city"],
+                            "additionalProperties": False,
+                            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                        },
+                    },
+                }
+            ]
+        ),
+    )
     page.select_option("select[name=tool-choice]", "required")  # the grammar writes a call
     page.uncheck("input[name=parallel-tools]")  # one, then the reply ends
     page.fill("textarea[name=prompt]", "Weather in Paris?")
     page.press("textarea[name=prompt]", "Enter")
     page.locator("[data-testid=reply-stats]").wait_for()
     assert page.locator("[data-testid=tool-calls]").count() == 1, page.inner_text(
-        "[data-testid=reply]")
+        "[data-testid=reply]"
+    )
     calls = page.inner_text("[data-testid=tool-calls]")
     assert calls.startswith("tool call: get_weather(")
     args = json.loads(calls.removeprefix("tool call: get_weather(")[:-1])
@@ -378,34 +428,52 @@ def test_system_prompt_sampling_fields_and_stop_strings(page, served):
         """One fresh exchange: the request the page sent, the reply, its stats line."""
         page.click("text=Clear")
         page.fill("textarea[name=prompt]", "Say something.")
-        with page.expect_request(lambda r: r.method == "POST"
-                                 and r.url.endswith("/v1/chat/completions")) as sent:
+        with page.expect_request(
+            lambda r: r.method == "POST" and r.url.endswith("/v1/chat/completions")
+        ) as sent:
             page.press("textarea[name=prompt]", "Enter")
         page.locator("[data-testid=reply-stats]").wait_for()
-        return (sent.value.post_data_json, page.text_content("[data-testid=reply] .content"),
-                page.inner_text("[data-testid=reply-stats]"))
+        return (
+            sent.value.post_data_json,
+            page.text_content("[data-testid=reply] .content"),
+            page.inner_text("[data-testid=reply-stats]"),
+        )
 
     body, first, stats = ask()
-    assert body["messages"] == [{"role": "system", "content": "Answer in one line."},
-                                {"role": "user", "content": "Say something."}]
+    assert body["messages"] == [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Say something."},
+    ]
     assert (body["temperature"], body["top_p"], body["seed"], body["max_tokens"]) == (
-        1, 0.9, 1234, 24)
+        1,
+        0.9,
+        1234,
+        24,
+    )
     assert "stop" not in body and "· length ·" in stats, stats
     assert ask()[1] == first  # the same seed, the same text
     # a stop string from the middle of that text: the same reply, cut before it
-    k = next(i for i in range(len(first) // 2, len(first) - 3)
-             if not any(c.isspace() for c in first[i:i + 3]))
-    stop = first[k:k + 3]
+    k = next(
+        i
+        for i in range(len(first) // 2, len(first) - 3)
+        if not any(c.isspace() for c in first[i : i + 3])
+    )
+    stop = first[k : k + 3]
     page.fill("textarea[name=stop]", f"{stop}\n\n")  # blank lines are no stop strings
     body, cut, stats = ask()
     assert body["stop"] == [stop]
-    assert cut == first[:first.index(stop)] and "· stop ·" in stats, (first, stop, cut)
+    assert cut == first[: first.index(stop)] and "· stop ·" in stats, (first, stop, cut)
     page.click("button:text-is('Ollama')")  # the snippet carries them, by Ollama's names
     page.locator("[data-testid=snippet] pre").wait_for()
     argv = shlex.split(page.inner_text("[data-testid=snippet] pre"))  # as a shell reads it
     options = json.loads(argv[argv.index("-d") + 1])["options"]
-    assert options == {"temperature": 1, "top_p": 0.9, "seed": 1234, "num_predict": 24,
-                       "stop": [stop]}
+    assert options == {
+        "temperature": 1,
+        "top_p": 0.9,
+        "seed": 1234,
+        "num_predict": 24,
+        "stop": [stop],
+    }
     assert page.errors == []
 
 
@@ -419,7 +487,8 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
     playground(page, served)
     page.select_option("select[name=model]", VLM)
     # drag and drop, and paste, each attach an image
-    page.evaluate("""async (b64) => {
+    page.evaluate(
+        """async (b64) => {
         const bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
         const file = () => new File([bytes], 'x.png', {type: 'image/png'});
         const dt = new DataTransfer(); dt.items.add(file());
@@ -428,17 +497,22 @@ def test_an_image_reaches_the_vision_model(page, served, tmp_path):
         const dt2 = new DataTransfer(); dt2.items.add(file());
         document.querySelector('textarea[name=prompt]').dispatchEvent(
             new ClipboardEvent('paste', {clipboardData: dt2, bubbles: true, cancelable: true}));
-    }""", __import__("base64").b64encode(png(1)).decode())
+    }""",
+        __import__("base64").b64encode(png(1)).decode(),
+    )
     page.wait_for_function(
-        "() => document.querySelectorAll('[data-testid=attached] img').length === 2")
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 2"
+    )
     page.locator("[data-testid=attached] img").first.click()  # a click removes one
     page.wait_for_function(
-        "() => document.querySelectorAll('[data-testid=attached] img').length === 1")
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 1"
+    )
     f = tmp_path / "pic.png"
     f.write_bytes(png(2))
     page.set_input_files("input[name=image]", str(f))  # and the file picker adds one
     page.wait_for_function(
-        "() => document.querySelectorAll('[data-testid=attached] img').length === 2")
+        "() => document.querySelectorAll('[data-testid=attached] img').length === 2"
+    )
     page.fill("input[name=max_tokens]", "4")
     page.fill("textarea[name=prompt]", "What is in the pictures?")
     page.press("textarea[name=prompt]", "Enter")
@@ -456,7 +530,8 @@ def test_stop_ends_the_reply_and_frees_the_slot(page, served):
     page.fill("textarea[name=prompt]", "Tell me a long story.")
     page.press("textarea[name=prompt]", "Enter")
     page.wait_for_function(  # under way: some of the reply is on the page
-        "() => (document.querySelector('[data-testid=reply] .content') || {}).textContent")
+        "() => (document.querySelector('[data-testid=reply] .content') || {}).textContent"
+    )
     page.click("button:text-is('Stop')")
     stats = page.locator("[data-testid=reply-stats]")
     stats.wait_for()
@@ -469,8 +544,11 @@ def test_stop_ends_the_reply_and_frees_the_slot(page, served):
     rid = link.get_attribute("href").removeprefix("#requests/")
     deadline = time.time() + 60
     with served.client() as c:
-        while not (mine := [r for r in c.get("/ui/api/requests").json()["requests"]
-                            if r["request_id"] == rid]):
+        while not (
+            mine := [
+                r for r in c.get("/ui/api/requests").json()["requests"] if r["request_id"] == rid
+            ]
+        ):
             assert time.time() < deadline, f"no record of {rid}"
             time.sleep(0.1)
     assert mine[0]["model"] == SLOW and 0 < mine[0]["completion_tokens"] < 4000, mine
@@ -500,7 +578,8 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     page.wait_for_function(
         "() => document.querySelector('[data-testid=pull-progress]').innerText"
         ".startsWith('success')",
-        timeout=120_000)
+        timeout=120_000,
+    )
     seen = page.evaluate("window.__pull")
     firsts = [t.split()[0] for t in seen]
     assert "pulling" in firsts and firsts[-1] == "success", seen
@@ -510,8 +589,9 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
     assert "downloading" in firsts, seen
     # bytes done of the total, shown part-way ("10.0 MB / 21.6 MB")
     parts = [re.search(r"([\d.]+) (\w+) / ([\d.]+) (\w+)", t) for t in seen]
-    partial = [m.group(0) for m in parts if m and m.group(1, 2) != m.group(3, 4)
-               and float(m.group(1)) > 0]
+    partial = [
+        m.group(0) for m in parts if m and m.group(1, 2) != m.group(3, 4) and float(m.group(1)) > 0
+    ]
     assert partial, seen
     page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']").wait_for()
     shot(page, "overview")
@@ -520,6 +600,7 @@ def test_pull_shows_progress_and_the_model_appears(page, served, hub):
 
 def test_remove_and_unload_ask_then_the_rows_go(page, served, hub):
     with served.client() as c:
+
         def tags() -> set[str]:
             return {m["name"] for m in c.get("/api/tags").json()["models"]}
 
@@ -530,16 +611,20 @@ def test_remove_and_unload_ask_then_the_rows_go(page, served, hub):
         if HUB_REPO not in tags():
             r = c.post("/api/pull", json={"model": HUB_REPO, "stream": False}, timeout=300)
             assert r.status_code == 200, r.text
-        r = c.post("/v1/chat/completions", json={
-            "model": VLM, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": VLM, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200, r.text
         page.goto(served.url + "/#overview")
         # the expiry column: never for the pinned default, the keep-alive left for others
         expires = page.locator(f"[data-testid=loaded] tr[data-model={VLM}] td").nth(4)
         m = re.fullmatch(r"in (\d+)m \d+s", expires.inner_text())
         assert m and int(m.group(1)) <= 30, expires.inner_text()  # keep_alive: 30m
-        assert page.locator("[data-testid=loaded] tr[data-model=tiny-llama] td").nth(4
-                            ).inner_text() == "never"
+        assert (
+            page.locator("[data-testid=loaded] tr[data-model=tiny-llama] td").nth(4).inner_text()
+            == "never"
+        )
         row = page.locator(f"[data-testid=store] tr[data-model='{HUB_REPO}']")
         asked: list[str] = []
         page.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
@@ -551,8 +636,7 @@ def test_remove_and_unload_ask_then_the_rows_go(page, served, hub):
         row.wait_for(state="detached")
         assert HUB_REPO not in tags()
         assert VLM in loaded()
-        page.locator(f"[data-testid=loaded] tr[data-model={VLM}] button:text-is('Unload')"
-                     ).click()
+        page.locator(f"[data-testid=loaded] tr[data-model={VLM}] button:text-is('Unload')").click()
         page.locator(f"[data-testid=loaded] tr[data-model={VLM}]").wait_for(state="detached")
         assert VLM not in loaded()
         assert VLM in tags()  # unloaded, still in the store
@@ -575,7 +659,8 @@ def test_charts_update_after_traffic(page, served):
     # so that no earlier request can still arrive and pass for this test's
     now = time.time()
     page.wait_for_function(
-        f"() => parseFloat(document.querySelector('[data-testid=charts]').dataset.last) > {now}")
+        f"() => parseFloat(document.querySelector('[data-testid=charts]').dataset.last) > {now}"
+    )
     before = chart_sums(page)
     points = int(page.get_attribute("[data-chart=tokens]", "data-points"))
     # two slow streams held open (the queue chart must see them running), and traffic from
@@ -584,9 +669,19 @@ def test_charts_update_after_traffic(page, served):
 
     def hold() -> None:
         try:
-            with served.client() as c, c.stream("POST", "/v1/chat/completions", json={
-                    "model": SLOW, "max_tokens": 4000, "stream": True,
-                    "messages": [{"role": "user", "content": "a long one"}]}) as r:
+            with (
+                served.client() as c,
+                c.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={
+                        "model": SLOW,
+                        "max_tokens": 4000,
+                        "stream": True,
+                        "messages": [{"role": "user", "content": "a long one"}],
+                    },
+                ) as r,
+            ):
                 assert r.status_code == 200
                 for _ in r.iter_lines():
                     if release.is_set():
@@ -600,47 +695,72 @@ def test_charts_update_after_traffic(page, served):
     try:
         with served.client() as c:
             for _ in range(3):
-                r = c.post("/v1/chat/completions", json={
-                    "model": "tiny-llama", "max_tokens": 8,
-                    "messages": [{"role": "user", "content": "hi"}]})
+                r = c.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "tiny-llama",
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                )
                 assert r.status_code == 200
-            assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
-                          ).status_code in (400, 404)
+            assert c.post(
+                "/v1/chat/completions", json={"model": "nope", "messages": []}
+            ).status_code in (400, 404)
         # above: the tokens, first tokens and running requests of the new points; the
         # three answered chats and the one refused
-        above = {k: before[k] for k in ("tokens/generated", "tokens/prompt",
-                                        "ttft/mean TTFT", "queue/running")}
-        above |= {"status/2xx": before["status/2xx"] + 2.5,
-                  "status/4xx": before["status/4xx"] + 0.5}
-        page.wait_for_function("""(above) => {
+        above = {
+            k: before[k]
+            for k in ("tokens/generated", "tokens/prompt", "ttft/mean TTFT", "queue/running")
+        }
+        above |= {
+            "status/2xx": before["status/2xx"] + 2.5,
+            "status/4xx": before["status/4xx"] + 0.5,
+        }
+        page.wait_for_function(
+            """(above) => {
             const now = {};
             for (const e of document.querySelectorAll('[data-chart] [data-series]'))
               now[e.closest('[data-chart]').dataset.chart + '/' + e.dataset.series] =
                 parseFloat(e.dataset.sum);
-            return Object.keys(above).every((k) => now[k] > above[k]); }""", arg=above)
+            return Object.keys(above).every((k) => now[k] > above[k]); }""",
+            arg=above,
+        )
     finally:
         release.set()
         for t in held:
             t.join(30)
     assert errors == []
-    assert float(page.get_attribute("[data-chart=queue] [data-series=running]", "data-peak")
-                 ) >= 1
+    assert float(page.get_attribute("[data-chart=queue] [data-series=running]", "data-peak")) >= 1
     assert int(page.get_attribute("[data-chart=tokens]", "data-points")) > points
     settle(served)  # the held streams, closed, are cancelled on the server
 
 
 def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     with served.client() as c:  # its own traffic: a chat, a refusal, an embedding
-        assert c.post("/v1/chat/completions", json={
-            "model": "tiny-llama", "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
-        assert c.post("/v1/chat/completions", json={"model": "nope", "messages": []}
-                      ).status_code in (400, 404)
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny-llama",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ).status_code
+            == 200
+        )
+        assert c.post(
+            "/v1/chat/completions", json={"model": "nope", "messages": []}
+        ).status_code in (400, 404)
         assert c.post("/v1/embeddings", json={"model": EMBED, "input": "x"}).status_code == 200
         # a caller without this key's identity: its request is not this key's to see
-        assert c.get("/v1/models", headers={"Authorization": "Bearer not-a-key",
-                                            "X-Request-ID": "ui-someone-else"}
-                     ).status_code == 401
+        assert (
+            c.get(
+                "/v1/models",
+                headers={"Authorization": "Bearer not-a-key", "X-Request-ID": "ui-someone-else"},
+            ).status_code
+            == 401
+        )
     page.goto(served.url + "/#requests")
     table = page.locator("[data-testid=requests]")
     table.locator("tr[data-rid]").first.wait_for()
@@ -650,20 +770,24 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
     # ui-tester is not an admin key: it is told it sees its own requests, and only those
     assert "Only this key's requests" in page.inner_text("[data-testid=requests-scope]")
     assert "ui-someone-else" not in table.evaluate(
-        "t => [...t.querySelectorAll('tr[data-rid]')].map(r => r.dataset.rid)")
+        "t => [...t.querySelectorAll('tr[data-rid]')].map(r => r.dataset.rid)"
+    )
     # the page itself, its files and its own polling are left out
     assert "/ui/" not in text and "unmatched" not in text
     page.select_option("select[name=status]", "4xx")
     page.wait_for_function(  # the status column (the first number) of every row shown
         "() => { const rows = [...document.querySelectorAll("
         "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
-        "rows.every(r => r.querySelector('td.num').innerText.startsWith('4')); }")
+        "rows.every(r => r.querySelector('td.num').innerText.startsWith('4')); }"
+    )
     page.select_option("select[name=status]", "all")
     page.fill("input[name=filter]", EMBED)
     page.wait_for_function(  # only the rows that name it
         "(name) => { const rows = [...document.querySelectorAll("
         "'[data-testid=requests] tr[data-rid]')]; return rows.length >= 1 && "
-        "rows.every(r => r.innerText.includes(name)); }", arg=EMBED)
+        "rows.every(r => r.innerText.includes(name)); }",
+        arg=EMBED,
+    )
     page.fill("input[name=filter]", "")
     first = rows.first
     rid = first.get_attribute("data-rid")
@@ -688,8 +812,9 @@ def test_requests_view_lists_filters_and_links_the_log_line(page, served):
         # and one followed on a page already showing the list (a pasted link) opens too
         fresh.evaluate("(rid) => { location.hash = '#requests/' + rid; }", rid)
         fresh.wait_for_function(
-            "(rid) => document.querySelector('[data-testid=requests] tr.sel')"
-            "?.dataset.rid === rid", arg=rid)
+            "(rid) => document.querySelector('[data-testid=requests] tr.sel')?.dataset.rid === rid",
+            arg=rid,
+        )
     finally:
         fresh.close()
     assert page.errors == []
@@ -704,8 +829,10 @@ def test_embeddings_similarity_matrix_and_rerank(page, served):
     page.locator("[data-testid=similarity], .card .err").first.wait_for()
     assert page.locator(".card .err").count() == 0, page.inner_text(".card .err")
     matrix = page.locator("[data-testid=similarity]")
-    cells = [[float(td.inner_text()) for td in row.locator("td").all()]
-             for row in matrix.locator("tr").all()[1:]]
+    cells = [
+        [float(td.inner_text()) for td in row.locator("td").all()]
+        for row in matrix.locator("tr").all()[1:]
+    ]
     assert len(cells) == 3 and all(len(r) == 3 for r in cells)
     assert all(abs(cells[i][i] - 1) < 1e-3 for i in range(3))  # cosine of itself
     assert all(abs(cells[i][j] - cells[j][i]) < 1e-3 for i in range(3) for j in range(3))

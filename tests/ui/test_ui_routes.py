@@ -22,8 +22,9 @@ KEY = "routes-key"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, tiny_llama):
-    s = make_settings(tmp_path_factory.mktemp("home"), tiny_llama,
-                      security={"api_keys": [f"route-tester:{KEY}"]})
+    s = make_settings(
+        tmp_path_factory.mktemp("home"), tiny_llama, security={"api_keys": [f"route-tester:{KEY}"]}
+    )
     server = LiveServer(s).start()
     yield server
     server.stop()
@@ -50,8 +51,12 @@ def test_the_page_and_its_files_load_without_a_key(srv):
         assert r.status_code == 404 and "STATIC_DIR" not in r.text, escape
     js = httpx.get(srv.url + "/ui/static/app.js")
     assert js.headers["cache-control"] == "no-cache" and js.headers["etag"]
-    assert httpx.get(srv.url + "/ui/static/app.js",
-                     headers={"If-None-Match": js.headers["etag"]}).status_code == 304
+    assert (
+        httpx.get(
+            srv.url + "/ui/static/app.js", headers={"If-None-Match": js.headers["etag"]}
+        ).status_code
+        == 304
+    )
 
 
 def test_the_data_needs_the_key(srv):
@@ -59,8 +64,9 @@ def test_the_data_needs_the_key(srv):
         r = httpx.get(srv.url + path)
         assert r.status_code == 401, path
         assert r.json()["error"]["code"] == "invalid_api_key"
-        assert httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}
-                         ).status_code == 401
+        assert (
+            httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        )
         assert httpx.get(srv.url + path, headers=auth()).status_code == 200
 
 
@@ -74,8 +80,11 @@ def test_overview(srv):
 
 def test_requests_list_the_traffic_with_its_log_line(srv):
     with srv.client(headers=auth()) as c:
-        r = c.post("/v1/chat/completions", headers={"X-Request-ID": "ui-rid-1"},
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        r = c.post(
+            "/v1/chat/completions",
+            headers={"X-Request-ID": "ui-rid-1"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
         assert r.status_code == 200
         c.get("/ui/api/stats")  # the UI's own calls are not listed
         items = c.get("/ui/api/requests", params={"limit": 5}).json()["requests"]
@@ -86,15 +95,19 @@ def test_requests_list_the_traffic_with_its_log_line(srv):
     assert first["line"].startswith("POST /v1/chat/completions 200 ")
     assert "rid=ui-rid-1" in first["line"] and "key=route-tester" in first["line"]
     assert not any(i["route"].startswith("/ui/") for i in items)
-    assert httpx.get(srv.url + "/ui/api/requests", params={"limit": 0}, headers=auth()
-                     ).status_code == 400  # a bad query is a clear 4xx
+    assert (
+        httpx.get(srv.url + "/ui/api/requests", params={"limit": 0}, headers=auth()).status_code
+        == 400
+    )  # a bad query is a clear 4xx
 
 
 def test_stats_sample_the_servers_own_counters(srv):
     with srv.client(headers=auth()) as c:
         t0 = time.time()
-        r = c.post("/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+        )
         assert r.status_code == 200
         deadline = time.time() + 15
         while time.time() < deadline:
@@ -111,10 +124,26 @@ def test_stats_sample_the_servers_own_counters(srv):
 
 
 def test_points_between_readings():
-    a = Reading(t=10.0, generation_tokens=100, prompt_tokens=50, ttft_sum=1.0, ttft_count=4,
-                running=1, waiting=0, by_status={"2xx": 5})
-    b = Reading(t=12.0, generation_tokens=140, prompt_tokens=50, ttft_sum=1.5, ttft_count=6,
-                running=2, waiting=3, by_status={"2xx": 7, "5xx": 1})
+    a = Reading(
+        t=10.0,
+        generation_tokens=100,
+        prompt_tokens=50,
+        ttft_sum=1.0,
+        ttft_count=4,
+        running=1,
+        waiting=0,
+        by_status={"2xx": 5},
+    )
+    b = Reading(
+        t=12.0,
+        generation_tokens=140,
+        prompt_tokens=50,
+        ttft_sum=1.5,
+        ttft_count=6,
+        running=2,
+        waiting=3,
+        by_status={"2xx": 7, "5xx": 1},
+    )
     p = point(a, b)
     assert p["tokens_per_s"] == 20.0 and p["prompt_tokens_per_s"] == 0.0
     assert p["ttft_ms"] == 250.0  # (1.5 - 1.0) s over the 2 requests that started
@@ -142,15 +171,23 @@ def test_ui_off_on_a_running_server(start_server, tiny_llama, monkeypatch):
     srv = start_server(tiny_llama)
     assert srv.settings.server.ui is False
     with srv.client() as c:
-        for path in ("/", "/ui/", "/ui/static/app.js", "/ui/api/overview",
-                     "/ui/api/requests", "/ui/api/stats"):
+        for path in (
+            "/",
+            "/ui/",
+            "/ui/static/app.js",
+            "/ui/api/overview",
+            "/ui/api/requests",
+            "/ui/api/stats",
+        ):
             r = c.get(path)
             assert r.status_code == 404, path
             assert r.json()["error"]["type"] == "invalid_request_error", path  # OpenAI's
         assert c.get("/health").json()["status"] == "ok"
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-llama"]
-        r = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

@@ -34,19 +34,25 @@ from mlxd.frontend.generation import Generation
 router = APIRouter(route_class=ApiRoute)
 
 
-def _request(body: MessagesRequest | CountTokensRequest, request: Request,
-             sampling: Any) -> GenerateRequest:
+def _request(
+    body: MessagesRequest | CountTokensRequest, request: Request, sampling: Any
+) -> GenerateRequest:
     images: list[ImageInput] = []
-    req = GenerateRequest(model=body.model, sampling=sampling,
-                          messages=body.template_messages(images),
-                          request_id=request.state.request_id, keep_alive=body.keep_alive)
+    req = GenerateRequest(
+        model=body.model,
+        sampling=sampling,
+        messages=body.template_messages(images),
+        request_id=request.state.request_id,
+        keep_alive=body.keep_alive,
+    )
     req.images = images or None  # vision models take them; the runtime 400s for the others
     tools = body.openai_tools()
     choice, parallel = body.choice(tools)
     apply_tools(req, tools, choice, parallel)
     req.template_kwargs = body.template_kwargs()
-    req.constraint = openai_response_format((body.output_config or {}).get("format"),
-                                            param="output_config.format")
+    req.constraint = openai_response_format(
+        (body.output_config or {}).get("format"), param="output_config.format"
+    )
     return req
 
 
@@ -61,10 +67,12 @@ def _stop_reason(finish: str | None, stop_sequence: str | None) -> str:
 
 
 def _usage(u: Usage) -> dict[str, int]:
-    return {"input_tokens": u.prompt_tokens - u.cached_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": u.cached_tokens,
-            "output_tokens": u.completion_tokens}
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
 
 
 def _tool_id(call: ToolCall) -> str:
@@ -72,12 +80,21 @@ def _tool_id(call: ToolCall) -> str:
 
 
 def _tool_block(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": _tool_id(call), "name": call.name,
-            "input": arguments_dict(call)}
+    return {
+        "type": "tool_use",
+        "id": _tool_id(call),
+        "name": call.name,
+        "input": arguments_dict(call),
+    }
 
 
-@router.post("/v1/messages", responses=ok(AnthropicResponse, (
-    SSE, "message_start, content_block_start/delta/stop, message_delta, message_stop")))
+@router.post(
+    "/v1/messages",
+    responses=ok(
+        AnthropicResponse,
+        (SSE, "message_start, content_block_start/delta/stop, message_delta, message_stop"),
+    ),
+)
 async def messages(body: MessagesRequest, request: Request) -> Response:
     req = _request(body, request, body.sampling())
     req.user, req.cache_salt = body.user, body.cache_salt
@@ -92,13 +109,18 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     if res.text or not res.tool_calls:
         content.append({"type": "text", "text": res.text})
     content.extend(_tool_block(c) for c in res.tool_calls)
-    return JSONResponse({
-        "id": mid, "type": "message", "role": "assistant", "model": gen.model,
-        "content": content,
-        "stop_reason": _stop_reason(res.finish_reason, res.stop_sequence),
-        "stop_sequence": res.stop_sequence,
-        "usage": _usage(res.usage),
-    })
+    return JSONResponse(
+        {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "model": gen.model,
+            "content": content,
+            "stop_reason": _stop_reason(res.finish_reason, res.stop_sequence),
+            "stop_sequence": res.stop_sequence,
+            "usage": _usage(res.usage),
+        }
+    )
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -107,11 +129,27 @@ def _event(name: str, data: dict[str, Any]) -> str:
 
 async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
     n_prompt = len(gen.prompt_tokens)
-    yield _event("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": gen.model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": n_prompt, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": 0, "output_tokens": 0}}})
+    yield _event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": gen.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": n_prompt,
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 0,
+                    "output_tokens": 0,
+                },
+            },
+        },
+    )
     index = -1
     open_kind: str | None = None
     pinged = False
@@ -121,8 +159,12 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
         out = stop()
         index += 1
         open_kind = kind
-        out.append(_event("content_block_start", {"type": "content_block_start",
-                                                  "index": index, "content_block": block}))
+        out.append(
+            _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        )
         if not pinged:
             pinged = True
             out.append(_event("ping", {"type": "ping"}))
@@ -136,15 +178,17 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
         return [_event("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def delta(d: dict[str, Any]) -> str:
-        return _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": d})
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": d}
+        )
 
     try:
         async for ev in gen:
             if ev.reasoning:
                 if open_kind != "thinking":
-                    for e in start("thinking", {"type": "thinking", "thinking": "",
-                                                "signature": ""}):
+                    for e in start(
+                        "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                    ):
                         yield e
                 yield delta({"type": "thinking_delta", "thinking": ev.reasoning})
             if ev.text:
@@ -153,12 +197,17 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
                         yield e
                 yield delta({"type": "text_delta", "text": ev.text})
             for call in ev.tool_calls:
-                for e in start("tool_use", {"type": "tool_use", "id": _tool_id(call),
-                                            "name": call.name, "input": {}}):
+                for e in start(
+                    "tool_use",
+                    {"type": "tool_use", "id": _tool_id(call), "name": call.name, "input": {}},
+                ):
                     yield e
-                yield delta({"type": "input_json_delta",
-                             "partial_json": json.dumps(arguments_dict(call),
-                                                        ensure_ascii=False)})
+                yield delta(
+                    {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(arguments_dict(call), ensure_ascii=False),
+                    }
+                )
                 for e in stop():
                     yield e
             if ev.finish_reason is not None:
@@ -168,11 +217,17 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
                 for e in stop():
                     yield e
                 usage = _usage(ev.usage or Usage(prompt_tokens=n_prompt))
-                yield _event("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(ev.finish_reason, ev.stop_sequence),
-                              "stop_sequence": ev.stop_sequence},
-                    "usage": usage})
+                yield _event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {
+                            "stop_reason": _stop_reason(ev.finish_reason, ev.stop_sequence),
+                            "stop_sequence": ev.stop_sequence,
+                        },
+                        "usage": usage,
+                    },
+                )
                 yield _event("message_stop", {"type": "message_stop"})
     except MlxdError as exc:
         yield _event("error", anthropic_error_body(exc.status, exc.message))

@@ -40,8 +40,7 @@ class MessagesBase(_Req):
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
     keep_alive: KeepAlive = None  # mlxd extension (Ollama semantics)
 
-    def template_messages(self, images: list[ImageInput] | None = None
-                          ) -> list[dict[str, Any]]:
+    def template_messages(self, images: list[ImageInput] | None = None) -> list[dict[str, Any]]:
         """Chat-template messages; image blocks become ``{"type": "image"}`` parts, their
         sources appended to ``images`` in order (only vision models accept them)."""
         out: list[dict[str, Any]] = []
@@ -64,32 +63,48 @@ class MessagesBase(_Req):
                 elif kind == "image":
                     if images is None:
                         raise InvalidRequest("this model does not accept images", param=where)
-                    images.append(ImageInput(_image_source(block, f"{where}[{j}]"),
-                                             f"{where}[{j}]"))
+                    images.append(
+                        ImageInput(_image_source(block, f"{where}[{j}]"), f"{where}[{j}]")
+                    )
                     parts.append({"type": "image"})
                 elif kind == "tool_use" and m.role == "assistant":
                     args = block.get("input")
                     if args is not None and not isinstance(args, dict):
-                        raise InvalidRequest(f"{where}[{j}].input must be an object",
-                                             param=f"{where}[{j}].input")
+                        raise InvalidRequest(
+                            f"{where}[{j}].input must be an object", param=f"{where}[{j}].input"
+                        )
                     if not isinstance(block.get("id", ""), str):
-                        raise InvalidRequest(f"{where}[{j}].id must be a string",
-                                             param=f"{where}[{j}].id")
-                    calls.append({"id": block.get("id") or "", "type": "function",
-                                  "function": check_call(block.get("name"), args,
-                                                         f"{where}[{j}]")})
+                        raise InvalidRequest(
+                            f"{where}[{j}].id must be a string", param=f"{where}[{j}].id"
+                        )
+                    calls.append(
+                        {
+                            "id": block.get("id") or "",
+                            "type": "function",
+                            "function": check_call(block.get("name"), args, f"{where}[{j}]"),
+                        }
+                    )
                 elif kind == "tool_result" and m.role == "user":
-                    out.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""),
-                                "content": _text_of(block.get("content", ""), where)})
+                    out.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": block.get("tool_use_id", ""),
+                            "content": _text_of(block.get("content", ""), where),
+                        }
+                    )
                 elif kind in ("thinking", "redacted_thinking"):
                     continue  # earlier reasoning is not sent back to the model
                 else:
-                    raise InvalidRequest(f"unsupported content block type '{kind}' in a "
-                                         f"{m.role} message", param=where)
+                    raise InvalidRequest(
+                        f"unsupported content block type '{kind}' in a {m.role} message",
+                        param=where,
+                    )
             if parts or calls or not any(b.get("type") == "tool_result" for b in m.content):
                 has_image = any(p["type"] == "image" for p in parts)
-                msg: dict[str, Any] = {"role": m.role,
-                                       "content": parts if has_image else "".join(texts)}
+                msg: dict[str, Any] = {
+                    "role": m.role,
+                    "content": parts if has_image else "".join(texts),
+                }
                 if calls:
                     msg["tool_calls"] = calls
                 out.append(msg)
@@ -101,11 +116,17 @@ class MessagesBase(_Req):
         tools = []
         for i, t in enumerate(self.tools):
             if t.type not in (None, "custom"):
-                raise InvalidRequest(f"tools[{i}]: server tools ('{t.type}') are not supported",
-                                     param=f"tools[{i}]")
-            tools.append(function_tool(t.name, t.description, t.input_schema or
-                                       {"type": "object", "properties": {}},
-                                       param=f"tools[{i}]"))
+                raise InvalidRequest(
+                    f"tools[{i}]: server tools ('{t.type}') are not supported", param=f"tools[{i}]"
+                )
+            tools.append(
+                function_tool(
+                    t.name,
+                    t.description,
+                    t.input_schema or {"type": "object", "properties": {}},
+                    param=f"tools[{i}]",
+                )
+            )
         return tools
 
     def choice(self, tools: list[dict] | None) -> tuple[tuple[str, str | None], bool | None]:
@@ -126,8 +147,9 @@ class MessagesBase(_Req):
         if kind == "tool":
             name = tc.get("name")
             if name not in tool_names(tools):
-                raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools",
-                                     param="tool_choice")
+                raise InvalidRequest(
+                    f"tool_choice names '{name}', which is not among the tools", param="tool_choice"
+                )
             return ("function", name), parallel
         raise InvalidRequest(f"unknown tool_choice type '{kind}'", param="tool_choice")
 

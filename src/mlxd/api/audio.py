@@ -53,8 +53,12 @@ def _reply(t: Transcript, fmt: str, segments: bool = True) -> Response:
     if fmt == "vtt":
         return PlainTextResponse(render_vtt(t.segments), media_type="text/vtt")
     if fmt == "verbose_json":
-        out: dict[str, Any] = {"task": t.task, "language": t.language,
-                               "duration": t.duration, "text": t.text}
+        out: dict[str, Any] = {
+            "task": t.task,
+            "language": t.language,
+            "duration": t.duration,
+            "text": t.text,
+        }
         if segments:  # OpenAI: asking for words alone leaves the segments out
             out["segments"] = t.segments
         if t.words is not None:
@@ -73,28 +77,42 @@ class _Options(TypedDict):
     keep_alive: str | None
 
 
-async def _transcribe(request: Request, task: str, file: UploadFile, model: str | None,
-                      language: str | None, prompt: str | None, fmt: str, temperature: float,
-                      granularities: list[str] | None, stream: bool,
-                      keep_alive: str | None = None) -> Response:
+async def _transcribe(
+    request: Request,
+    task: str,
+    file: UploadFile,
+    model: str | None,
+    language: str | None,
+    prompt: str | None,
+    fmt: str,
+    temperature: float,
+    granularities: list[str] | None,
+    stream: bool,
+    keep_alive: str | None = None,
+) -> Response:
     if not 0.0 <= temperature <= 1.0:
         raise InvalidRequest("temperature must be between 0 and 1", param="temperature")
     for g in granularities or []:
         if g not in ("segment", "word"):
-            raise InvalidRequest(f"timestamp_granularities: unknown value {g!r}",
-                                 param="timestamp_granularities")
+            raise InvalidRequest(
+                f"timestamp_granularities: unknown value {g!r}", param="timestamp_granularities"
+            )
     if granularities and fmt != "verbose_json":
-        raise InvalidRequest("timestamp_granularities needs response_format=verbose_json",
-                             param="timestamp_granularities")
+        raise InvalidRequest(
+            "timestamp_granularities needs response_format=verbose_json",
+            param="timestamp_granularities",
+        )
     data = await file.read()
     speech = runtime(request).speech
-    args = _Options(task=task, language=language, prompt=prompt, temperature=temperature,
-                    keep_alive=keep_alive)
+    args = _Options(
+        task=task, language=language, prompt=prompt, temperature=temperature, keep_alive=keep_alive
+    )
     words = "word" in (granularities or [])
     if stream:
         if fmt not in ("json", "text"):
-            raise InvalidRequest("stream=true returns text events; use response_format json "
-                                 "or text", param="stream")
+            raise InvalidRequest(
+                "stream=true returns text events; use response_format json or text", param="stream"
+            )
         events = await until_disconnect(request, speech.transcribe_stream(model, data, **args))
         return sse_response(_transcript_events(events))
     t = await until_disconnect(request, speech.transcribe(model, data, words=words, **args))
@@ -107,8 +125,9 @@ async def _transcript_events(events: AsyncIterator[tuple[str, Any]]) -> AsyncIte
             if kind == "delta":
                 yield sse({"type": "transcript.text.delta", "delta": value})
             else:
-                yield sse({"type": "transcript.text.done", "text": value.text,
-                           "usage": _usage(value)})
+                yield sse(
+                    {"type": "transcript.text.done", "text": value.text, "usage": _usage(value)}
+                )
     except MlxdError as exc:
         yield sse(error_payload(exc))
 
@@ -116,9 +135,13 @@ async def _transcript_events(events: AsyncIterator[tuple[str, Any]]) -> AsyncIte
 Granularities = Annotated[list[str] | None, Form(alias="timestamp_granularities[]")]
 
 
-@uploads.post("/v1/audio/transcriptions", responses=ok(
-    Transcription | VerboseTranscription,
-    (SSE, "transcript.text.delta / transcript.text.done events")))
+@uploads.post(
+    "/v1/audio/transcriptions",
+    responses=ok(
+        Transcription | VerboseTranscription,
+        (SSE, "transcript.text.delta / transcript.text.done events"),
+    ),
+)
 async def transcriptions(
     request: Request,
     file: Annotated[UploadFile, File(description="The audio (wav, mp3, flac, ogg, m4a, webm...)")],
@@ -129,12 +152,26 @@ async def transcriptions(
     temperature: Annotated[float, Form()] = 0.0,
     timestamp_granularities: Granularities = None,
     stream: Annotated[bool, Form()] = False,
-    keep_alive: Annotated[str | None, Form(description="mlxd/Ollama extension: how long "
-                                           "the model stays loaded after this request")] = None,
+    keep_alive: Annotated[
+        str | None,
+        Form(
+            description="mlxd/Ollama extension: how long the model stays loaded after this request"
+        ),
+    ] = None,
 ) -> Response:
-    return await _transcribe(request, "transcribe", file, model, language, prompt,
-                             response_format, temperature, timestamp_granularities, stream,
-                             keep_alive)
+    return await _transcribe(
+        request,
+        "transcribe",
+        file,
+        model,
+        language,
+        prompt,
+        response_format,
+        temperature,
+        timestamp_granularities,
+        stream,
+        keep_alive,
+    )
 
 
 @uploads.post("/v1/audio/translations", responses=ok(Transcription))
@@ -147,21 +184,49 @@ async def translations(
     temperature: Annotated[float, Form()] = 0.0,
     keep_alive: Annotated[str | None, Form()] = None,
 ) -> Response:
-    return await _transcribe(request, "translate", file, model, None, prompt,
-                             response_format, temperature, None, False, keep_alive)
+    return await _transcribe(
+        request,
+        "translate",
+        file,
+        model,
+        None,
+        prompt,
+        response_format,
+        temperature,
+        None,
+        False,
+        keep_alive,
+    )
 
 
-@router.post("/v1/audio/speech", responses={200: {"content": {
-    t: {"schema": {"type": "string", "format": "binary"}} for t in MEDIA_TYPES.values()}}})
+@router.post(
+    "/v1/audio/speech",
+    responses={
+        200: {
+            "content": {
+                t: {"schema": {"type": "string", "format": "binary"}} for t in MEDIA_TYPES.values()
+            }
+        }
+    },
+)
 async def speech(request: Request, body: SpeechBody) -> Response:
     fmt = body.response_format
-    name, chunks = await until_disconnect(request, runtime(request).speech.speak(
-        body.model, body.input, voice=body.voice, fmt=fmt, speed=body.speed,
-        keep_alive=body.keep_alive))
+    name, chunks = await until_disconnect(
+        request,
+        runtime(request).speech.speak(
+            body.model,
+            body.input,
+            voice=body.voice,
+            fmt=fmt,
+            speed=body.speed,
+            keep_alive=body.keep_alive,
+        ),
+    )
     if body.stream_format == "sse":
         return sse_response(_speech_events(chunks))
-    return DisconnectAwareStream(chunks, media_type=MEDIA_TYPES[fmt],
-                                 headers={"X-Model": name, "Cache-Control": "no-cache"})
+    return DisconnectAwareStream(
+        chunks, media_type=MEDIA_TYPES[fmt], headers={"X-Model": name, "Cache-Control": "no-cache"}
+    )
 
 
 async def _speech_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:

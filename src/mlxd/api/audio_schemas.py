@@ -14,17 +14,21 @@ SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
 class SpeechBody(WireModel):
-    model: ModelName | None = Field(None, description="A text-to-speech model; 'tts-1', 'tts-1-hd' "
-                              "or none: audio.default_tts.")
+    model: ModelName | None = Field(
+        None, description="A text-to-speech model; 'tts-1', 'tts-1-hd' or none: audio.default_tts."
+    )
     input: str = Field(description="The text to speak (at most audio.max_speech_chars).")
-    voice: str | None = Field(None, description="A voice of the model (passed to it; models "
-                              "with one voice ignore it).")
+    voice: str | None = Field(
+        None, description="A voice of the model (passed to it; models with one voice ignore it)."
+    )
     instructions: str | None = Field(None, description="Accepted and ignored.")
     response_format: SpeechFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = Field(
-        "audio", description="'audio': the encoded audio as the body, streamed as it is made; "
-        "'sse': speech.audio.delta events with base64 audio, then speech.audio.done.")
+        "audio",
+        description="'audio': the encoded audio as the body, streamed as it is made; "
+        "'sse': speech.audio.delta events with base64 audio, then speech.audio.done.",
+    )
     keep_alive: KeepAlive = None
 
 
@@ -76,11 +80,14 @@ def _clock(t: float, sep: str) -> str:
 
 
 def render_srt(segments: list[dict[str, Any]]) -> str:
-    return "".join(f"{i}\n{_clock(s['start'], ',')} --> {_clock(s['end'], ',')}\n"
-                   f"{s['text'].strip()}\n\n" for i, s in enumerate(segments, 1))
+    return "".join(
+        f"{i}\n{_clock(s['start'], ',')} --> {_clock(s['end'], ',')}\n{s['text'].strip()}\n\n"
+        for i, s in enumerate(segments, 1)
+    )
 
 
 def render_vtt(segments: list[dict[str, Any]]) -> str:
     return "WEBVTT\n\n" + "".join(
         f"{_clock(s['start'], '.')} --> {_clock(s['end'], '.')}\n{s['text'].strip()}\n\n"
-        for s in segments)
+        for s in segments
+    )

@@ -72,16 +72,20 @@ def check_json_body(raw: bytes) -> None:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise InvalidRequest(f"the request body nests arrays and objects deeper than "
-                             f"{MAX_DEPTH} levels") from None
+        raise InvalidRequest(
+            f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels"
+        ) from None
     except ValueError:
         return
     if deep and _depth(data, MAX_DEPTH) > MAX_DEPTH:
-        raise InvalidRequest(f"the request body nests arrays and objects deeper than "
-                             f"{MAX_DEPTH} levels")
+        raise InvalidRequest(
+            f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels"
+        )
     if _has_lone_surrogate(data):
-        raise InvalidRequest("the request body contains a lone UTF-16 surrogate "
-                             "(\\ud800-\\udfff without its pair), which is not text")
+        raise InvalidRequest(
+            "the request body contains a lone UTF-16 surrogate "
+            "(\\ud800-\\udfff without its pair), which is not text"
+        )
 
 
 async def _read_body(receive: Receive) -> bytes:

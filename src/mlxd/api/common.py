@@ -62,12 +62,16 @@ async def collect(gen: Generation) -> Collected:
 
 
 def usage_dict(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
 
 
 # -- n > 1: several sequences for one request ----------------------------------------------------
+
 
 async def submit_n(request: Request, req: GenerateRequest, n: int) -> list[Generation]:
     """``n`` sequences of one request (choice i samples with ``seed + i`` when seeded).
@@ -95,6 +99,7 @@ def close_all(gens: list[Generation]) -> Callable[[], None]:
     def close() -> None:
         for g in gens:
             g.close()
+
     return close
 
 
@@ -148,5 +153,8 @@ async def collect_all(gens: list[Generation]) -> list[Collected]:
 def total_usage(results: list[Collected]) -> Usage:
     """One request's usage over its choices: the prompt once, every completion."""
     first = results[0].usage
-    return Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
-                 completion_tokens=sum(r.usage.completion_tokens for r in results))
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        completion_tokens=sum(r.usage.completion_tokens for r in results),
+    )

@@ -53,7 +53,7 @@ class AnthropicError(BaseModel):
 
 _ERRORS: dict[int | str, str] = {
     400: "Invalid request: a missing or out-of-range parameter, a wrong JSON type, a body "
-         "that is not JSON (validation errors are 400, never 422).",
+    "that is not JSON (validation errors are 400, never 422).",
     401: "Missing or invalid API key (only when keys are configured).",
     404: "Unknown model (or stored response).",
     413: "The body is larger than security.max_body_bytes.",
@@ -95,19 +95,24 @@ def streamed(media_type: StreamMedia, what: str) -> dict[str, Any]:
     object for every event but OpenAI's final ``[DONE]``. Documented as a plain string it
     was wrong for every event (tests/ops/test_fuzz.py found it)."""
     if media_type == "text/event-stream":
-        schema = {"type": "object", "description": f"One server-sent event: {what}",
-                  "properties": {
-                      "data": {"type": "string",
-                               "description": "JSON, or [DONE] at the end (OpenAI)"},
-                      "event": {"type": "string"}, "id": {"type": "string"},
-                      "retry": {"type": "integer"}}}
+        schema = {
+            "type": "object",
+            "description": f"One server-sent event: {what}",
+            "properties": {
+                "data": {"type": "string", "description": "JSON, or [DONE] at the end (OpenAI)"},
+                "event": {"type": "string"},
+                "id": {"type": "string"},
+                "retry": {"type": "integer"},
+            },
+        }
     else:
         schema = {"type": "string", "description": f"Newline-delimited JSON: {what}"}
     return {"content": {media_type: {"schema": schema}}}
 
 
-def ok(model: type[BaseModel] | UnionType, stream: tuple[StreamMedia, str] | None = None
-       ) -> dict[int | str, Any]:
+def ok(
+    model: type[BaseModel] | UnionType, stream: tuple[StreamMedia, str] | None = None
+) -> dict[int | str, Any]:
     """``responses=`` for a route whose 200 body is ``model`` (and, streaming, a stream)."""
     out: dict[str, Any] = {"model": model}
     if stream is not None:
@@ -131,8 +136,9 @@ class Usage(_Doc):
 
 class ChatChoice(_Doc):
     index: int
-    message: dict[str, Any] = Field(description="role, content; reasoning_content and "
-                                                "tool_calls when present.")
+    message: dict[str, Any] = Field(
+        description="role, content; reasoning_content and tool_calls when present."
+    )
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None
 
@@ -225,7 +231,8 @@ class GenerateResponse(_Doc):
 
 class Health(_Doc):
     status: Literal["ok", "degraded", "draining", "restarting", "unavailable"] = Field(
-        description="With API keys configured and no valid key, the only field.")
+        description="With API keys configured and no valid key, the only field."
+    )
 
 
 class AnthropicResponse(_Doc):

@@ -33,6 +33,7 @@ from mlxd.core.types import EmbedRequest, RerankRequest
 
 router = APIRouter(route_class=ApiRoute)
 
+
 class _Req(WireModel):
     pass
 
@@ -55,8 +56,10 @@ class EmbeddingsBody(_Req):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
-    truncate: bool = Field(True, description="mlxd/TEI extension: cut over-long inputs to the "
-                           "model's maximum (false: 400).")
+    truncate: bool = Field(
+        True,
+        description="mlxd/TEI extension: cut over-long inputs to the model's maximum (false: 400).",
+    )
     keep_alive: KeepAlive = None
 
     def inputs(self) -> list[str | list[int]]:
@@ -70,18 +73,28 @@ class EmbeddingsBody(_Req):
 
 @router.post("/v1/embeddings", responses=ok(EmbeddingList))
 async def embeddings(request: Request, body: EmbeddingsBody) -> Response:
-    req = EmbedRequest(model=body.model, inputs=body.inputs(), truncate=body.truncate,
-                       dimensions=body.dimensions, keep_alive=body.keep_alive,
-                       request_id=request.state.request_id)
+    req = EmbedRequest(
+        model=body.model,
+        inputs=body.inputs(),
+        truncate=body.truncate,
+        dimensions=body.dimensions,
+        keep_alive=body.keep_alive,
+        request_id=request.state.request_id,
+    )
     res = await until_disconnect(request, runtime(request).embed(req))
     b64 = body.encoding_format == "base64"
-    data = [{"object": "embedding", "index": i,
-             "embedding": f32_base64(v) if b64 else v.tolist()}
-            for i, v in enumerate(res.vectors)]
-    return JSONResponse({
-        "object": "list", "data": data, "model": res.model,
-        "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
-    })
+    data = [
+        {"object": "embedding", "index": i, "embedding": f32_base64(v) if b64 else v.tolist()}
+        for i, v in enumerate(res.vectors)
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": res.model,
+            "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
+        }
+    )
 
 
 # -- reranking ---------------------------------------------------------------------------------
@@ -97,8 +110,9 @@ class RerankBody(_Req):
     max_chunks_per_doc: int | None = None  # Cohere v1: accepted and ignored
     max_tokens_per_doc: int | None = Field(None, ge=1)  # Cohere v2: accepted and ignored
     return_text: bool = Field(False, description="Add text_output 'yes'/'no' per result.")
-    decision_threshold: float = Field(0.5, ge=0.0, le=1.0,
-                                      description="Score from which text_output is 'yes'.")
+    decision_threshold: float = Field(
+        0.5, ge=0.0, le=1.0, description="Score from which text_output is 'yes'."
+    )
     truncate: bool = True
     instruction: str | None = Field(None, description="LLM rerankers: the task to judge by.")
     keep_alive: KeepAlive = None
@@ -113,11 +127,13 @@ class RerankBody(_Req):
             present = [f for f in fields if f in d]
             if not present:
                 raise InvalidRequest(
-                    f"documents[{i}] has none of the fields {fields}", param=f"documents[{i}]")
+                    f"documents[{i}] has none of the fields {fields}", param=f"documents[{i}]"
+                )
             vals = [d[f] for f in present]
             if any(not isinstance(v, (str, int, float)) for v in vals):
-                raise InvalidRequest(f"documents[{i}]: ranked fields must be text",
-                                     param=f"documents[{i}]")
+                raise InvalidRequest(
+                    f"documents[{i}]: ranked fields must be text", param=f"documents[{i}]"
+                )
             if len(present) == 1:
                 out.append(str(vals[0]))
             else:
@@ -127,9 +143,15 @@ class RerankBody(_Req):
 
 async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONResponse:
     texts = body.texts()
-    req = RerankRequest(model=body.model, query=body.query, documents=texts,
-                        truncate=body.truncate, instruction=body.instruction,
-                        keep_alive=body.keep_alive, request_id=request.state.request_id)
+    req = RerankRequest(
+        model=body.model,
+        query=body.query,
+        documents=texts,
+        truncate=body.truncate,
+        instruction=body.instruction,
+        keep_alive=body.keep_alive,
+        request_id=request.state.request_id,
+    )
     res = await until_disconnect(request, runtime(request).rerank(req))
     order = sorted(range(len(texts)), key=lambda i: (-res.scores[i], i))
     if body.top_n is not None:
@@ -145,16 +167,20 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
             r["text_output"] = "yes" if res.scores[i] >= body.decision_threshold else "no"
         results.append(r)
     n = res.prompt_tokens
-    return JSONResponse({
-        "id": request.state.request_id or new_id("rerank"),
-        "object": "list",
-        "model": res.model,
-        "results": results,
-        "usage": {"prompt_tokens": n, "total_tokens": n},
-        "meta": {"api_version": {"version": "2" if cohere_v2 else "1"},
-                 "billed_units": {"search_units": 1, "input_tokens": n},
-                 "tokens": {"input_tokens": n, "output_tokens": 0}},
-    })
+    return JSONResponse(
+        {
+            "id": request.state.request_id or new_id("rerank"),
+            "object": "list",
+            "model": res.model,
+            "results": results,
+            "usage": {"prompt_tokens": n, "total_tokens": n},
+            "meta": {
+                "api_version": {"version": "2" if cohere_v2 else "1"},
+                "billed_units": {"search_units": 1, "input_tokens": n},
+                "tokens": {"input_tokens": n, "output_tokens": 0},
+            },
+        }
+    )
 
 
 @router.post("/v1/rerank", responses=ok(RerankResponse))
@@ -193,16 +219,27 @@ async def tokenize(request: Request, body: TokenizeBody) -> Response:
     if body.messages is not None:
         if raw is not None:
             raise InvalidRequest("send either input or messages, not both", param="messages")
-        messages = ChatCompletionRequest(messages=body.messages).template_messages() \
-            if body.messages else []
+        messages = (
+            ChatCompletionRequest(messages=body.messages).template_messages()
+            if body.messages
+            else []
+        )
         texts = None
     else:
         if raw is None:
             raise InvalidRequest("input (or messages) is required", param="input")
         texts = [raw] if isinstance(raw, str) else list(raw)
-    res = await until_disconnect(request, runtime(request).tokenize(
-        body.model, texts, messages=messages, add_special_tokens=body.add_special_tokens,
-        token_strings=body.return_token_strings, keep_alive=body.keep_alive))
+    res = await until_disconnect(
+        request,
+        runtime(request).tokenize(
+            body.model,
+            texts,
+            messages=messages,
+            add_special_tokens=body.add_special_tokens,
+            token_strings=body.return_token_strings,
+            keep_alive=body.keep_alive,
+        ),
+    )
     data = []
     for i, ids in enumerate(res.tokens):
         item: dict[str, Any] = {"index": i, "tokens": len(ids)}
@@ -212,6 +249,13 @@ async def tokenize(request: Request, body: TokenizeBody) -> Response:
             item["token_strings"] = res.token_strings[i]
         data.append(item)
     total = sum(len(t) for t in res.tokens)
-    return JSONResponse({"object": "list", "model": res.model, "data": data, "count": total,
-                         "context_length": res.context_length,
-                         "usage": {"prompt_tokens": total, "total_tokens": total}})
+    return JSONResponse(
+        {
+            "object": "list",
+            "model": res.model,
+            "data": data,
+            "count": total,
+            "context_length": res.context_length,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
+        }
+    )

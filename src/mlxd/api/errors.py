@@ -16,21 +16,30 @@ from mlxd.core.errors import MlxdError
 log = logging.getLogger(__name__)
 
 
-def openai_error(status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def openai_error(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_payload(exc: MlxdError) -> dict:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                      "code": exc.code}}
+    return {
+        "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
+    }
 
 
 # Union members and validators appear in pydantic locations ("stop.str", "x.list[int]");
 # the caller only wants the field path.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-.*|.*\[.*\]|"
-                       r"constrained-.*|json-or-python.*|lax-.*|strict-.*)$")
+_TYPE_TAG = re.compile(
+    r"^(str|int|float|bool|list|dict|none|function-.*|.*\[.*\]|"
+    r"constrained-.*|json-or-python.*|lax-.*|strict-.*)$"
+)
 
 
 def _loc_to_param(loc: tuple) -> str | None:
@@ -53,20 +62,25 @@ def is_anthropic(request: Request) -> bool:
     return is_anthropic_path(request.url.path)
 
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
-    type_ = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else
-                                 "api_error")
+    type_ = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 def anthropic_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(anthropic_error_body(status, message), status_code=status,
-                        headers=headers)
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
 
 
 def ollama_error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -95,8 +109,13 @@ def install_error_handlers(app: FastAPI) -> None:
                 return ollama_error(400, "the request body is not valid JSON")
             if is_anthropic(request):
                 return anthropic_error(400, "the request body is not valid JSON")
-            return openai_error(400, "the request body is not valid JSON",
-                                "invalid_request_error", None, "invalid_json")
+            return openai_error(
+                400,
+                "the request body is not valid JSON",
+                "invalid_request_error",
+                None,
+                "invalid_json",
+            )
         msgs: list[str] = []
         for e in errs:
             param = _loc_to_param(tuple(e.get("loc", ())))
@@ -107,8 +126,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return ollama_error(400, "; ".join(msgs))
         if is_anthropic(request):
             return anthropic_error(400, "; ".join(msgs))
-        return openai_error(400, "; ".join(msgs), "invalid_request_error",
-                            _loc_to_param(tuple(first.get("loc", ()))), "invalid_value")
+        return openai_error(
+            400,
+            "; ".join(msgs),
+            "invalid_request_error",
+            _loc_to_param(tuple(first.get("loc", ()))),
+            "invalid_value",
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -120,8 +144,14 @@ def install_error_handlers(app: FastAPI) -> None:
         if is_anthropic(request):
             return anthropic_error(exc.status_code, detail, getattr(exc, "headers", None))
         # an HTTPException of ours may name its code (api/security.py's 413)
-        return openai_error(exc.status_code, detail, type_, None, getattr(exc, "code", None),
-                            getattr(exc, "headers", None))
+        return openai_error(
+            exc.status_code,
+            detail,
+            type_,
+            None,
+            getattr(exc, "code", None),
+            getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -130,5 +160,6 @@ def install_error_handlers(app: FastAPI) -> None:
             return ollama_error(500, f"internal error: {type(exc).__name__}")
         if is_anthropic(request):
             return anthropic_error(500, f"internal error: {type(exc).__name__}")
-        return openai_error(500, f"internal error: {type(exc).__name__}", "server_error",
-                            None, "internal_error")
+        return openai_error(
+            500, f"internal error: {type(exc).__name__}", "server_error", None, "internal_error"
+        )

@@ -93,8 +93,7 @@ def start_metrics_port(settings: Settings, runtime: Runtime | None = None) -> ob
     metrics_app = make_wsgi_app(registry)
     guard = OriginMiddleware(None, settings)  # type: ignore[arg-type]  # its checks only
 
-    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]
-                ) -> Iterable[bytes]:
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         origins = [environ["HTTP_ORIGIN"]] if "HTTP_ORIGIN" in environ else []
         found = guard.problem(environ.get("HTTP_HOST"), origins)
         if found is not None:

@@ -84,8 +84,13 @@ def route_template(router: Any, scope: Scope) -> str:
 class AccessMiddleware:
     """Request id, drain gate, HTTP metrics and the access log."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle | None = None,
-                 router: Any = None, recent: RequestLog | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        lifecycle: Lifecycle | None = None,
+        router: Any = None,
+        recent: RequestLog | None = None,
+    ) -> None:
         self.app = app
         self.lifecycle = lifecycle or Lifecycle()
         self.router = router
@@ -120,10 +125,16 @@ class AccessMiddleware:
             if lc.draining and scope["path"] not in _DRAIN_EXEMPT:
                 from mlxd.api.security import reject
 
-                await reject(scope, receive, send_wrapper, 503, ShuttingDown.MESSAGE,
-                             code=ShuttingDown.code, type_=ShuttingDown.type,
-                             headers={"Retry-After": ShuttingDown.RETRY_AFTER,
-                                      "Connection": "close"})
+                await reject(
+                    scope,
+                    receive,
+                    send_wrapper,
+                    503,
+                    ShuttingDown.MESSAGE,
+                    code=ShuttingDown.code,
+                    type_=ShuttingDown.type,
+                    headers={"Retry-After": ShuttingDown.RETRY_AFTER, "Connection": "close"},
+                )
             else:
                 await self.app(scope, receive, send_wrapper)
         finally:
@@ -131,15 +142,18 @@ class AccessMiddleware:
             lc.inflight -= 1
             self._record(scope, state, status or 500, time.perf_counter() - t0, rid)
 
-    def _record(self, scope: Scope, state: dict, status: int, seconds: float, rid: str
-                ) -> None:
+    def _record(self, scope: Scope, state: dict, status: int, seconds: float, rid: str) -> None:
         method = scope["method"]
         route = route_template(self.router, scope)
         metrics.http_requests_total.labels(method, route, str(status)).inc()
         metrics.http_request_duration.labels(method, route).observe(seconds)
         fields: dict[str, Any] = {
-            "request_id": rid, "method": method, "path": scope["path"], "route": route,
-            "status": status, "duration_ms": round(seconds * 1000, 1),
+            "request_id": rid,
+            "method": method,
+            "path": scope["path"],
+            "route": route,
+            "status": status,
+            "duration_ms": round(seconds * 1000, 1),
         }
         client = scope.get("client")
         if client:
@@ -149,12 +163,15 @@ class AccessMiddleware:
                 fields["key" if key == "key_name" else key] = state[key]
         # path, request id, model, key name and user come from the client: log_value keeps
         # each one token on this one line (a newline in a user forged a log line)
-        extra = " ".join(f"{k}={log_value(fields[k])}" for k in ("model", "key", "user")
-                         if k in fields)
+        extra = " ".join(
+            f"{k}={log_value(fields[k])}" for k in ("model", "key", "user") if k in fields
+        )
         if "prompt_tokens" in fields:
             extra += f" tokens={fields['prompt_tokens']}+{fields.get('completion_tokens', 0)}"
-        line = (f"{method} {log_value(scope['path'])} {status} {seconds * 1000:.1f}ms "
-                f"rid={log_value(rid)}{' ' + extra if extra else ''}")
+        line = (
+            f"{method} {log_value(scope['path'])} {status} {seconds * 1000:.1f}ms "
+            f"rid={log_value(rid)}{' ' + extra if extra else ''}"
+        )
         log.info("%s", line, extra={"fields": fields})
         if self.recent is not None and not is_ui_route(route):
             who = state.get("principal")
@@ -205,8 +222,11 @@ class MethodMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        head = scope["method"] == "HEAD" and not self._takes(scope) and \
-            "GET" in allowed_methods(self.router, scope)
+        head = (
+            scope["method"] == "HEAD"
+            and not self._takes(scope)
+            and "GET" in allowed_methods(self.router, scope)
+        )
         ended = False
 
         async def send_wrapper(message: Message) -> None:
@@ -239,17 +259,24 @@ def install_middleware(app: Any, settings: Any) -> Lifecycle:
     SecurityMiddleware.warn_if_open(settings, keys)
     # now too: a Redis store without its client fails the start; closed in the lifespan
     app.state.rate_limits = make_limits(settings.security)
-    app.add_middleware(SecurityMiddleware, settings=settings, keys=keys,
-                       limits=app.state.rate_limits)
+    app.add_middleware(
+        SecurityMiddleware, settings=settings, keys=keys, limits=app.state.rate_limits
+    )
     origins = allowed_origins(settings)
     if origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["X-Request-ID", "Retry-After"],
-                           max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID", "Retry-After"],
+            max_age=600,
+        )
     app.add_middleware(OriginMiddleware, settings=settings)
     app.state.recent_requests = RequestLog(settings.server.ui_recent_requests)
-    app.add_middleware(AccessMiddleware, lifecycle=lifecycle, router=app.router,
-                       recent=app.state.recent_requests)
+    app.add_middleware(
+        AccessMiddleware, lifecycle=lifecycle, router=app.router, recent=app.state.recent_requests
+    )
     return lifecycle

@@ -64,7 +64,8 @@ class _Body(WireModel):
 
 class Options(_Body):
     num_predict: int | None = Field(
-        None, ge=-2, description="-1: until a stop or the context is full; -2: fill the context.")
+        None, ge=-2, description="-1: until a stop or the context is full; -2: fill the context."
+    )
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: int | None = Field(None, ge=0)
@@ -97,7 +98,7 @@ class _GenBase(_Body):
             return OutputConstraint("json_object")
         if isinstance(self.format, dict):
             return json_schema_constraint(self.format, param="format")
-        raise InvalidRequest("format must be \"json\" or a JSON schema", param="format")
+        raise InvalidRequest('format must be "json" or a JSON schema', param="format")
 
     def sampling(self) -> SamplingParams:
         o = self.options or Options()
@@ -143,8 +144,7 @@ class ChatMessage(_Body):
         m: dict[str, Any] = {}
         if self.tool_calls:
             calls = check_tool_calls(self.tool_calls, f"{where}.tool_calls")
-            m["tool_calls"] = [{"type": "function", "function": tc["function"]}
-                               for tc in calls]
+            m["tool_calls"] = [{"type": "function", "function": tc["function"]} for tc in calls]
         if self.tool_name:
             m["name"] = self.tool_name
         return m
@@ -173,8 +173,9 @@ class PullBody(ModelBody):
     insecure: bool = False
 
 
-def _ndjson(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None] | None = None
-            ) -> DisconnectAwareStream:
+def _ndjson(
+    events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None] | None = None
+) -> DisconnectAwareStream:
     async def lines() -> AsyncIterator[str]:
         async for e in events:
             yield json.dumps(e, separators=(",", ":")) + "\n"
@@ -187,8 +188,13 @@ def _ndjson(events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None] 
 def _done_fields(gen: Generation, usage: Usage, reason: str | None) -> dict[str, Any]:
     if reason == "tool_calls":
         reason = "stop"  # Ollama reports a tool-calling turn as a normal stop
-    return {"done": True, "done_reason": reason or "stop", **gen.durations_ns(),
-            "prompt_eval_count": usage.prompt_tokens, "eval_count": usage.completion_tokens}
+    return {
+        "done": True,
+        "done_reason": reason or "stop",
+        **gen.durations_ns(),
+        "prompt_eval_count": usage.prompt_tokens,
+        "eval_count": usage.completion_tokens,
+    }
 
 
 async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: str) -> dict:
@@ -203,14 +209,19 @@ async def _load_or_unload(request: Request, model: str, keep_alive: Any, key: st
     else:
         await rt.models.touch(model, keep_alive)
         reason = "load"
-    out: dict[str, Any] = {"model": model, "created_at": _now_iso(), "done": True,
-                           "done_reason": reason}
+    out: dict[str, Any] = {
+        "model": model,
+        "created_at": _now_iso(),
+        "done": True,
+        "done_reason": reason,
+    }
     out[key] = "" if key == "response" else {"role": "assistant", "content": ""}
     return out
 
 
-def _with_images(content: str, images: list[str] | None, where: str,
-                 out: list[ImageInput]) -> str | list[dict]:
+def _with_images(
+    content: str, images: list[str] | None, where: str, out: list[ImageInput]
+) -> str | list[dict]:
     """Ollama's per-message ``images`` (base64): the message's content parts, images first
     (only vision models accept them; the runtime answers 400 for the others)."""
     if not images:
@@ -219,8 +230,12 @@ def _with_images(content: str, images: list[str] | None, where: str,
     return [*({"type": "image"} for _ in images), {"type": "text", "text": content}]
 
 
-@router.post("/generate", responses=ok(
-    OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")))
+@router.post(
+    "/generate",
+    responses=ok(
+        OllamaGenerate, (NDJSON, "response parts, the last with done: true (the default)")
+    ),
+)
 async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
     if body.suffix:
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
@@ -234,11 +249,14 @@ async def generate(body: GenerateBody, request: Request) -> Response | dict[str,
         req = GenerateRequest(model=body.model, sampling=params, prompt=body.prompt)
     else:
         msgs: list[dict[str, Any]] = (
-            [{"role": "system", "content": body.system}] if body.system else [])
-        msgs.append({"role": "user",
-                     "content": _with_images(body.prompt, body.images, "images", images)})
-        req = GenerateRequest(model=body.model, sampling=params, messages=msgs,
-                              images=images or None)
+            [{"role": "system", "content": body.system}] if body.system else []
+        )
+        msgs.append(
+            {"role": "user", "content": _with_images(body.prompt, body.images, "images", images)}
+        )
+        req = GenerateRequest(
+            model=body.model, sampling=params, messages=msgs, images=images or None
+        )
     req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
     req.cache_salt = body.cache_salt
     req.constraint = body.constraint()
@@ -256,21 +274,30 @@ async def generate(body: GenerateBody, request: Request) -> Response | dict[str,
     return await _respond(request, gen, body.stream, part, last, "response")
 
 
-@router.post("/chat", responses=ok(
-    OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")))
+@router.post(
+    "/chat",
+    responses=ok(OllamaChat, (NDJSON, "message parts, the last with done: true (the default)")),
+)
 async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
     params = body.sampling()
     if not body.messages:
         return await _load_or_unload(request, body.model, body.keep_alive, "message")
     images: list[ImageInput] = []
     req = GenerateRequest(
-        model=body.model, sampling=params,
-        messages=[{"role": m.role,
-                   "content": _with_images(m.content, m.images, f"messages[{i}].images", images),
-                   **m.tool_fields(f"messages[{i}]")}
-                  for i, m in enumerate(body.messages)],
-        keep_alive=body.keep_alive, request_id=request.state.request_id,
-        images=images or None, cache_salt=body.cache_salt,
+        model=body.model,
+        sampling=params,
+        messages=[
+            {
+                "role": m.role,
+                "content": _with_images(m.content, m.images, f"messages[{i}].images", images),
+                **m.tool_fields(f"messages[{i}]"),
+            }
+            for i, m in enumerate(body.messages)
+        ],
+        keep_alive=body.keep_alive,
+        request_id=request.state.request_id,
+        images=images or None,
+        cache_salt=body.cache_salt,
     )
     req.constraint = body.constraint()
     tools = openai_tools(body.tools)
@@ -284,8 +311,9 @@ async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
         if thinking:
             msg["thinking"] = thinking
         if calls:
-            msg["tool_calls"] = [{"function": {"name": c.name,
-                                               "arguments": arguments_dict(c)}} for c in calls]
+            msg["tool_calls"] = [
+                {"function": {"name": c.name, "arguments": arguments_dict(c)}} for c in calls
+            ]
         return {"model": gen.model, "created_at": _now_iso(), "message": msg, "done": False}
 
     def last(usage: Usage, reason: str | None) -> dict:
@@ -294,10 +322,16 @@ async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
     return await _respond(request, gen, body.stream, part, last, "message")
 
 
-async def _respond(request: Request, gen: Generation, stream: bool,
-                   part: Callable[..., dict[str, Any]],
-                   last: Callable[[Usage, str | None], dict[str, Any]], key: str) -> Response:
+async def _respond(
+    request: Request,
+    gen: Generation,
+    stream: bool,
+    part: Callable[..., dict[str, Any]],
+    last: Callable[[Usage, str | None], dict[str, Any]],
+    key: str,
+) -> Response:
     if stream:
+
         async def events() -> AsyncIterator[dict]:
             try:
                 async for ev in gen:
@@ -326,8 +360,10 @@ async def _respond(request: Request, gen: Generation, stream: bool,
             if any(thinking):
                 out["thinking"] = "".join(thinking)
         else:
-            out["message"] = {**out["message"], **part("".join(texts), "".join(thinking),
-                                                       calls)["message"]}
+            out["message"] = {
+                **out["message"],
+                **part("".join(texts), "".join(thinking), calls)["message"],
+            }
         return out
 
     return JSONResponse(await until_disconnect(request, collect()))
@@ -336,12 +372,20 @@ async def _respond(request: Request, gen: Generation, stream: bool,
 def _details(manifest: dict, config: dict | None = None) -> dict[str, Any]:
     config = config or {}
     q = manifest.get("quantization") or config.get("quantization")
-    quant = f"Q{q.get('bits')}" if isinstance(q, dict) and q.get("bits") else (
-        (manifest.get("dtype") or config.get("torch_dtype") or "").upper() or "unknown")
+    quant = (
+        f"Q{q.get('bits')}"
+        if isinstance(q, dict) and q.get("bits")
+        else ((manifest.get("dtype") or config.get("torch_dtype") or "").upper() or "unknown")
+    )
     family = config.get("model_type") or manifest.get("model_type") or ""
-    return {"parent_model": "", "format": manifest.get("format") or "mlx", "family": family,
-            "families": [family] if family else None,
-            "parameter_size": _param_size(manifest, config), "quantization_level": quant}
+    return {
+        "parent_model": "",
+        "format": manifest.get("format") or "mlx",
+        "family": family,
+        "families": [family] if family else None,
+        "parameter_size": _param_size(manifest, config),
+        "quantization_level": quant,
+    }
 
 
 def _param_size(manifest: dict, config: dict) -> str:
@@ -361,13 +405,16 @@ async def tags(request: Request) -> dict[str, Any]:
     rt = runtime(request)
     models = []
     for m in rt.models.installed():
-        models.append({
-            "name": m["name"], "model": m["name"],
-            "modified_at": m.get("created") or _now_iso(0),
-            "size": m.get("size") or 0,
-            "digest": (m.get("digest") or "").removeprefix("sha256:"),
-            "details": _details(m),
-        })
+        models.append(
+            {
+                "name": m["name"],
+                "model": m["name"],
+                "modified_at": m.get("created") or _now_iso(0),
+                "size": m.get("size") or 0,
+                "digest": (m.get("digest") or "").removeprefix("sha256:"),
+                "details": _details(m),
+            }
+        )
     return {"models": models}
 
 
@@ -375,11 +422,15 @@ async def tags(request: Request) -> dict[str, Any]:
 async def show(body: ModelBody, request: Request) -> dict[str, Any]:
     info = runtime(request).catalog_ops.describe(body.target)
     m, cfg = info["manifest"], info["config"]
-    model_info = {f"{cfg.get('model_type', 'general')}.{k}": v for k, v in cfg.items()
-                  if isinstance(v, (int, float, str, bool))}
+    model_info = {
+        f"{cfg.get('model_type', 'general')}.{k}": v
+        for k, v in cfg.items()
+        if isinstance(v, (int, float, str, bool))
+    }
     model_info["general.architecture"] = cfg.get("model_type", "")
-    caps = ["completion"] if m.get("kind", "chat") in ("chat", "vision") else \
-        [m.get("kind", "chat")]
+    caps = (
+        ["completion"] if m.get("kind", "chat") in ("chat", "vision") else [m.get("kind", "chat")]
+    )
     if m.get("kind") == "vision":
         caps.append("vision")
     return {
@@ -448,18 +499,22 @@ async def ps(request: Request) -> dict[str, Any]:
     for lm in await rt.models.loaded():
         manifest = rt.models.store.manifest(lm.name) or {"format": "mlx"}
         expires = lm.expires_at if lm.expires_at is not None else _FAR_FUTURE
-        out.append({
-            "name": lm.name, "model": lm.name, "size": lm.size,
-            "digest": (manifest.get("digest") or "").removeprefix("sha256:"),
-            "details": _details(manifest, lm.config),
-            # Ollama reports far-future times for "forever" and for busy models
-            # and for a keep_alive so long (1e300 s, "9999999999h") that the date is past
-            # what a datetime holds: that was a 500 OverflowError (tests/ops/test_fuzz.py)
-            "expires_at": _now_iso(min(expires, _FAR_FUTURE)),
-            "size_vram": lm.size if rt.backend != "cpu" else 0,
-            "context_length": lm.context_length,
-            "engine_cores": lm.stats.get("engine_cores", []),  # mlxd: the cores holding it
-        })
+        out.append(
+            {
+                "name": lm.name,
+                "model": lm.name,
+                "size": lm.size,
+                "digest": (manifest.get("digest") or "").removeprefix("sha256:"),
+                "details": _details(manifest, lm.config),
+                # Ollama reports far-future times for "forever" and for busy models
+                # and for a keep_alive so long (1e300 s, "9999999999h") that the date is past
+                # what a datetime holds: that was a 500 OverflowError (tests/ops/test_fuzz.py)
+                "expires_at": _now_iso(min(expires, _FAR_FUTURE)),
+                "size_vram": lm.size if rt.backend != "cpu" else 0,
+                "context_length": lm.context_length,
+                "engine_cores": lm.stats.get("engine_cores", []),  # mlxd: the cores holding it
+            }
+        )
     # mlxd's addition (Ollama clients ignore it): every engine core, one per device
     status = await rt.status()
     return {"models": out, "engine_cores": status["engine_cores"]}

@@ -55,12 +55,21 @@ async def embed(request: Request, body: EmbedBody) -> dict[str, Any]:
     if not inputs:
         entry = await rt.models.touch(_name(request, body.model), body.keep_alive)
         return {"model": entry.name, "embeddings": []}
-    req = EmbedRequest(model=_name(request, body.model), inputs=inputs,  # type: ignore[arg-type]
-                       truncate=body.truncate, dimensions=body.dimensions,
-                       keep_alive=body.keep_alive, request_id=request.state.request_id)
+    req = EmbedRequest(
+        model=_name(request, body.model),
+        inputs=inputs,  # type: ignore[arg-type]
+        truncate=body.truncate,
+        dimensions=body.dimensions,
+        keep_alive=body.keep_alive,
+        request_id=request.state.request_id,
+    )
     res = await until_disconnect(request, rt.embed(req))
-    return {"model": res.model, "embeddings": res.vectors.tolist(),
-            **res.timings.durations_ns(), "prompt_eval_count": res.prompt_tokens}
+    return {
+        "model": res.model,
+        "embeddings": res.vectors.tolist(),
+        **res.timings.durations_ns(),
+        "prompt_eval_count": res.prompt_tokens,
+    }
 
 
 @router.post("/embeddings")
@@ -69,7 +78,11 @@ async def embeddings(request: Request, body: EmbeddingsBody) -> dict[str, Any]:
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)
         return {"embedding": []}
-    req = EmbedRequest(model=_name(request, body.model), inputs=[body.prompt],
-                       keep_alive=body.keep_alive, request_id=request.state.request_id)
+    req = EmbedRequest(
+        model=_name(request, body.model),
+        inputs=[body.prompt],
+        keep_alive=body.keep_alive,
+        request_id=request.state.request_id,
+    )
     res = await until_disconnect(request, rt.embed(req))
     return {"embedding": res.vectors[0].tolist()}

@@ -72,8 +72,11 @@ def _chat_logprobs(items: list[TokenLogprob], ids: bool = False) -> dict:
                 "logprob": finite_logprob(lp.logprob),
                 "bytes": list(lp.token.encode()),
                 "top_logprobs": [
-                    {"token": _name(t, ids), "logprob": finite_logprob(t.logprob),
-                     "bytes": list(t.token.encode())}
+                    {
+                        "token": _name(t, ids),
+                        "logprob": finite_logprob(t.logprob),
+                        "bytes": list(t.token.encode()),
+                    }
                     for t in lp.top
                 ],
             }
@@ -82,8 +85,7 @@ def _chat_logprobs(items: list[TokenLogprob], ids: bool = False) -> dict:
     }
 
 
-def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool = False
-                         ) -> dict:
+def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool = False) -> dict:
     offsets, pos = [], offset
     for lp in items:
         offsets.append(pos)
@@ -91,14 +93,17 @@ def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool =
     return {
         "tokens": [_name(lp, ids) for lp in items],
         "token_logprobs": [finite_logprob(lp.logprob) for lp in items],
-        "top_logprobs": [{_name(t, ids): finite_logprob(t.logprob) for t in lp.top}
-                         for lp in items],
+        "top_logprobs": [
+            {_name(t, ids): finite_logprob(t.logprob) for t in lp.top} for lp in items
+        ],
         "text_offset": offsets,
     }
 
 
-@router.post("/v1/chat/completions", responses=ok(
-    ChatCompletion, (SSE, "chat.completion.chunk objects, then [DONE]")))
+@router.post(
+    "/v1/chat/completions",
+    responses=ok(ChatCompletion, (SSE, "chat.completion.chunk objects, then [DONE]")),
+)
 @router.post("/chat/completions", **ALIAS)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     req = GenerateRequest(
@@ -116,41 +121,50 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     gen = gens[0]
     cid, created = new_id("chatcmpl"), now()
     if body.stream:
-        return sse_response(_chat_stream(gens, cid, created, body.include_usage,
-                                         body.return_tokens_as_token_ids), close_all(gens))
+        return sse_response(
+            _chat_stream(gens, cid, created, body.include_usage, body.return_tokens_as_token_ids),
+            close_all(gens),
+        )
     try:
         results = await until_disconnect(request, collect_all(gens))
     finally:
         close_all(gens)()
-    return JSONResponse({
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": gen.model,
-        "choices": [{
-            "index": i,
-            "message": _chat_message(res),
-            "logprobs": _chat_logprobs(res.logprobs, body.return_tokens_as_token_ids)
-            if gen.params.logprobs else None,
-            "finish_reason": res.finish_reason,
-        } for i, res in enumerate(results)],
-        "usage": usage_dict(total_usage(results)),
-    })
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": gen.model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": _chat_message(res),
+                    "logprobs": _chat_logprobs(res.logprobs, body.return_tokens_as_token_ids)
+                    if gen.params.logprobs
+                    else None,
+                    "finish_reason": res.finish_reason,
+                }
+                for i, res in enumerate(results)
+            ],
+            "usage": usage_dict(total_usage(results)),
+        }
+    )
 
 
 def _chat_extras(req: GenerateRequest, body: ChatCompletionRequest) -> None:
     """Tools, tool choice, structured output, template variables and the end user."""
     tools = openai_tools(body.tools)
-    apply_tools(req, tools, openai_tool_choice(body.tool_choice, tools),
-                body.parallel_tool_calls)
+    apply_tools(req, tools, openai_tool_choice(body.tool_choice, tools), body.parallel_tool_calls)
     req.constraint = openai_response_format(body.response_format)
     req.template_kwargs = check_template_kwargs(body.chat_template_kwargs)
     req.user = body.user
 
 
 def _chat_message(res: Collected) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant",
-                 "content": res.text if (res.text or not res.tool_calls) else None}
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": res.text if (res.text or not res.tool_calls) else None,
+    }
     if res.reasoning:
         msg["reasoning_content"] = res.reasoning
     if res.tool_calls:
@@ -158,14 +172,16 @@ def _chat_message(res: Collected) -> dict[str, Any]:
     return msg
 
 
-async def _chat_stream(gens: list[Generation], cid: str, created: int, include_usage: bool,
-                       ids: bool = False) -> AsyncIterator[str]:
+async def _chat_stream(
+    gens: list[Generation], cid: str, created: int, include_usage: bool, ids: bool = False
+) -> AsyncIterator[str]:
     gen = gens[0]
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None,
-              index: int = 0) -> str:
+    def chunk(
+        delta: dict, finish: str | None = None, logprobs: dict | None = None, index: int = 0
+    ) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse({**base, "choices": [choice], **extra})
 
@@ -183,14 +199,15 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
             if ev.reasoning:
                 yield chunk({"reasoning_content": ev.reasoning}, index=i)
             if want_logprobs and (ev.text or ev.logprobs):
-                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs, ids),
-                            index=i)
+                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs, ids), index=i)
             elif ev.text:
-                yield head + json.dumps(ev.text) + tail if i == 0 else \
-                    chunk({"content": ev.text}, index=i)
+                yield (
+                    head + json.dumps(ev.text) + tail
+                    if i == 0
+                    else chunk({"content": ev.text}, index=i)
+                )
             if ev.tool_calls:
-                yield chunk({"tool_calls": openai_tool_calls(ev.tool_calls, n_calls[i])},
-                            index=i)
+                yield chunk({"tool_calls": openai_tool_calls(ev.tool_calls, n_calls[i])}, index=i)
                 n_calls[i] += len(ev.tool_calls)
             if ev.finish_reason is not None:
                 finished[i] = ev.usage
@@ -203,8 +220,9 @@ async def _chat_stream(gens: list[Generation], cid: str, created: int, include_u
     yield sse("[DONE]")
 
 
-@router.post("/v1/completions", responses=ok(
-    Completion, (SSE, "text_completion chunks, then [DONE]")))
+@router.post(
+    "/v1/completions", responses=ok(Completion, (SSE, "text_completion chunks, then [DONE]"))
+)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     text, tokens = body.single_prompt()
     req = GenerateRequest(
@@ -222,31 +240,42 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     cid, created = new_id("cmpl"), now()
     if body.stream:
         return sse_response(
-            _completion_stream(gens, cid, created, body.include_usage,
-                               body.return_tokens_as_token_ids), close_all(gens)
+            _completion_stream(
+                gens, cid, created, body.include_usage, body.return_tokens_as_token_ids
+            ),
+            close_all(gens),
         )
     try:
         results = await until_disconnect(request, collect_all(gens))
     finally:
         close_all(gens)()
-    return JSONResponse({
-        "id": cid,
-        "object": "text_completion",
-        "created": created,
-        "model": gen.model,
-        "choices": [{
-            "index": i,
-            "text": res.text,
-            "logprobs": _completion_logprobs(res.logprobs, ids=body.return_tokens_as_token_ids)
-            if gen.params.logprobs else None,
-            "finish_reason": res.finish_reason,
-        } for i, res in enumerate(results)],
-        "usage": usage_dict(total_usage(results)),
-    })
+    return JSONResponse(
+        {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": gen.model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": res.text,
+                    "logprobs": _completion_logprobs(
+                        res.logprobs, ids=body.return_tokens_as_token_ids
+                    )
+                    if gen.params.logprobs
+                    else None,
+                    "finish_reason": res.finish_reason,
+                }
+                for i, res in enumerate(results)
+            ],
+            "usage": usage_dict(total_usage(results)),
+        }
+    )
 
 
-async def _completion_stream(gens: list[Generation], cid: str, created: int,
-                             include_usage: bool, ids: bool = False) -> AsyncIterator[str]:
+async def _completion_stream(
+    gens: list[Generation], cid: str, created: int, include_usage: bool, ids: bool = False
+) -> AsyncIterator[str]:
     gen = gens[0]
     base = {"id": cid, "object": "text_completion", "created": created, "model": gen.model}
     extra = {"usage": None} if include_usage else {}
@@ -259,8 +288,12 @@ async def _completion_stream(gens: list[Generation], cid: str, created: int,
                 if gen.params.logprobs:
                     lp = _completion_logprobs(ev.logprobs, offsets[i], ids)
                 offsets[i] += len(ev.text)
-                choice = {"index": i, "text": ev.text, "logprobs": lp,
-                          "finish_reason": ev.finish_reason}
+                choice = {
+                    "index": i,
+                    "text": ev.text,
+                    "logprobs": lp,
+                    "finish_reason": ev.finish_reason,
+                }
                 yield sse({**base, "choices": [choice], **extra})
             if ev.finish_reason is not None:
                 finished[i] = ev.usage
@@ -302,9 +335,12 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
 @router.get("/models/{model_id:path}", **ALIAS)
-async def get_model(request: Request, model_id: Annotated[str, Path(
-        description="A model name as /v1/models lists it; may contain '/' (org/name).")]
-                    ) -> dict[str, Any]:
+async def get_model(
+    request: Request,
+    model_id: Annotated[
+        str, Path(description="A model name as /v1/models lists it; may contain '/' (org/name).")
+    ],
+) -> dict[str, Any]:
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}

@@ -73,23 +73,28 @@ class OriginMiddleware:
         """(code, message) of why a request with these headers is refused, or None."""
         seen = split_host(host) if host is not None else None
         if host is not None and (seen is None or not host_matches(seen[0], self.hosts)):
-            return ("host_not_allowed",
-                    f"host '{_shown(host)}' is not accepted by this server; its operator "
-                    "can add it to server.allowed_hosts")
+            return (
+                "host_not_allowed",
+                f"host '{_shown(host)}' is not accepted by this server; its operator "
+                "can add it to server.allowed_hosts",
+            )
         if "*" in self.origins:
             return None
         for value in origins:
             origin = parse_origin(value)
-            if origin is not None and (str(origin) in self.origins or (
-                    seen is not None and origin.host == seen[0]
-                    and seen[1] in (None, origin.port))):
+            if origin is not None and (
+                str(origin) in self.origins
+                or (seen is not None and origin.host == seen[0] and seen[1] in (None, origin.port))
+            ):
                 continue
             if value.strip() == "null" and "null" in self.origins:
                 continue
-            return ("cross_origin_forbidden",
-                    f"cross-site request from origin '{_shown(value)}' refused: it is not "
-                    "this server's own origin; its operator can add it to "
-                    "server.allowed_origins")
+            return (
+                "cross_origin_forbidden",
+                f"cross-site request from origin '{_shown(value)}' refused: it is not "
+                "this server's own origin; its operator can add it to "
+                "server.allowed_origins",
+            )
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -113,5 +118,4 @@ class OriginMiddleware:
             await send({"type": "websocket.close", "code": 1008})  # before accept: a 403
         else:
             code, message = found
-            await reject(scope, receive, send, 403, message, code=code,
-                         type_="permission_error")
+            await reject(scope, receive, send, 403, message, code=code, type_="permission_error")

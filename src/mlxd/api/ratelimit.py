@@ -156,7 +156,9 @@ end
 
 # KEYS: request bucket, token bucket. ARGV: rpm, tpm (0: no such limit).
 # Returns {1, "0", ""} when admitted (a request token taken), else {0, seconds, which}.
-_ADMIT = _LUA_COMMON + """
+_ADMIT = (
+    _LUA_COMMON
+    + """
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 if tpm > 0 then
   local l = level(KEYS[2], tpm)
@@ -173,13 +175,17 @@ if rpm > 0 then
 end
 return {1, '0', ''}
 """
+)
 
 # KEYS: token bucket. ARGV: tpm, tokens used.
-_CHARGE = _LUA_COMMON + """
+_CHARGE = (
+    _LUA_COMMON
+    + """
 local cap = tonumber(ARGV[1])
 store(KEYS[1], cap, level(KEYS[1], cap) - tonumber(ARGV[2]))
 return 1
 """
+)
 
 
 def redact(url: str) -> str:
@@ -204,18 +210,21 @@ class RedisLimits:
         except ImportError as exc:
             raise ConfigError(
                 "security.rate_limit_store is a Redis URL but the redis client is not "
-                "installed: pip install 'mlxd[redis]'") from exc
+                "installed: pip install 'mlxd[redis]'"
+            ) from exc
         self.url = redact(url)
         self.failure = failure
         # one quick retry (a pooled connection that a Redis restart broke), no backoff: a
         # rate-limit check must not hold a request up for seconds
         self._redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1))
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+        )
         self._admit = self._redis.register_script(_ADMIT)
         self._charge = self._redis.register_script(_CHARGE)
-        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError,
-                                                         asyncio.TimeoutError)
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
         self._timeout = timeout_s
         self._down_until = 0.0
         self._down = False
@@ -237,19 +246,27 @@ class RedisLimits:
             return self._failed(exc)
         if self._down:
             self._down = False
-            log.warning("rate-limit store %s is reachable again: limits are shared again",
-                        self.url)
+            log.warning("rate-limit store %s is reachable again: limits are shared again", self.url)
         return out
 
     def _failed(self, exc: BaseException | None) -> None:
         metrics.rate_limit_store_errors.labels(self.failure).inc()
         if exc is not None and not self._down:
             self._down = True
-            how = ("this process limits on its own meanwhile" if self.failure == "open"
-                   else "limited requests get 503 meanwhile")
-            log.warning("rate-limit store %s unreachable (%s: %s): %s "
-                        "(security.rate_limit_store_failure=%s)", self.url,
-                        type(exc).__name__, exc, how, self.failure)
+            how = (
+                "this process limits on its own meanwhile"
+                if self.failure == "open"
+                else "limited requests get 503 meanwhile"
+            )
+            log.warning(
+                "rate-limit store %s unreachable (%s: %s): %s "
+                "(security.rate_limit_store_failure=%s)",
+                self.url,
+                type(exc).__name__,
+                exc,
+                how,
+                self.failure,
+            )
         if self.failure == "closed":
             raise StoreUnavailable(self.url)
         return None
@@ -287,5 +304,6 @@ def make_limits(sec: SecuritySettings) -> RateLimits:
     """The store ``security.rate_limit_store`` names (ConfigError: Redis without its client)."""
     if sec.rate_limit_store == "memory":
         return MemoryLimits()
-    return RedisLimits(sec.rate_limit_store, sec.rate_limit_store_failure,
-                       sec.rate_limit_store_timeout_s)
+    return RedisLimits(
+        sec.rate_limit_store, sec.rate_limit_store_failure, sec.rate_limit_store_timeout_s
+    )

@@ -84,12 +84,16 @@ class ResponsesRequest(WireModel):
         out = []
         for i, t in enumerate(self.tools):
             if t.get("type") != "function":
-                raise InvalidRequest(f"tools[{i}]: only function tools are supported",
-                                     param=f"tools[{i}]")
+                raise InvalidRequest(
+                    f"tools[{i}]: only function tools are supported", param=f"tools[{i}]"
+                )
             inner = t.get("function")
             fn: dict[str, Any] = inner if isinstance(inner, dict) else t
-            out.append(function_tool(fn.get("name"), fn.get("description"),
-                                     fn.get("parameters"), param=f"tools[{i}]"))
+            out.append(
+                function_tool(
+                    fn.get("name"), fn.get("description"), fn.get("parameters"), param=f"tools[{i}]"
+                )
+            )
         return out
 
 
@@ -114,8 +118,9 @@ class ResponseStore:
     def get(self, who: Principal, rid: str) -> tuple[dict, list[dict]]:
         item = self._items.get(rid)
         if item is None or not who.owns(item[0]):
-            raise ResponseNotFound(f"Response with id '{rid}' not found.",
-                                   param="previous_response_id")
+            raise ResponseNotFound(
+                f"Response with id '{rid}' not found.", param="previous_response_id"
+            )
         self._items.move_to_end(rid)
         return item[1], item[2]
 
@@ -137,8 +142,10 @@ def _store(request: Request) -> ResponseStore:
 
 # -- input items -> chat-template messages ----------------------------------------------------
 
-def _content_text(content: Any, where: str, images: list[ImageInput] | None = None
-                  ) -> str | list[dict]:
+
+def _content_text(
+    content: Any, where: str, images: list[ImageInput] | None = None
+) -> str | list[dict]:
     """Text, or (with images) the parts in order: text and ``{"type": "image"}``."""
     if content is None:
         return ""
@@ -155,8 +162,10 @@ def _content_text(content: Any, where: str, images: list[ImageInput] | None = No
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url:
-                raise InvalidRequest("an input_image needs an image_url (a data: URL or "
-                                     "an http(s) URL)", param=f"{where}[{j}]")
+                raise InvalidRequest(
+                    "an input_image needs an image_url (a data: URL or an http(s) URL)",
+                    param=f"{where}[{j}]",
+                )
             images.append(ImageInput(url, f"{where}[{j}]"))
             parts.append({"type": "image"})
         elif kind in ("input_image", "image_url", "input_file"):
@@ -170,8 +179,7 @@ def _content_text(content: Any, where: str, images: list[ImageInput] | None = No
     return "".join(p["text"] for p in parts)
 
 
-def input_messages(inp: str | list[dict], images: list[ImageInput] | None = None
-                   ) -> list[dict]:
+def input_messages(inp: str | list[dict], images: list[ImageInput] | None = None) -> list[dict]:
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
     out: list[dict] = []
@@ -182,28 +190,43 @@ def input_messages(inp: str | list[dict], images: list[ImageInput] | None = None
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"unknown role '{role}'", param=f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), f"{where}.content",
-                                                 images if role == "user" else None)})
+            out.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _content_text(
+                        item.get("content"), f"{where}.content", images if role == "user" else None
+                    ),
+                }
+            )
         elif kind == "function_call":
             call_id = item.get("call_id") or item.get("id") or ""
             if not isinstance(call_id, str):
-                raise InvalidRequest(f"{where}.call_id must be a string",
-                                     param=f"{where}.call_id")
-            call = {"id": call_id, "type": "function",
-                    "function": check_call(item.get("name"), item.get("arguments") or "{}",
-                                           where)}
+                raise InvalidRequest(f"{where}.call_id must be a string", param=f"{where}.call_id")
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": check_call(item.get("name"), item.get("arguments") or "{}", where),
+            }
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and \
-                    (last.get("tool_calls") or not last.get("content")):
+            if (
+                last is not None
+                and last["role"] == "assistant"
+                and (last.get("tool_calls") or not last.get("content"))
+            ):
                 last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                        "content": output if isinstance(output, str) else
-                        _content_text(output, f"{where}.output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id", ""),
+                    "content": output
+                    if isinstance(output, str)
+                    else _content_text(output, f"{where}.output"),
+                }
+            )
         elif kind == "reasoning":
             continue
         else:
@@ -213,21 +236,29 @@ def input_messages(inp: str | list[dict], images: list[ImageInput] | None = None
 
 # -- output items --------------------------------------------------------------------------------
 
+
 def _ids() -> str:
     return uuid.uuid4().hex[:24]
 
 
 def _usage(u: Usage) -> dict:
-    return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.total_tokens}
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
 
 
 def _message_item(mid: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": mid, "status": status, "role": "assistant",
-            "content": [_text_part(text)] if status == "completed" else []}
+    return {
+        "type": "message",
+        "id": mid,
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text)] if status == "completed" else [],
+    }
 
 
 def _text_part(text: str) -> dict:
@@ -235,14 +266,23 @@ def _text_part(text: str) -> dict:
 
 
 def _reasoning_item(rid: str, text: str) -> dict:
-    return {"type": "reasoning", "id": rid, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": rid,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
 
 
 def _call_item(call: Any, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"),
-            "call_id": call.id, "name": call.name,
-            "arguments": call.arguments if status == "completed" else "", "status": status}
+    return {
+        "type": "function_call",
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if status == "completed" else "",
+        "status": status,
+    }
 
 
 def _output(res: Collected) -> list[dict]:
@@ -257,13 +297,18 @@ def _output(res: Collected) -> list[dict]:
 
 def _history_after(messages: list[dict], res: Collected) -> list[dict]:
     """The conversation to store: images are not kept (only their turn sees them)."""
-    messages = [{**m, "content": "".join(p.get("text", "") for p in m["content"])}
-                if isinstance(m.get("content"), list) else m for m in messages]
+    messages = [
+        {**m, "content": "".join(p.get("text", "") for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
     msg: dict[str, Any] = {"role": "assistant", "content": res.text}
     if res.tool_calls:
-        msg["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in res.tool_calls]
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in res.tool_calls
+        ]
     return [*messages, msg]
 
 
@@ -287,43 +332,68 @@ class _Turn:
             sampling=SamplingParams(
                 max_tokens=body.max_output_tokens,
                 temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p),
-            messages=messages, request_id=request.state.request_id,
-            keep_alive=body.keep_alive, user=body.user, cache_salt=body.cache_salt)
+                top_p=1.0 if body.top_p is None else body.top_p,
+            ),
+            messages=messages,
+            request_id=request.state.request_id,
+            keep_alive=body.keep_alive,
+            user=body.user,
+            cache_salt=body.cache_salt,
+        )
         # images of this turn only (earlier turns' images are not resent to the model)
         self.req.images = images or None
         tools = body.function_tools()
-        apply_tools(self.req, tools, openai_tool_choice(body.tool_choice, tools),
-                    body.parallel_tool_calls)
+        apply_tools(
+            self.req, tools, openai_tool_choice(body.tool_choice, tools), body.parallel_tool_calls
+        )
         fmt = (body.text or {}).get("format")
         self.req.constraint = openai_response_format(fmt, param="text.format")
         effort = (body.reasoning or {}).get("effort")
         if effort is not None:
             self.req.template_kwargs = {"enable_thinking": effort not in ("none", "minimal")}
 
-    def response(self, model: str, status: str, output: list[dict],
-                 usage: Usage | None, finish: str | None = None) -> dict:
+    def response(
+        self,
+        model: str,
+        status: str,
+        output: list[dict],
+        usage: Usage | None,
+        finish: str | None = None,
+    ) -> dict:
         b = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created,
-            "status": status, "error": None,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
-            "model": model, "output": output,
-            "parallel_tool_calls": True if b.parallel_tool_calls is None else
-            b.parallel_tool_calls,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": model,
+            "output": output,
+            "parallel_tool_calls": True if b.parallel_tool_calls is None else b.parallel_tool_calls,
             "previous_response_id": b.previous_response_id,
             "reasoning": {"effort": (b.reasoning or {}).get("effort"), "summary": None},
-            "store": b.store, "temperature": b.temperature, "top_p": b.top_p,
+            "store": b.store,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
             "text": b.text or {"format": {"type": "text"}},
-            "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
-            "truncation": "disabled", "user": b.user, "metadata": b.metadata or {},
+            "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
+            "truncation": "disabled",
+            "user": b.user,
+            "metadata": b.metadata or {},
             "usage": _usage(usage) if usage is not None else None,
         }
 
 
-@router.post("/v1/responses", responses={200: streamed(
-    SSE, "response.created ... response.output_text.delta ... response.completed")})
+@router.post(
+    "/v1/responses",
+    responses={
+        200: streamed(SSE, "response.created ... response.output_text.delta ... response.completed")
+    },
+)
 @router.post("/responses", **ALIAS)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     turn = _Turn(body, request)
@@ -339,8 +409,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return JSONResponse(obj)
 
 
-async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Principal
-                  ) -> AsyncIterator[str]:
+async def _stream(
+    turn: _Turn, gen: Generation, store: ResponseStore, who: Principal
+) -> AsyncIterator[str]:
     seq = 0
 
     def event(kind: str, **data: Any) -> str:
@@ -365,15 +436,37 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Princ
         idx = len(output)
         if open_kind == "message":
             text = "".join(texts)
-            out.append(event("response.output_text.done", item_id=item["id"],
-                             output_index=idx, content_index=0, text=text, logprobs=[]))
-            out.append(event("response.content_part.done", item_id=item["id"],
-                             output_index=idx, content_index=0, part=_text_part(text)))
+            out.append(
+                event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                )
+            )
+            out.append(
+                event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=_text_part(text),
+                )
+            )
             done = _message_item(item["id"], text)
         elif open_kind == "reasoning":
             text = "".join(thinking)
-            out.append(event("response.reasoning_text.done", item_id=item["id"],
-                             output_index=idx, content_index=0, text=text))
+            out.append(
+                event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=text,
+                )
+            )
             done = _reasoning_item(item["id"], text)
         else:
             return out
@@ -390,8 +483,15 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Princ
             item = _message_item("msg_" + _ids(), "", status="in_progress")
             texts.clear()
             out.append(event("response.output_item.added", output_index=idx, item=item))
-            out.append(event("response.content_part.added", item_id=item["id"],
-                             output_index=idx, content_index=0, part=_text_part("")))
+            out.append(
+                event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=_text_part(""),
+                )
+            )
         else:
             item = {"type": "reasoning", "id": "rs_" + _ids(), "summary": []}
             thinking.clear()
@@ -407,27 +507,46 @@ async def _stream(turn: _Turn, gen: Generation, store: ResponseStore, who: Princ
                         yield e
                 thinking.append(ev.reasoning)
                 res.reasoning += ev.reasoning
-                yield event("response.reasoning_text.delta", item_id=item["id"],
-                            output_index=len(output), content_index=0, delta=ev.reasoning)
+                yield event(
+                    "response.reasoning_text.delta",
+                    item_id=item["id"],
+                    output_index=len(output),
+                    content_index=0,
+                    delta=ev.reasoning,
+                )
             if ev.text:
                 if open_kind != "message":
                     for e in open_("message"):
                         yield e
                 texts.append(ev.text)
                 res.text += ev.text
-                yield event("response.output_text.delta", item_id=item["id"],
-                            output_index=len(output), content_index=0, delta=ev.text,
-                            logprobs=[])
+                yield event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=len(output),
+                    content_index=0,
+                    delta=ev.text,
+                    logprobs=[],
+                )
             for call in ev.tool_calls:
                 for e in close():
                     yield e
                 idx = len(output)
                 added = _call_item(call, status="in_progress")
                 yield event("response.output_item.added", output_index=idx, item=added)
-                yield event("response.function_call_arguments.delta", item_id=added["id"],
-                            output_index=idx, delta=call.arguments)
-                yield event("response.function_call_arguments.done", item_id=added["id"],
-                            output_index=idx, arguments=call.arguments, name=call.name)
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=added["id"],
+                    output_index=idx,
+                    delta=call.arguments,
+                )
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=added["id"],
+                    output_index=idx,
+                    arguments=call.arguments,
+                    name=call.name,
+                )
                 done = _call_item(call)
                 yield event("response.output_item.done", output_index=idx, item=done)
                 output.append(done)

@@ -78,8 +78,9 @@ class SamplingFields(_Req):
             raise ValueError("stop strings must not be empty")
         return v
 
-    def sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
-                 ) -> SamplingParams:
+    def sampling(
+        self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    ) -> SamplingParams:
         bias: dict[int, float] | None = None
         if self.logit_bias:
             try:
@@ -130,22 +131,26 @@ def _image_source(part: ContentPart, param: str) -> str:
             v = v.get("url")
         if isinstance(v, str) and v:
             return v
-    raise InvalidRequest("an image part needs an image_url (a data: URL, base64 or an "
-                         "http(s) URL)", param=param)
+    raise InvalidRequest(
+        "an image part needs an image_url (a data: URL, base64 or an http(s) URL)", param=param
+    )
 
 
 def _audio_part(part: ContentPart, param: str) -> tuple[str, str | None]:
     """``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}}``."""
     if part.type != "input_audio":
-        raise InvalidRequest(f"audio content parts must be 'input_audio' with base64 data "
-                             f"(got '{part.type}')", param=param)
+        raise InvalidRequest(
+            f"audio content parts must be 'input_audio' with base64 data (got '{part.type}')",
+            param=param,
+        )
     body = (part.model_extra or {}).get("input_audio")
     if not isinstance(body, dict):
         body = {}
     data = body.get("data")
     if not isinstance(data, str) or not data:
-        raise InvalidRequest("an input_audio part needs input_audio.data (base64 audio)",
-                             param=param)
+        raise InvalidRequest(
+            "an input_audio part needs input_audio.data (base64 audio)", param=param
+        )
     fmt = body.get("format")
     return data, fmt if isinstance(fmt, str) else None
 
@@ -191,14 +196,18 @@ class ChatCompletionRequest(SamplingFields):
 
     def images(self) -> list[ImageInput] | None:
         """The images of every message, in order, each named by its message part."""
-        out = [ImageInput(_image_source(part, param), param)
-               for part, param in self._parts(IMAGE_PART_TYPES)]
+        out = [
+            ImageInput(_image_source(part, param), param)
+            for part, param in self._parts(IMAGE_PART_TYPES)
+        ]
         return out or None
 
     def audio(self) -> list[AudioInput] | None:
         """The audio clips of every message, in order, each named by its message part."""
-        out = [AudioInput(*_audio_part(part, param), param)
-               for part, param in self._parts(AUDIO_PART_TYPES)]
+        out = [
+            AudioInput(*_audio_part(part, param), param)
+            for part, param in self._parts(AUDIO_PART_TYPES)
+        ]
         return out or None
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -287,10 +296,13 @@ class GenerateBody(_Req):
     stop: Stop = None
     stream: bool = False
     chat: bool | None = Field(
-        None, description="true: wrap the prompt in the model's chat template as one user "
-        "turn (400 if it has none). Unset: the template when the model has one.")
+        None,
+        description="true: wrap the prompt in the model's chat template as one user "
+        "turn (400 if it has none). Unset: the template when the model has one.",
+    )
     raw: bool = Field(
-        False, description="Send the prompt to the model as is, without the chat template.")
+        False, description="Send the prompt to the model as is, without the chat template."
+    )
     keep_alive: KeepAlive = None
     cache_salt: CacheSalt = None
 

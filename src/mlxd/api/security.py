@@ -102,8 +102,13 @@ def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
         if not line or line.startswith("#"):
             continue
         item = parse_key_item(line)
-        out.append(KeyEntry(item.get("name") or f"{prefix}-{len(out) + 1}",
-                            item["key"].encode(), admin=item.get("admin", False)))
+        out.append(
+            KeyEntry(
+                item.get("name") or f"{prefix}-{len(out) + 1}",
+                item["key"].encode(),
+                admin=item.get("admin", False),
+            )
+        )
     return out
 
 
@@ -115,9 +120,15 @@ class KeyRing:
         env = os.environ if environ is None else environ
         self._static: list[KeyEntry] = []
         for i, k in enumerate(sec.api_keys, 1):
-            self._static.append(KeyEntry(k.name or f"config-{i}", k.key.encode(),
-                                         k.requests_per_minute, k.tokens_per_minute,
-                                         k.admin))
+            self._static.append(
+                KeyEntry(
+                    k.name or f"config-{i}",
+                    k.key.encode(),
+                    k.requests_per_minute,
+                    k.tokens_per_minute,
+                    k.admin,
+                )
+            )
         self._static += _parse_lines(env.get(ENV_KEYS, "").replace(",", "\n"), "env")
         self._file = Path(sec.api_key_file).expanduser() if sec.api_key_file else None
         self._file_keys: list[KeyEntry] = []
@@ -143,12 +154,16 @@ class KeyRing:
                     return
                 keys = _parse_lines(self._file.read_text(), "file")
             except OSError as exc:
-                log.error("cannot read security.api_key_file %s: %s (keeping the keys read "
-                          "before)", self._file, exc)
+                log.error(
+                    "cannot read security.api_key_file %s: %s (keeping the keys read before)",
+                    self._file,
+                    exc,
+                )
                 return
             self._file_sig = sig
-            if self._file_keys and [(k.secret, k.admin) for k in keys] != \
-                    [(k.secret, k.admin) for k in self._file_keys]:
+            if self._file_keys and [(k.secret, k.admin) for k in keys] != [
+                (k.secret, k.admin) for k in self._file_keys
+            ]:
                 log.info("API key file %s changed: %d key(s)", self._file, len(keys))
             self._file_keys = keys
 
@@ -185,9 +200,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-async def reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, *,
-                 code: str, type_: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None) -> None:
+async def reject(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    status: int,
+    message: str,
+    *,
+    code: str,
+    type_: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+) -> None:
     """An error response in the caller's dialect, straight from middleware."""
     if scope["path"].startswith("/api/"):
         resp = ollama_error(status, message, headers)
@@ -229,8 +252,13 @@ def _too_large_message(limit: int, upload: bool = False) -> str:
 
 
 class SecurityMiddleware:
-    def __init__(self, app: ASGIApp, settings: Settings, keys: KeyRing | None = None,
-                 limits: RateLimits | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        keys: KeyRing | None = None,
+        limits: RateLimits | None = None,
+    ) -> None:
         self.app = app
         self.settings = settings
         sec = settings.security
@@ -248,8 +276,9 @@ class SecurityMiddleware:
         self.max_upload = settings.audio.max_upload_bytes + 256 * 1024
         self._anonymous: Quota | None = None
         if sec.anonymous_requests_per_minute or sec.anonymous_tokens_per_minute:
-            self._anonymous = Quota("anonymous", sec.anonymous_requests_per_minute,
-                                    sec.anonymous_tokens_per_minute)
+            self._anonymous = Quota(
+                "anonymous", sec.anonymous_requests_per_minute, sec.anonymous_tokens_per_minute
+            )
 
     @staticmethod
     def warn_if_open(settings: Settings, keys: KeyRing) -> bool:
@@ -258,7 +287,9 @@ class SecurityMiddleware:
         log.warning(
             "!!! mlxd listens on %s without API keys: ANYONE who can reach this port can use "
             "it. Set security.api_keys, MLXD_API_KEYS or security.api_key_file, or bind "
-            "127.0.0.1. !!!", settings.server.host)
+            "127.0.0.1. !!!",
+            settings.server.host,
+        )
         return True
 
     def _quota(self, entry: KeyEntry) -> Quota | None:
@@ -292,8 +323,9 @@ class SecurityMiddleware:
         path = scope["path"]
         state = scope.setdefault("state", {})
         quota: Quota | None = None
-        public = path in self.public or (self.ui_public and scope["method"] in ("GET", "HEAD")
-                                         and is_public_ui_path(path))
+        public = path in self.public or (
+            self.ui_public and scope["method"] in ("GET", "HEAD") and is_public_ui_path(path)
+        )
         if public and self.keys.enabled:
             cred = self._credential(scope)
             entry = self.keys.match(cred) if cred else None
@@ -309,10 +341,20 @@ class SecurityMiddleware:
                 cred = self._credential(scope)
                 entry = self.keys.match(cred) if cred else None
                 if entry is None:
-                    msg = ("invalid API key" if cred else
-                           "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
-                    await reject(scope, receive, send, 401, msg, code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+                    msg = (
+                        "invalid API key"
+                        if cred
+                        else "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                    )
+                    await reject(
+                        scope,
+                        receive,
+                        send,
+                        401,
+                        msg,
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
                     return
                 state["key_name"] = entry.name
                 state["principal"] = entry.principal
@@ -324,18 +366,30 @@ class SecurityMiddleware:
                 try:
                     wait, which = await self.limits.admit(*quota)
                 except StoreUnavailable:
-                    await reject(scope, receive, send, 503,
-                                 "the rate-limit store is unreachable; retry shortly",
-                                 code="rate_limit_store_unavailable", type_="server_error",
-                                 headers={"Retry-After": "1"})
+                    await reject(
+                        scope,
+                        receive,
+                        send,
+                        503,
+                        "the rate-limit store is unreachable; retry shortly",
+                        code="rate_limit_store_unavailable",
+                        type_="server_error",
+                        headers={"Retry-After": "1"},
+                    )
                     return
                 if wait > 0:
                     secs = max(1, math.ceil(wait))
                     who = f"key '{state['key_name']}'" if "key_name" in state else "this server"
-                    await reject(scope, receive, send, 429,
-                                 f"rate limit of {who} reached ({which}); retry in {secs}s",
-                                 code="rate_limit_exceeded", type_="rate_limit_error",
-                                 headers={"Retry-After": str(secs)})
+                    await reject(
+                        scope,
+                        receive,
+                        send,
+                        429,
+                        f"rate limit of {who} reached ({which}); retry in {secs}s",
+                        code="rate_limit_exceeded",
+                        type_="rate_limit_error",
+                        headers={"Retry-After": str(secs)},
+                    )
                     return
 
         max_body = self.max_upload if path in UPLOAD_PATHS else self.max_body
@@ -381,6 +435,11 @@ class SecurityMiddleware:
                 await self.limits.charge(*quota, used)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-        await reject(scope, receive, send, 413,
-                     _too_large_message(limit, scope["path"] in UPLOAD_PATHS),
-                     code="request_too_large")
+        await reject(
+            scope,
+            receive,
+            send,
+            413,
+            _too_large_message(limit, scope["path"] in UPLOAD_PATHS),
+            code="request_too_large",
+        )

@@ -52,8 +52,12 @@ async def _has_chat_template(request: Request, model: str) -> bool:
     return bool(info["chat_template"])
 
 
-@router.post("/generate", responses=ok(
-    GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')))
+@router.post(
+    "/generate",
+    responses=ok(
+        GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')
+    ),
+)
 async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
     # the model's files are read only when the request leaves the choice to the model
     decided = body.raw or body.chat is not None
@@ -71,8 +75,12 @@ async def generate(body: GenerateBody, request: Request) -> Response | dict[str,
     if body.stream:
         return sse_response(_stream(gen), gen.close)
     res = await until_disconnect(request, collect(gen))
-    return {"text": res.text, "model": gen.model, "finish_reason": res.finish_reason,
-            "usage": usage_dict(res.usage)}
+    return {
+        "text": res.text,
+        "model": gen.model,
+        "finish_reason": res.finish_reason,
+        "usage": usage_dict(res.usage),
+    }
 
 
 async def _stream(gen: Generation) -> AsyncIterator[str]:
@@ -81,8 +89,13 @@ async def _stream(gen: Generation) -> AsyncIterator[str]:
             if ev.text:
                 yield sse({"text": ev.text})
             if ev.finish_reason is not None:
-                yield sse({"text": "", "finish_reason": ev.finish_reason,
-                           "usage": usage_dict(ev.usage) if ev.usage else None})
+                yield sse(
+                    {
+                        "text": "",
+                        "finish_reason": ev.finish_reason,
+                        "usage": usage_dict(ev.usage) if ev.usage else None,
+                    }
+                )
     except MlxdError as exc:
         yield sse(error_payload(exc))
     yield sse("[DONE]")

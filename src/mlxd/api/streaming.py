@@ -53,8 +53,9 @@ class DisconnectAwareStream(StreamingResponse):
                 self.on_close()
 
 
-def sse_response(events: AsyncIterator[str], on_close: Callable[[], None] | None = None
-                 ) -> DisconnectAwareStream:
+def sse_response(
+    events: AsyncIterator[str], on_close: Callable[[], None] | None = None
+) -> DisconnectAwareStream:
     """``on_close`` runs however the stream ends, even if it never started."""
     resp = DisconnectAwareStream(
         events,

@@ -14,18 +14,19 @@ from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import GenerateRequest, OutputConstraint, ToolCall
 
 
-def function_tool(name: Any, description: Any = None, parameters: Any = None,
-                  param: str = "tools") -> dict:
+def function_tool(
+    name: Any, description: Any = None, parameters: Any = None, param: str = "tools"
+) -> dict:
     if not isinstance(name, str) or not name:
         raise InvalidRequest("every tool needs a name", param=param)
     if parameters is not None and not isinstance(parameters, dict):
-        raise InvalidRequest(f"tool '{name}': parameters must be a JSON schema object",
-                             param=param)
+        raise InvalidRequest(f"tool '{name}': parameters must be a JSON schema object", param=param)
     fn: dict[str, Any] = {"name": name}
     if description:
         fn["description"] = str(description)
-    fn["parameters"] = parameters if parameters is not None else {"type": "object",
-                                                                   "properties": {}}
+    fn["parameters"] = (
+        parameters if parameters is not None else {"type": "object", "properties": {}}
+    )
     return {"type": "function", "function": fn}
 
 
@@ -36,11 +37,15 @@ def openai_tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, t in enumerate(tools):
         if t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise InvalidRequest(f"tools[{i}]: only function tools are supported",
-                                 param=f"tools[{i}]")
+            raise InvalidRequest(
+                f"tools[{i}]: only function tools are supported", param=f"tools[{i}]"
+            )
         fn = t["function"]
-        out.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
-                                 param=f"tools[{i}]"))
+        out.append(
+            function_tool(
+                fn.get("name"), fn.get("description"), fn.get("parameters"), param=f"tools[{i}]"
+            )
+        )
     _unique(out)
     return out
 
@@ -74,25 +79,37 @@ def check_tool_calls(calls: Any, param: str) -> list[dict]:
             raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
         fn = tc.get("function")
         if not isinstance(fn, dict):
-            raise InvalidRequest(f"{where}.function must be an object with a name and "
-                                 "arguments", param=f"{where}.function")
-        out.append({**tc, "function": check_call(fn.get("name"), fn.get("arguments"),
-                                                 f"{where}.function")})
+            raise InvalidRequest(
+                f"{where}.function must be an object with a name and arguments",
+                param=f"{where}.function",
+            )
+        out.append(
+            {**tc, "function": check_call(fn.get("name"), fn.get("arguments"), f"{where}.function")}
+        )
     return out
 
 
-def check_call(name: Any, arguments: Any, param: str, *, name_field: str = "name",
-               arguments_field: str = "arguments") -> dict:
+def check_call(
+    name: Any,
+    arguments: Any,
+    param: str,
+    *,
+    name_field: str = "name",
+    arguments_field: str = "arguments",
+) -> dict:
     """One earlier call's ``{"name", "arguments"}``: a non-empty name, and arguments that
     are a JSON string, an object or absent (``{}``)."""
     if not isinstance(name, str) or not name:
-        raise InvalidRequest(f"{param}.{name_field} must be a non-empty string",
-                             param=f"{param}.{name_field}")
+        raise InvalidRequest(
+            f"{param}.{name_field} must be a non-empty string", param=f"{param}.{name_field}"
+        )
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, (str, dict)):
-        raise InvalidRequest(f"{param}.{arguments_field} must be a JSON string or an object",
-                             param=f"{param}.{arguments_field}")
+        raise InvalidRequest(
+            f"{param}.{arguments_field} must be a JSON string or an object",
+            param=f"{param}.{arguments_field}",
+        )
     return {"name": name, "arguments": arguments}
 
 
@@ -113,19 +130,25 @@ def openai_tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str 
         name = (choice.get("function") or {}).get("name") or choice.get("name")
         if choice.get("type") == "function" and isinstance(name, str):
             return "function", _known(name, tools)
-    raise InvalidRequest("tool_choice must be 'auto', 'none', 'required' or a function",
-                         param="tool_choice")
+    raise InvalidRequest(
+        "tool_choice must be 'auto', 'none', 'required' or a function", param="tool_choice"
+    )
 
 
 def _known(name: str, tools: list[dict] | None) -> str:
     if name not in tool_names(tools):
-        raise InvalidRequest(f"tool_choice names '{name}', which is not among the tools",
-                             param="tool_choice")
+        raise InvalidRequest(
+            f"tool_choice names '{name}', which is not among the tools", param="tool_choice"
+        )
     return name
 
 
-def apply_tools(req: GenerateRequest, tools: list[dict] | None, choice: tuple[str, str | None],
-                parallel: bool | None) -> None:
+def apply_tools(
+    req: GenerateRequest,
+    tools: list[dict] | None,
+    choice: tuple[str, str | None],
+    parallel: bool | None,
+) -> None:
     req.tools = tools
     req.tool_choice, req.tool_name = choice  # type: ignore[assignment]
     if parallel is not None:
@@ -138,8 +161,9 @@ def json_schema_constraint(schema: Any, param: str = "response_format") -> Outpu
     return OutputConstraint("json_schema", json.dumps(schema))
 
 
-def openai_response_format(rf: dict | None, param: str = "response_format"
-                           ) -> OutputConstraint | None:
+def openai_response_format(
+    rf: dict | None, param: str = "response_format"
+) -> OutputConstraint | None:
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}``;
     Responses' ``text.format`` puts the schema at the top level (``{"type": "json_schema",
     "name", "schema"}``): both are accepted."""
@@ -165,8 +189,11 @@ def openai_response_format(rf: dict | None, param: str = "response_format"
 def openai_tool_calls(calls: list[ToolCall], streaming_from: int | None = None) -> list[dict]:
     out = []
     for k, c in enumerate(calls):
-        d: dict[str, Any] = {"id": c.id, "type": "function",
-                             "function": {"name": c.name, "arguments": c.arguments}}
+        d: dict[str, Any] = {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
         if streaming_from is not None:
             d = {"index": streaming_from + k, **d}
         out.append(d)

@@ -28,14 +28,18 @@ router = APIRouter(include_in_schema=False)
 _files = StaticFiles(directory=STATIC_DIR)
 
 # The page loads nothing from elsewhere: a CDN or an injected script would be refused.
-_CSP = ("default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
-        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_CSP = (
+    "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 
 
 def _page() -> FileResponse:
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                        headers={"Content-Security-Policy": _CSP,
-                                 "Cache-Control": "no-cache"})
+    return FileResponse(
+        STATIC_DIR / "index.html",
+        media_type="text/html",
+        headers={"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"},
+    )
 
 
 @router.get("/")
@@ -65,9 +69,17 @@ async def static_file(path: str, request: Request) -> Response:
 async def overview(request: Request) -> dict[str, Any]:
     """What the overview shows that /health does not: version, backend, BLAS, the store."""
     rt = runtime(request)
-    store = [{"name": m["name"], "kind": m.get("kind", "chat"), "size": m.get("size") or 0,
-              "source": m.get("source", ""), "format": m.get("format", "mlx"),
-              "created": m.get("created")} for m in rt.models.installed()]
+    store = [
+        {
+            "name": m["name"],
+            "kind": m.get("kind", "chat"),
+            "size": m.get("size") or 0,
+            "source": m.get("source", ""),
+            "format": m.get("format", "mlx"),
+            "created": m.get("created"),
+        }
+        for m in rt.models.installed()
+    ]
     return {
         "version": __version__,
         "backend": rt.backend,
@@ -86,13 +98,14 @@ async def stats(request: Request, since: float = Query(0.0, ge=0)) -> dict[str, 
 
 
 @router.get("/ui/api/requests")
-async def requests(request: Request, limit: int = Query(200, ge=1, le=100_000)
-                   ) -> dict[str, Any]:
+async def requests(request: Request, limit: int = Query(200, ge=1, le=100_000)) -> dict[str, Any]:
     """The last finished requests the caller may see, newest first, each with its
     access-log line; ``scope`` says whether that is every caller's (``all``) or its own."""
     who = principal(request)
-    return {"scope": "all" if who.admin else "own",
-            "requests": request.app.state.recent_requests.recent(limit, who.may_audit)}
+    return {
+        "scope": "all" if who.admin else "own",
+        "requests": request.app.state.recent_requests.recent(limit, who.may_audit),
+    }
 
 
 def install_ui(app: FastAPI) -> StatsSampler:

@@ -56,10 +56,12 @@ class WireModel(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if cls.NULL_IS_DEFAULT and isinstance(data, dict) and any(
-                data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
-            return {k: v for k, v in data.items() if v is not None or k not in
-                    cls.NULL_IS_DEFAULT}
+        if (
+            cls.NULL_IS_DEFAULT
+            and isinstance(data, dict)
+            and any(data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT)
+        ):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
         return data
 
     @field_validator("*", mode="after")
@@ -67,8 +69,10 @@ class WireModel(BaseModel):
     def _int64(cls, v: Any) -> Any:
         if not fits_int64(v):
             raise PydanticCustomError(
-                "int64_range", "an integer is outside the signed 64-bit range [{lo}, {hi}]",
-                {"lo": INT64_MIN, "hi": INT64_MAX})
+                "int64_range",
+                "an integer is outside the signed 64-bit range [{lo}, {hi}]",
+                {"lo": INT64_MIN, "hi": INT64_MAX},
+            )
         return v
 
     @model_validator(mode="after")
@@ -78,8 +82,10 @@ class WireModel(BaseModel):
         for name, v in (self.__pydantic_extra__ or {}).items():
             if not fits_int64(v):
                 raise PydanticCustomError(
-                    "int64_range", "{name}: an integer is outside the signed 64-bit range "
-                    "[{lo}, {hi}]", {"name": name, "lo": INT64_MIN, "hi": INT64_MAX})
+                    "int64_range",
+                    "{name}: an integer is outside the signed 64-bit range [{lo}, {hi}]",
+                    {"name": name, "lo": INT64_MIN, "hi": INT64_MAX},
+                )
         return self
 
 
@@ -97,29 +103,44 @@ def fits_int64(v: Any) -> bool:
     return True
 
 
-Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX,
-                            description="A signed 64-bit integer; equal seeds, equal text.")]
+Seed = Annotated[
+    int,
+    Field(
+        ge=SEED_MIN, le=SEED_MAX, description="A signed 64-bit integer; equal seeds, equal text."
+    ),
+]
 Temperature = Annotated[float, Field(ge=0.0, description="0 (or below 1e-5): greedy.")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0)]
-RepetitionPenalty = Annotated[float, Field(ge=PENALTY_MIN, le=PENALTY_MAX,
-                                           description="1: off; above 1 discourages repeats.")]
+RepetitionPenalty = Annotated[
+    float, Field(ge=PENALTY_MIN, le=PENALTY_MAX, description="1: off; above 1 discourages repeats.")
+]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as OpenAI
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
-CacheSalt = Annotated[str, Field(
-    min_length=1, max_length=1024,
-    description="vLLM extension: requests share cached prompt prefixes (the prefix cache) "
-                "only when their cache_salt is equal; with security.prefix_cache_isolation "
-                "'per_key' only within one API key besides.")] | None
+CacheSalt = (
+    Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=1024,
+            description="vLLM extension: requests share cached prompt prefixes (the prefix cache) "
+            "only when their cache_salt is equal; with security.prefix_cache_isolation "
+            "'per_key' only within one API key besides.",
+        ),
+    ]
+    | None
+)
 
 
 def _named(v: str) -> str:
     if not v.strip():
         raise PydanticCustomError(
-            "model_name_blank", "a model name must not be empty or blank (leave the field out "
-            "for the server's default model)")
+            "model_name_blank",
+            "a model name must not be empty or blank (leave the field out "
+            "for the server's default model)",
+        )
     return v
 
 

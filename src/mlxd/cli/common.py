@@ -17,9 +17,7 @@ import typer
 
 from mlxd.config import ConfigError, Settings, load_settings
 
-ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="YAML config file.")
-]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,8 +55,10 @@ def cli_errors(fn: F) -> F:
         except KeyboardInterrupt:
             message, code = "interrupted", 130
         except OSError as exc:
-            message, code = f"{exc.strerror or exc}" + (
-                f": {exc.filename}" if exc.filename else ""), 1
+            message, code = (
+                f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else ""),
+                1,
+            )
         except Exception as exc:  # noqa: BLE001 - the promise is: never a traceback
             message, code = f"unexpected error: {type(exc).__name__}: {exc}", 1
         typer.echo(f"mlxd: {message}", err=True)

@@ -163,15 +163,22 @@ def explain(config_file: Path | None, overrides: dict | None = None) -> dict[str
     if os.environ.get("MLXD_API_KEYS"):
         n = len([x for x in os.environ["MLXD_API_KEYS"].split(",") if x.strip()])
         extra["MLXD_API_KEYS"] = f"{n} more API key(s) from the environment"
-    return {"config_file": str(path), "config_file_exists": path.is_file(),
-            "home": str(settings.home), "settings": sections, "notes": extra}
+    return {
+        "config_file": str(path),
+        "config_file_exists": path.is_file(),
+        "home": str(settings.home),
+        "settings": sections,
+        "notes": extra,
+    }
 
 
 def _render(data: dict[str, Any]) -> str:
     exists = "" if data["config_file_exists"] else " (not found: defaults apply)"
-    lines = [f"# config file: {data['config_file']}{exists}",
-             f"# MLXD_HOME:   {data['home']}",
-             "# sources: default < file < env < flag"]
+    lines = [
+        f"# config file: {data['config_file']}{exists}",
+        f"# MLXD_HOME:   {data['home']}",
+        "# sources: default < file < env < flag",
+    ]
     for var, note in data["notes"].items():
         lines.append(f"# {var}: {note}")
     for section, values in data["settings"].items():
@@ -185,16 +192,19 @@ def _render(data: dict[str, Any]) -> str:
 @cli_errors
 def config(
     config: ConfigOpt = None,
-    example: Annotated[bool, typer.Option(
-        "--example", help="Print a fully commented example config.yaml (all defaults).")]
-    = False,
-    path: Annotated[bool, typer.Option("--path", help="Print the config file's location.")]
-    = False,
+    example: Annotated[
+        bool,
+        typer.Option(
+            "--example", help="Print a fully commented example config.yaml (all defaults)."
+        ),
+    ] = False,
+    path: Annotated[bool, typer.Option("--path", help="Print the config file's location.")] = False,
     json_output: JsonOpt = False,
     host: Annotated[Optional[str], typer.Option(help="As `mlxd serve --host`.")] = None,
     port: Annotated[Optional[int], typer.Option(help="As `mlxd serve --port`.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m",
-                                                 help="As `mlxd serve --model`.")] = None,
+    model: Annotated[
+        Optional[str], typer.Option("--model", "-m", help="As `mlxd serve --model`.")
+    ] = None,
     log_level: Annotated[Optional[str], typer.Option()] = None,
     log_format: Annotated[Optional[str], typer.Option()] = None,
 ) -> None:
@@ -208,8 +218,11 @@ def config(
         p = Path(config).expanduser().resolve() if config else default_config_path()
         typer.echo(str(p))
         return
-    overrides = {"server": {"host": host, "port": port}, "models": {"default": model},
-                 "log": {"level": log_level, "format": log_format}}
+    overrides = {
+        "server": {"host": host, "port": port},
+        "models": {"default": model},
+        "log": {"level": log_level, "format": log_format},
+    }
     if config is not None and not Path(config).expanduser().is_file():
         raise CliError(f"config file not found: {config}", 2)
     data = explain(config, overrides)

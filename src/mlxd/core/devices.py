@@ -59,8 +59,10 @@ def check(spec: str | None) -> str | None:
     for s in parts:
         m = _GPU.match(s)
         if m is None:
-            raise ValueError(f"'{spec}': expected all, a list of GPU indices (0,1 or "
-                             "gpu:0,gpu:1), cpu or cpu:N (N engine cores on the CPU)")
+            raise ValueError(
+                f"'{spec}': expected all, a list of GPU indices (0,1 or "
+                "gpu:0,gpu:1), cpu or cpu:N (N engine cores on the CPU)"
+            )
         indices.append(int(m.group(1)))
     if len(set(indices)) != len(indices):
         raise ValueError(f"'{spec}': a GPU is named twice (one engine core per device)")
@@ -75,8 +77,7 @@ def core_folder_tag() -> str:
     return os.environ.get(DEVICE_ENV, "").replace(":", "-")
 
 
-def resolve(spec: str | None, gpus: Callable[[], int],
-            visible: str | None = None) -> list[Device]:
+def resolve(spec: str | None, gpus: Callable[[], int], visible: str | None = None) -> list[Device]:
     """The devices ``spec`` names. ``gpus()`` counts the GPUs MLX sees; ``visible`` is the
     ``CUDA_VISIBLE_DEVICES`` mlxd itself was started with (indices then count within it)."""
     spec = check(spec)
@@ -94,10 +95,20 @@ def resolve(spec: str | None, gpus: Callable[[], int],
         indices = [int(i) for i in spec.split(",")]
         missing = [i for i in indices if i >= count]
         if missing:
-            raise ValueError(f"engine.devices '{spec}': no GPU {missing[0]} (MLX sees "
-                             f"{count} GPU(s)); on the CPU use cpu or cpu:N")
+            raise ValueError(
+                f"engine.devices '{spec}': no GPU {missing[0]} (MLX sees "
+                f"{count} GPU(s)); on the CPU use cpu or cpu:N"
+            )
     visible_list = [v.strip() for v in visible.split(",")] if visible else None
-    return [Device(f"gpu:{i}", "gpu", i, {
-        DEVICE_ENV: f"gpu:{i}",
-        "CUDA_VISIBLE_DEVICES": visible_list[i] if visible_list else str(i)})
-        for i in indices]
+    return [
+        Device(
+            f"gpu:{i}",
+            "gpu",
+            i,
+            {
+                DEVICE_ENV: f"gpu:{i}",
+                "CUDA_VISIBLE_DEVICES": visible_list[i] if visible_list else str(i),
+            },
+        )
+        for i in indices
+    ]

@@ -126,10 +126,10 @@ class ShuttingDown(Unavailable):
     MESSAGE = "the server is shutting down; retry on another instance"
     RETRY_AFTER = "5"
 
-    def __init__(self, message: str = MESSAGE, *, param: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message, param=param,
-                         headers=headers or {"Retry-After": self.RETRY_AFTER})
+    def __init__(
+        self, message: str = MESSAGE, *, param: str | None = None, headers: dict | None = None
+    ):
+        super().__init__(message, param=param, headers=headers or {"Retry-After": self.RETRY_AFTER})
 
 
 class OutOfMemory(Unavailable):

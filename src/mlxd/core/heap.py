@@ -67,8 +67,9 @@ def cap_thresholds(mmap_bytes: int = 1 << 20) -> bool:
     if _mallopt is None:
         return False
     try:
-        return bool(_mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and \
-            bool(_mallopt(M_TRIM_THRESHOLD, 2 * mmap_bytes))
+        return bool(_mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(
+            _mallopt(M_TRIM_THRESHOLD, 2 * mmap_bytes)
+        )
     except Exception:  # noqa: BLE001 - purely an optimisation
         log.debug("mallopt failed", exc_info=True)
         return False

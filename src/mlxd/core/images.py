@@ -70,18 +70,23 @@ def image_bytes(ref: ImageInput, vs: VisionSettings) -> bytes:
             raise InvalidRequest(
                 f"{param}: remote image URLs are not fetched by this server (vision."
                 "allow_remote_images is off); send the image inline as a data: URL or base64",
-                param=param)
+                param=param,
+            )
         return fetch_image(src, param, vs)
     if "://" in src[:16] or low.startswith("file:"):
-        raise InvalidRequest(f"{param}: unsupported image URL scheme; use data:, base64 or "
-                             "http(s)", param=param)
+        raise InvalidRequest(
+            f"{param}: unsupported image URL scheme; use data:, base64 or http(s)", param=param
+        )
     if _looks_like_path(src):
-        raise InvalidRequest(f"{param}: local file paths are not accepted; send the image "
-                             "as a data: URL or base64", param=param)
+        raise InvalidRequest(
+            f"{param}: local file paths are not accepted; send the image as a data: URL or base64",
+            param=param,
+        )
     data = _base64(src, param, vs)
     if data is None:
-        raise InvalidRequest(f"{param}: the image is neither a data: URL, base64 nor an "
-                             "http(s) URL", param=param)
+        raise InvalidRequest(
+            f"{param}: the image is neither a data: URL, base64 nor an http(s) URL", param=param
+        )
     return data
 
 
@@ -94,8 +99,10 @@ def _looks_like_path(s: str) -> bool:
 
 def _check_size(n: int, param: str, vs: VisionSettings) -> None:
     if n > vs.max_image_bytes:
-        raise InvalidRequest(f"{param}: the image is larger than this server accepts "
-                             f"({vs.max_image_bytes} bytes)", param=param)
+        raise InvalidRequest(
+            f"{param}: the image is larger than this server accepts ({vs.max_image_bytes} bytes)",
+            param=param,
+        )
 
 
 def _base64(s: str, param: str, vs: VisionSettings) -> bytes | None:
@@ -167,8 +174,9 @@ def _resolve(host: str, port: int, param: str) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise InvalidRequest(f"{param}: cannot resolve the image host '{host}' ({exc})",
-                             param=param) from exc
+        raise InvalidRequest(
+            f"{param}: cannot resolve the image host '{host}' ({exc})", param=param
+        ) from exc
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
@@ -179,8 +187,7 @@ def fetch_image(url: str, param: str, vs: VisionSettings) -> bytes:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidRequest(f"{param}: only http(s) image URLs are fetched", param=param)
         if parts.username or parts.password:
-            raise InvalidRequest(f"{param}: image URLs must not carry credentials",
-                                 param=param)
+            raise InvalidRequest(f"{param}: image URLs must not carry credentials", param=param)
         host = parts.hostname
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -193,32 +200,36 @@ def fetch_image(url: str, param: str, vs: VisionSettings) -> bytes:
                     raise InvalidRequest(
                         f"{param}: the image host '{host}' is a non-public address ({a}); "
                         "this server does not fetch from loopback or private networks "
-                        "(vision.allow_private_addresses)", param=param)
+                        "(vision.allow_private_addresses)",
+                        param=param,
+                    )
         cls = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
         conn = cls(host, port, addrs[0], vs.fetch_timeout_s)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
-            conn.request("GET", target, headers={
-                "User-Agent": "mlxd", "Accept": "image/*", "Accept-Encoding": "identity"})
+            conn.request(
+                "GET",
+                target,
+                headers={"User-Agent": "mlxd", "Accept": "image/*", "Accept-Encoding": "identity"},
+            )
             resp = conn.getresponse()
             if resp.status in _REDIRECTS:
                 location = resp.getheader("Location")
                 if not location:
-                    raise InvalidRequest(f"{param}: the image URL redirected nowhere",
-                                         param=param)
+                    raise InvalidRequest(f"{param}: the image URL redirected nowhere", param=param)
                 url = urljoin(url, location)
                 continue
             if resp.status != 200:
-                raise InvalidRequest(f"{param}: fetching the image failed: HTTP {resp.status}",
-                                     param=param)
+                raise InvalidRequest(
+                    f"{param}: fetching the image failed: HTTP {resp.status}", param=param
+                )
             length = resp.getheader("Content-Length")
             if length and length.isdigit():
                 _check_size(int(length), param, vs)
             chunks, total = [], 0
             while True:
                 if time.monotonic() > deadline:
-                    raise InvalidRequest(f"{param}: fetching the image took too long",
-                                         param=param)
+                    raise InvalidRequest(f"{param}: fetching the image took too long", param=param)
                 chunk = resp.read1(65536)  # one recv at most: the deadline holds
                 if not chunk:
                     break
@@ -229,8 +240,9 @@ def fetch_image(url: str, param: str, vs: VisionSettings) -> bytes:
         except InvalidRequest:
             raise
         except (OSError, http.client.HTTPException) as exc:  # timeouts, refused, TLS
-            raise InvalidRequest(f"{param}: fetching the image failed ({type(exc).__name__}: "
-                                 f"{exc})", param=param) from exc
+            raise InvalidRequest(
+                f"{param}: fetching the image failed ({type(exc).__name__}: {exc})", param=param
+            ) from exc
         finally:
             conn.close()
     raise InvalidRequest(f"{param}: too many redirects fetching the image", param=param)
@@ -244,8 +256,9 @@ def decode_image(data: bytes, param: str, vs: VisionSettings) -> Any:
     try:
         from PIL import Image, ImageOps
     except ImportError as exc:  # pragma: no cover - Pillow comes with the [vision] extra
-        raise InvalidRequest("this server cannot decode images (Pillow is not installed)",
-                             param=param) from exc
+        raise InvalidRequest(
+            "this server cannot decode images (Pillow is not installed)", param=param
+        ) from exc
     limit = vs.max_image_pixels
     try:
         img: Image.Image = Image.open(io.BytesIO(data))
@@ -257,14 +270,18 @@ def decode_image(data: bytes, param: str, vs: VisionSettings) -> Any:
             if vs.oversize_images == "reject":
                 raise InvalidRequest(
                     f"{param}: the image is {w}x{h} pixels, more than this server accepts "
-                    f"({limit} pixels; vision.max_image_pixels)", param=param)
+                    f"({limit} pixels; vision.max_image_pixels)",
+                    param=param,
+                )
             scale = math.sqrt(limit / (w * h))
             target = (max(1, int(w * scale)), max(1, int(h * scale)))
             img.draft("RGB", target)  # JPEG: decode at a reduced size directly
             if img.size[0] * img.size[1] > max(16 * limit, _MAX_DECODE_PIXELS):
                 raise InvalidRequest(
                     f"{param}: the image is {w}x{h} pixels, far more than this server "
-                    f"accepts ({limit} pixels); downscale it before sending", param=param)
+                    f"accepts ({limit} pixels); downscale it before sending",
+                    param=param,
+                )
         img.load()
         img = ImageOps.exif_transpose(img)
         if img.mode != "RGB":
@@ -275,5 +292,6 @@ def decode_image(data: bytes, param: str, vs: VisionSettings) -> Any:
     except InvalidRequest:
         raise
     except Exception as exc:  # noqa: BLE001 - any decoder failure on user data is a 400
-        raise InvalidRequest(f"{param}: the image could not be decoded ({type(exc).__name__}: "
-                             f"{exc})", param=param) from exc
+        raise InvalidRequest(
+            f"{param}: the image could not be decoded ({type(exc).__name__}: {exc})", param=param
+        ) from exc

@@ -34,23 +34,62 @@ T = TypeVar("T")
 # apply_chat_template and of its Jinja render (a template, the messages, tokenizer options),
 # of mlx-lm's and mlx-vlm's wrappers around it, the tokenizer's special tokens it passes in,
 # and the template environment's globals.
-RESERVED_TEMPLATE_VARIABLES = frozenset({
-    # transformers: PreTrainedTokenizerBase.apply_chat_template and render_jinja_template
-    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
-    "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs", "add_special_tokens",
-    # the special tokens it passes to every template
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-    "mask_token", "additional_special_tokens",
-    # the template environment's globals
-    "raise_exception", "strftime_now", "dict", "namespace", "range", "lipsum", "cycler",
-    "joiner",
-    # mlx-vlm's apply_chat_template / get_chat_template / get_message_json
-    "processor", "config", "prompt", "return_messages", "num_images", "num_audios",
-    "skip_image_token", "skip_audio_token", "model_name", "role", "audio_token",
-    "image_token", "video_token",
-})
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        # transformers: PreTrainedTokenizerBase.apply_chat_template and render_jinja_template
+        "conversation",
+        "conversations",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "kwargs",
+        "add_special_tokens",
+        # the special tokens it passes to every template
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        # the template environment's globals
+        "raise_exception",
+        "strftime_now",
+        "dict",
+        "namespace",
+        "range",
+        "lipsum",
+        "cycler",
+        "joiner",
+        # mlx-vlm's apply_chat_template / get_chat_template / get_message_json
+        "processor",
+        "config",
+        "prompt",
+        "return_messages",
+        "num_images",
+        "num_audios",
+        "skip_image_token",
+        "skip_audio_token",
+        "model_name",
+        "role",
+        "audio_token",
+        "image_token",
+        "video_token",
+    }
+)
 
 # Bounds on a request's template variables: flags and short settings, not documents.
 MAX_TEMPLATE_VARIABLES = 32
@@ -59,8 +98,9 @@ MAX_TEMPLATE_VALUES = 1000
 MAX_TEMPLATE_TEXT = 64 * 1024
 
 
-def check_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs",
-                          reserved: frozenset[str] = frozenset()) -> dict | None:
+def check_template_kwargs(
+    kwargs: Any, param: str = "chat_template_kwargs", reserved: frozenset[str] = frozenset()
+) -> dict | None:
     """``kwargs`` if it is a small mapping of template variables, else a 400 naming
     ``param``: a name that is a template, the messages or a render argument (the template is
     the model's or the operator's; a caller's would run their code on the server) and
@@ -70,24 +110,30 @@ def check_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs",
     if not isinstance(kwargs, dict):
         raise InvalidRequest(f"{param} must be an object of template variables", param=param)
     if len(kwargs) > MAX_TEMPLATE_VARIABLES:
-        raise InvalidRequest(f"{param} has {len(kwargs)} variables; at most "
-                             f"{MAX_TEMPLATE_VARIABLES} are accepted", param=param)
+        raise InvalidRequest(
+            f"{param} has {len(kwargs)} variables; at most {MAX_TEMPLATE_VARIABLES} are accepted",
+            param=param,
+        )
     for key in kwargs:
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
-            raise InvalidRequest(f"{param}: {key!r} is not a template variable name",
-                                 param=param)
+            raise InvalidRequest(f"{param}: {key!r} is not a template variable name", param=param)
         if key in RESERVED_TEMPLATE_VARIABLES or key in reserved:
             raise InvalidRequest(
                 f"{param} may set template variables only; '{key}' is set by the server "
-                "(templates come from the model or the operator)", param=param)
+                "(templates come from the model or the operator)",
+                param=param,
+            )
     values, text = 0, 0
     stack: list[tuple[Any, int]] = [(v, 1) for v in kwargs.values()]
     while stack:
         v, depth = stack.pop()
         values += 1
         if depth > MAX_TEMPLATE_DEPTH or values > MAX_TEMPLATE_VALUES:
-            raise InvalidRequest(f"{param} is too large (at most {MAX_TEMPLATE_VALUES} values, "
-                                 f"nested {MAX_TEMPLATE_DEPTH} deep)", param=param)
+            raise InvalidRequest(
+                f"{param} is too large (at most {MAX_TEMPLATE_VALUES} values, "
+                f"nested {MAX_TEMPLATE_DEPTH} deep)",
+                param=param,
+            )
         if isinstance(v, str):
             text += len(v)
         elif isinstance(v, dict):
@@ -96,8 +142,10 @@ def check_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs",
         elif isinstance(v, list):
             stack.extend((x, depth + 1) for x in v)
         if text > MAX_TEMPLATE_TEXT:
-            raise InvalidRequest(f"{param} is too large (at most {MAX_TEMPLATE_TEXT} "
-                                 "characters of text)", param=param)
+            raise InvalidRequest(
+                f"{param} is too large (at most {MAX_TEMPLATE_TEXT} characters of text)",
+                param=param,
+            )
     return kwargs
 
 
@@ -110,14 +158,20 @@ def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
     """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None clears one that is
     pending and not raised yet)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
 
 
 class _Render:
     """One render on its own thread; settles on the loop with its outcome."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, loop: asyncio.AbstractEventLoop,
-                 done: Callable[[tuple[bool, Any]], None]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[tuple[bool, Any]], None],
+    ) -> None:
         self.fn, self.args, self.loop, self.done = fn, args, loop, done
         self.lock = threading.Lock()
         self.running = False  # the thread is between the render's start and its end
@@ -177,8 +231,9 @@ class Renderer:
             else:  # no asyncio.timeout on 3.10: wait_for, whose rare race can lose a slot
                 await asyncio.wait_for(slots.acquire(), self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before 3.11
-            raise QueueFull("too many prompts are being templated; retry shortly",
-                            headers={"Retry-After": "1"}) from None
+            raise QueueFull(
+                "too many prompts are being templated; retry shortly", headers={"Retry-After": "1"}
+            ) from None
         loop = asyncio.get_running_loop()
         result: asyncio.Future = loop.create_future()
         abandoned = False
@@ -213,5 +268,6 @@ class Renderer:
             raise TemplateTimeout(
                 f"the chat template did not finish within {self.timeout_s:g} s for this "
                 "request (server.template_timeout_s); send fewer or shorter messages",
-                param="messages")
+                param="messages",
+            )
         return result.result()

@@ -85,8 +85,9 @@ def context_length(config: dict[str, Any]) -> int | None:
 def kv_element_bytes(config: dict[str, Any], dtype: str, upcast: bool) -> int:
     """Bytes of one KV cache element: the dtype the model computes in (the weights' dtype
     after ``models.dtype`` applies; quantized weights keep their float parts' dtype)."""
-    native = _DTYPE_BYTES.get(str(text_config(config).get("torch_dtype") or
-                                  config.get("torch_dtype") or ""), 2)
+    native = _DTYPE_BYTES.get(
+        str(text_config(config).get("torch_dtype") or config.get("torch_dtype") or ""), 2
+    )
     if "quantization" in config:
         return native
     if dtype == "float32" or (dtype == "auto" and upcast):
@@ -146,9 +147,17 @@ def kv_bytes_per_sequence(config: dict[str, Any], tokens: int, element_bytes: in
     return total
 
 
-def auto_max_num_seqs(*, budget: int, weight_bytes: int, prefix_cache_bytes: int,
-                      kv_bytes_per_seq: int, seq_tokens: int, cap: int,
-                      floor: int = AUTO_FLOOR, cache_name: str = "prefix cache") -> Slots:
+def auto_max_num_seqs(
+    *,
+    budget: int,
+    weight_bytes: int,
+    prefix_cache_bytes: int,
+    kv_bytes_per_seq: int,
+    seq_tokens: int,
+    cap: int,
+    floor: int = AUTO_FLOOR,
+    cache_name: str = "prefix cache",
+) -> Slots:
     """The batch size ``auto`` picks: ``(budget - weights - prefix cache) x (1 - 10%)``
     over one sequence's KV bytes at ``seq_tokens`` tokens, within ``floor..cap``."""
     cap = max(cap, floor)
@@ -194,9 +203,18 @@ def provisional(settings: Any, on_cpu: bool) -> int:
     return v if isinstance(v, int) else auto_cap(on_cpu)
 
 
-def resolve(settings: Any, name: str, kind: str, path: Path, *, budget: int,
-            weight_bytes: int, upcast: bool, on_cpu: bool,
-            draft_path: Path | None = None) -> Slots:
+def resolve(
+    settings: Any,
+    name: str,
+    kind: str,
+    path: Path,
+    *,
+    budget: int,
+    weight_bytes: int,
+    upcast: bool,
+    on_cpu: bool,
+    draft_path: Path | None = None,
+) -> Slots:
     """The batch size of model ``name`` (a chat or vision model at ``path``) and why.
 
     ``weight_bytes``: what its load counts against ``budget`` (per rank of a rank group,
@@ -207,8 +225,9 @@ def resolve(settings: Any, name: str, kind: str, path: Path, *, budget: int,
     e = settings.engine
     config = read_config(path)
     opts = settings.models.options.get(name)
-    max_kv = opts.max_kv_size if opts is not None and opts.max_kv_size is not None \
-        else e.max_kv_size
+    max_kv = (
+        opts.max_kv_size if opts is not None and opts.max_kv_size is not None else e.max_kv_size
+    )
     target = min(context_length(config) or e.auto_seq_context, e.auto_seq_context)
     if max_kv is not None:  # a rotating cache never holds more
         target = min(target, max_kv)
@@ -226,6 +245,12 @@ def resolve(settings: Any, name: str, kind: str, path: Path, *, budget: int,
     else:
         cache = e.prefix_cache_bytes if e.rank_group_size == 1 else 0
         cache_name = "prefix cache"
-    return auto_max_num_seqs(budget=budget, weight_bytes=weight_bytes,
-                             prefix_cache_bytes=cache, kv_bytes_per_seq=per_seq,
-                             seq_tokens=target, cap=auto_cap(on_cpu), cache_name=cache_name)
+    return auto_max_num_seqs(
+        budget=budget,
+        weight_bytes=weight_bytes,
+        prefix_cache_bytes=cache,
+        kv_bytes_per_seq=per_seq,
+        seq_tokens=target,
+        cap=auto_cap(on_cpu),
+        cache_name=cache_name,
+    )

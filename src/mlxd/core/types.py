@@ -233,8 +233,10 @@ class Timings:
 
     def durations_ns(self) -> dict[str, int]:
         ns = 1_000_000_000
-        return {"total_duration": int((self.t_done - self.t_submitted) * ns),
-                "load_duration": int(max(self.t_acquired - self.t_submitted, 0) * ns)}
+        return {
+            "total_duration": int((self.t_done - self.t_submitted) * ns),
+            "load_duration": int(max(self.t_acquired - self.t_submitted, 0) * ns),
+        }
 
 
 @dataclass

@@ -27,26 +27,34 @@ def model_info(entry: Any) -> p.ModelInfo:
     """What a front end needs to serve a loaded model: its tokenizer's place and limits."""
     engine = entry.engine
     return p.ModelInfo(
-        name=entry.name, kind=entry.kind, path=str(entry.path),
+        name=entry.name,
+        kind=entry.kind,
+        path=str(entry.path),
         context_length=int(getattr(engine, "context_length", 0) or 0),
         vocab_size=int(getattr(engine, "vocab_size", 0) or 0),
         eos_token_ids=list(getattr(engine, "eos_token_ids", []) or []),
-        adapter_path=str(engine.adapter_path) if getattr(engine, "adapter_path", None)
-        else None,
+        adapter_path=str(engine.adapter_path) if getattr(engine, "adapter_path", None) else None,
         sample_rate=int(getattr(engine, "sample_rate", 0) or 0),
         window_seconds=int(getattr(engine, "window_seconds", 0) or 0),
-        tokenizer_defaults=tokenizer_defaults(getattr(engine, "model", None)))
+        tokenizer_defaults=tokenizer_defaults(getattr(engine, "model", None)),
+    )
 
 
 def loaded_view(entry: Any) -> dict[str, Any]:
     """One loaded model for /health, /api/ps and /v1/models."""
     engine = entry.engine
     view = {
-        "name": entry.name, "kind": entry.kind, "path": str(entry.path), "size": entry.size,
-        "pinned": entry.pinned, "active_requests": entry.active,
+        "name": entry.name,
+        "kind": entry.kind,
+        "path": str(entry.path),
+        "size": entry.size,
+        "pinned": entry.pinned,
+        "active_requests": entry.active,
         "expires_at": None if entry.expires_at == float("inf") else entry.expires_at,
-        "loaded_at": entry.loaded_at, "load_seconds": entry.load_seconds,
-        "running": engine.num_running, "waiting": engine.num_waiting,
+        "loaded_at": entry.loaded_at,
+        "load_seconds": entry.load_seconds,
+        "running": engine.num_running,
+        "waiting": engine.num_waiting,
         "max_batch_size_seen": engine.max_batch_seen,
         "context_length": engine.context_length,
     }
@@ -68,8 +76,11 @@ def memory() -> dict[str, int]:
     try:
         import mlx.core as mx
 
-        return {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
-                "peak_bytes": mx.get_peak_memory()}
+        return {
+            "active_bytes": mx.get_active_memory(),
+            "cache_bytes": mx.get_cache_memory(),
+            "peak_bytes": mx.get_peak_memory(),
+        }
     except Exception:  # noqa: BLE001 - a backend without these counters
         return {}
 
@@ -104,16 +115,25 @@ async def status(core: Any, req: p.Status) -> p.CoreStatus:
     views = [loaded_view(e) for e in m.loaded()]
     caches = sum(sum(v["cache_memory_bytes"].values()) for v in views)
     return p.CoreStatus(
-        pid=os.getpid(), epoch=core.epoch, backend=backend_name(),
+        pid=os.getpid(),
+        epoch=core.epoch,
+        backend=backend_name(),
         blas=loaded_blas.describe() if loaded_blas is not None else "MLX's bundled BLAS",
         device=os.environ.get(DEVICE_ENV) or "default",
         uptime_s=round(time.time() - core.started_at, 3),
-        requests_in_flight=core._inflight, requests_total=core.admitted_total,
-        memory={**memory(), "budget_bytes": m.budget, "models_bytes": m.used_bytes,
-                "caches_bytes": caches},
-        model_loads=dict(m.load_counts), model_evictions=m.evictions,
+        requests_in_flight=core._inflight,
+        requests_total=core.admitted_total,
+        memory={
+            **memory(),
+            "budget_bytes": m.budget,
+            "models_bytes": m.used_bytes,
+            "caches_bytes": caches,
+        },
+        model_loads=dict(m.load_counts),
+        model_evictions=m.evictions,
         models=views,
-        rank_group=group.status())
+        rank_group=group.status(),
+    )
 
 
 async def metrics_text(core: Any, req: p.Metrics) -> p.MetricsText:
@@ -125,46 +145,80 @@ async def metrics_text(core: Any, req: p.Metrics) -> p.MetricsText:
 
 
 async def embed(core: Any, req: p.Embed) -> p.Embedded:
-    res = await core.encoders.embed(EmbedRequest(
-        req.model, req.inputs, truncate=req.truncate, dimensions=req.dimensions,
-        keep_alive=req.keep_alive, request_id=req.request_id))
+    res = await core.encoders.embed(
+        EmbedRequest(
+            req.model,
+            req.inputs,
+            truncate=req.truncate,
+            dimensions=req.dimensions,
+            keep_alive=req.keep_alive,
+            request_id=req.request_id,
+        )
+    )
     vec = np.ascontiguousarray(res.vectors, dtype=np.float32)
-    return p.Embedded(res.model, vec.tobytes(), list(vec.shape), res.prompt_tokens,
-                      max(res.timings.t_acquired - res.timings.t_submitted, 0.0))
+    return p.Embedded(
+        res.model,
+        vec.tobytes(),
+        list(vec.shape),
+        res.prompt_tokens,
+        max(res.timings.t_acquired - res.timings.t_submitted, 0.0),
+    )
 
 
 async def rerank(core: Any, req: p.Rerank) -> p.Reranked:
-    res = await core.encoders.rerank(RerankRequest(
-        req.model, req.query, req.documents, truncate=req.truncate,
-        instruction=req.instruction, keep_alive=req.keep_alive, request_id=req.request_id))
-    return p.Reranked(res.model, [float(s) for s in res.scores], res.prompt_tokens,
-                      max(res.timings.t_acquired - res.timings.t_submitted, 0.0))
+    res = await core.encoders.rerank(
+        RerankRequest(
+            req.model,
+            req.query,
+            req.documents,
+            truncate=req.truncate,
+            instruction=req.instruction,
+            keep_alive=req.keep_alive,
+            request_id=req.request_id,
+        )
+    )
+    return p.Reranked(
+        res.model,
+        [float(s) for s in res.scores],
+        res.prompt_tokens,
+        max(res.timings.t_acquired - res.timings.t_submitted, 0.0),
+    )
 
 
 async def transcribe(core: Any, req: p.Transcribe) -> p.Transcribed:
     """One window of samples (16 kHz mono float32 bytes, at most 30 s) to text and
     segments."""
     res = await core.audio.transcribe(
-        req.model, req.audio, task=req.task, language=req.language, prompt=req.prompt,
-        temperature=req.temperature, words=req.words, keep_alive=req.keep_alive)
+        req.model,
+        req.audio,
+        task=req.task,
+        language=req.language,
+        prompt=req.prompt,
+        temperature=req.temperature,
+        words=req.words,
+        keep_alive=req.keep_alive,
+    )
     return p.Transcribed(res["model"], res["duration"], p.TranscriptWindow(**res["window"]))
 
 
 async def speak(core: Any, req: p.Speak) -> p.Spoken:
     """Text to audio (float32 bytes at the model's sample rate)."""
-    res = await core.audio.speak(req.model, req.text, voice=req.voice, speed=req.speed,
-                                 keep_alive=req.keep_alive)
-    return p.Spoken(res["model"], res["audio"], int(res["sample_rate"]),
-                    bool(res["speed_applied"]))
+    res = await core.audio.speak(
+        req.model, req.text, voice=req.voice, speed=req.speed, keep_alive=req.keep_alive
+    )
+    return p.Spoken(res["model"], res["audio"], int(res["sample_rate"]), bool(res["speed_applied"]))
 
 
 async def tokenize(core: Any, req: p.Tokenize) -> p.Tokenized:
-    res = await core.encoders.tokenize(req.model, req.inputs, req.messages,
-                                       add_special_tokens=req.add_special_tokens,
-                                       token_strings=req.token_strings,
-                                       keep_alive=req.keep_alive)
-    return p.Tokenized(res.model, res.kind, res.tokens, res.context_length,
-                       res.token_strings)
+    res = await core.encoders.tokenize(
+        req.model,
+        req.inputs,
+        req.messages,
+        add_special_tokens=req.add_special_tokens,
+        token_strings=req.token_strings,
+        keep_alive=req.keep_alive,
+    )
+    return p.Tokenized(res.model, res.kind, res.tokens, res.context_length, res.token_strings)
 
 
 async def scorers(core: Any, req: p.Scorers) -> p.ScorerCount:
@@ -271,6 +325,7 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
         woken.set()
 
     if kind == "step_error":
+
         def step() -> Any:
             del engine.step  # once
             raise RuntimeError(message)
@@ -288,7 +343,17 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
 
 # Each call's handler, by its request's type (every member of protocol.CallRequest).
 HANDLERS: dict[type[p.Request], Callable[[Any, Any], Awaitable[p.CallResult]]] = {
-    p.Touch: touch, p.Unload: unload, p.Loaded: loaded, p.Forget: forget, p.Status: status,
-    p.Metrics: metrics_text, p.Embed: embed, p.Rerank: rerank, p.Tokenize: tokenize,
-    p.Transcribe: transcribe, p.Speak: speak, p.Scorers: scorers, p.Fault: fault,
+    p.Touch: touch,
+    p.Unload: unload,
+    p.Loaded: loaded,
+    p.Forget: forget,
+    p.Status: status,
+    p.Metrics: metrics_text,
+    p.Embed: embed,
+    p.Rerank: rerank,
+    p.Tokenize: tokenize,
+    p.Transcribe: transcribe,
+    p.Speak: speak,
+    p.Scorers: scorers,
+    p.Fault: fault,
 }

@@ -107,8 +107,9 @@ class EngineCore:
         self.models = ModelManager(settings, self.worker)
         self.encoders = EncoderService(self)
         # vision prompts' templates and /v1/tokenize's, bounded (core/render.py)
-        self.renderer = Renderer(settings.server.template_timeout_s,
-                                 settings.server.max_concurrent_renders)
+        self.renderer = Renderer(
+            settings.server.template_timeout_s, settings.server.max_concurrent_renders
+        )
         self.audio = AudioService(self, self.encoders)
         self.draining = False
         self.ready = False
@@ -143,14 +144,21 @@ class EngineCore:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(p.core_address(self.run_dir))
         stop_beats = threading.Event()
-        threading.Thread(target=self.outlet.run_heartbeat, args=(HEARTBEAT_S, stop_beats),
-                         name="mlxd-core-heartbeat", daemon=True).start()
+        threading.Thread(
+            target=self.outlet.run_heartbeat,
+            args=(HEARTBEAT_S, stop_beats),
+            name="mlxd-core-heartbeat",
+            daemon=True,
+        ).start()
         self.models.store.clean_temp()
         self.worker.start()
-        tasks = [asyncio.create_task(self._load_pinned()), asyncio.create_task(self._sweep()),
-                 asyncio.create_task(self._watch_worker()),
-                 asyncio.create_task(self._watch_parent(os.getppid())),
-                 asyncio.create_task(self._watch_frontends())]
+        tasks = [
+            asyncio.create_task(self._load_pinned()),
+            asyncio.create_task(self._sweep()),
+            asyncio.create_task(self._watch_worker()),
+            asyncio.create_task(self._watch_parent(os.getppid())),
+            asyncio.create_task(self._watch_frontends()),
+        ]
         decode = p.core_decoder().decode
         log.info("engine core %d ready for requests (pid %d)", self.epoch, os.getpid())
         try:
@@ -206,8 +214,9 @@ class EngineCore:
         supervisor starts a clean core (MLX state of a dead thread is not to be trusted)."""
         while not self.worker.dead:
             await asyncio.sleep(0.05)
-        log.critical("device thread died (%s); the engine core exits for a restart",
-                     self.worker.error)
+        log.critical(
+            "device thread died (%s); the engine core exits for a restart", self.worker.error
+        )
         await asyncio.sleep(0.2)  # let ZeroMQ's I/O thread deliver the failed sequences
         os._exit(3)
 
@@ -228,8 +237,12 @@ class EngineCore:
             for fe in list(self._channels):
                 if not pid_alive(p.frontend_pid(fe)):
                     n = sum(1 for live in self._live.values() if live.frontend == fe)
-                    log.warning("front end %d (pid %d) is gone; dropping its %d request(s)",
-                                fe, p.frontend_pid(fe), n)
+                    log.warning(
+                        "front end %d (pid %d) is gone; dropping its %d request(s)",
+                        fe,
+                        p.frontend_pid(fe),
+                        n,
+                    )
                     self._drop_frontend(fe)
 
     # -- requests ----------------------------------------------------------------------------
@@ -266,22 +279,41 @@ class EngineCore:
         if head is None or head.epoch != self.epoch:
             log.error("dropped an undecodable message (%d bytes): %s", len(raw), exc)
             return
-        self.outlet.send(head.frontend, p.Reply(self.epoch, head.cid, None, p.error_to_wire(
-            InvalidRequest(f"malformed engine-core call: {exc}"))))
+        self.outlet.send(
+            head.frontend,
+            p.Reply(
+                self.epoch,
+                head.cid,
+                None,
+                p.error_to_wire(InvalidRequest(f"malformed engine-core call: {exc}")),
+            ),
+        )
 
     def _reply_error(self, fe: int, rid: str, exc: BaseException) -> None:
-        self.outlet.send(fe, p.Outputs(self.epoch, [p.SeqOut(
-            rid, [], "error", error=p.error_to_wire(exc), accepted=True)]))
+        self.outlet.send(
+            fe,
+            p.Outputs(
+                self.epoch, [p.SeqOut(rid, [], "error", error=p.error_to_wire(exc), accepted=True)]
+            ),
+        )
 
     async def _add(self, m: p.Add) -> None:
         fe = m.frontend
         if self.draining or not self.worker.alive:
-            self._reply_error(fe, m.rid, Unavailable("the engine core is not running; retry "
-                                                     "shortly", headers={"Retry-After": "2"}))
+            self._reply_error(
+                fe,
+                m.rid,
+                Unavailable(
+                    "the engine core is not running; retry shortly", headers={"Retry-After": "2"}
+                ),
+            )
             return
         if self._inflight >= self.admission_limit:
-            self._reply_error(fe, m.rid, QueueFull("too many requests queued; retry shortly",
-                                                   headers={"Retry-After": "1"}))
+            self._reply_error(
+                fe,
+                m.rid,
+                QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"}),
+            )
             return
         self._inflight += 1
         lease = None
@@ -297,15 +329,21 @@ class EngineCore:
                 finally:
                     self._rendering.pop(m.rid, None)
             elif engine.kind != "chat":
-                raise InvalidRequest(f"model '{engine.name}' is a {engine.kind} model, not a "
-                                     "chat model", param="model")
+                raise InvalidRequest(
+                    f"model '{engine.name}' is a {engine.kind} model, not a chat model",
+                    param="model",
+                )
             else:
                 prompt = m.prompt_tokens
             grammar = None
             if m.grammar is not None:
                 grammar = await asyncio.to_thread(engine.text.matcher, m.grammar)
-            seq = engine.new_sequence(prompt, params, grammar=grammar,
-                                      arm_after=tuple(m.arm_after) if m.arm_after else None)
+            seq = engine.new_sequence(
+                prompt,
+                params,
+                grammar=grammar,
+                arm_after=tuple(m.arm_after) if m.arm_after else None,
+            )
             seq.cache_salt = m.cache_salt
         except BaseException as exc:
             self._inflight -= 1
@@ -325,8 +363,13 @@ class EngineCore:
         seq.handle = (channel, (m.rid, seq))
         self._live[m.rid] = _Live(lease, engine, seq, fe)
         self.admitted_total += 1
-        self.outlet.send(fe, p.Outputs(self.epoch, [p.SeqOut(
-            m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))]))
+        self.outlet.send(
+            fe,
+            p.Outputs(
+                self.epoch,
+                [p.SeqOut(m.rid, [], accepted=True, prompt_tokens=len(seq.prompt_tokens))],
+            ),
+        )
         self.worker.submit(engine, seq)
 
     def _vision_prompt(self, engine: Any, m: p.Add) -> Any:
@@ -338,23 +381,33 @@ class EngineCore:
 
         v = m.vision
         if engine.kind != "vision":
-            raise InvalidRequest(f"model '{engine.name}' does not accept images (it is not a "
-                                 "vision model)", param="messages")
+            raise InvalidRequest(
+                f"model '{engine.name}' does not accept images (it is not a vision model)",
+                param="messages",
+            )
         if v is None:  # a token-id or text prompt to a vision model
             return engine.encode_vision(prompt_tokens=m.prompt_tokens)
         vs = self.settings.vision
-        images = [LoadedImage(decode_image(data, param, vs),
-                              hashlib.sha256(data).hexdigest(), param)
-                  for data, param in zip(v.images, v.image_params, strict=True)]
+        images = [
+            LoadedImage(decode_image(data, param, vs), hashlib.sha256(data).hexdigest(), param)
+            for data, param in zip(v.images, v.image_params, strict=True)
+        ]
         if images:
             from mlxd.observability import metrics
 
             metrics.vision_images_total.labels(engine.name).inc(len(images))
-        audio = [LoadedAudio(np.frombuffer(data, dtype="<f4"), param)
-                 for data, param in zip(v.audio, v.audio_params, strict=True)]
-        return engine.encode_vision(messages=v.messages, prompt=v.prompt,
-                                    prompt_tokens=v.prompt_tokens, images=images,
-                                    template_kwargs=v.template_kwargs, audio=audio)
+        audio = [
+            LoadedAudio(np.frombuffer(data, dtype="<f4"), param)
+            for data, param in zip(v.audio, v.audio_params, strict=True)
+        ]
+        return engine.encode_vision(
+            messages=v.messages,
+            prompt=v.prompt,
+            prompt_tokens=v.prompt_tokens,
+            images=images,
+            template_kwargs=v.template_kwargs,
+            audio=audio,
+        )
 
     def finished(self, rids: list[str]) -> None:
         """On the loop: these requests' last output went out; release their leases."""
@@ -388,10 +441,10 @@ class EngineCore:
         try:
             request = m.request
             fn = calls.HANDLERS.get(type(request))
-            if fn is None or (isinstance(request, p.Fault)
-                              and os.environ.get(FAULTS_ENV) != "1"):
-                raise InvalidRequest("unknown engine-core call "
-                                     f"'{type(request).__struct_config__.tag}'")
+            if fn is None or (isinstance(request, p.Fault) and os.environ.get(FAULTS_ENV) != "1"):
+                raise InvalidRequest(
+                    f"unknown engine-core call '{type(request).__struct_config__.tag}'"
+                )
             reply = p.Reply(self.epoch, m.cid, await fn(self, request))
         except asyncio.CancelledError:
             return
@@ -402,8 +455,14 @@ class EngineCore:
         self.outlet.send(m.frontend, reply)
 
     def _heartbeat(self) -> p.Heartbeat:
-        return p.Heartbeat(self.epoch, os.getpid(), self.ready, self.startup_error,
-                           self._inflight, self.admission_limit)
+        return p.Heartbeat(
+            self.epoch,
+            os.getpid(),
+            self.ready,
+            self.startup_error,
+            self._inflight,
+            self.admission_limit,
+        )
 
 
 def _freeze_heap() -> None:

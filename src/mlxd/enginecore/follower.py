@@ -75,15 +75,19 @@ def main(run_dir: str, epoch: int, bind: str) -> None:
     group = init_rank(settings)
     tensor_parallel.setup(group, None, settings.engine.parallel_mode)
     replay = tensor_parallel.Replayer(llm.LLMEngine)
-    log.info("%s follower rank %d (epoch %d, pid %d) ready", tensor_parallel.mode_name(),
-             group.rank(), epoch, os.getpid())
+    log.info(
+        "%s follower rank %d (epoch %d, pid %d) ready",
+        tensor_parallel.mode_name(),
+        group.rank(),
+        epoch,
+        os.getpid(),
+    )
     while True:
         cmd = cmds.get()
         try:
             replay.apply(cmd)
         except Exception:  # noqa: BLE001 - out of step: end, so that the group restarts
-            log.exception("follower rank %d could not replay %r; exiting", group.rank(),
-                          cmd[0])
+            log.exception("follower rank %d could not replay %r; exiting", group.rank(), cmd[0])
             os._exit(3)
 
 

@@ -61,9 +61,12 @@ def backend(settings: Settings) -> str:
         return b
     if not _has_cuda:
         # asked in a child: importing mlx here would put MLX state into the serving process
-        out = subprocess.run([sys.executable, "-c", "import mlx.core as mx; "
-                              "print(int(mx.cuda.is_available()))"],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", "import mlx.core as mx; print(int(mx.cuda.is_available()))"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         _has_cuda.append(out.stdout.strip() == "1")
     return "nccl" if _has_cuda[0] else "ring"
 
@@ -75,8 +78,9 @@ def _gpu(local: int, env: dict[str, str]) -> str:
     return visible[local] if local < len(visible) else str(local)
 
 
-def command_address(run_dir: Path, epoch: int, rank: int, host: str | None = None,
-                    port: int = 0) -> tuple[str, str]:
+def command_address(
+    run_dir: Path, epoch: int, rank: int, host: str | None = None, port: int = 0
+) -> tuple[str, str]:
     """(where follower ``rank`` binds its command pipe, where rank 0 connects to it)."""
     if host is None:
         addr = f"ipc://{run_dir / f'tp-{epoch}-{rank}'}"
@@ -134,8 +138,12 @@ class RankGroup:
                 with self._lock:
                     first, self._ended = not self._ended, True
                 if first and any(p.poll() is None for p in self.procs):
-                    log.error("rank %d (pid %d) of the group exited with code %s; ending "
-                              "the group", dead, self.procs[dead].pid, code)
+                    log.error(
+                        "rank %d (pid %d) of the group exited with code %s; ending the group",
+                        dead,
+                        self.procs[dead].pid,
+                        code,
+                    )
                 self.kill()
                 return code
             if deadline is not None and time.monotonic() > deadline:
@@ -171,8 +179,7 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     common = {"MLX_WORLD_SIZE": str(n), "MLXD_TP_BACKEND": be, **core_env(settings.backend)}
     if be == "ring":
         hostfile = run_dir / f"hosts-{epoch}.json"
-        hostfile.write_text(json.dumps([[f"{h['ip']}:{ports[i]}"] for i, h in
-                                        enumerate(hosts)]))
+        hostfile.write_text(json.dumps([[f"{h['ip']}:{ports[i]}"] for i, h in enumerate(hosts)]))
         common["MLX_HOSTFILE"] = str(hostfile)
     else:
         common["NCCL_HOST_IP"] = hosts[0]["ip"]
@@ -181,30 +188,41 @@ def spawn(settings: Settings, run_dir: Path, epoch: int, env: dict[str, str]) ->
     addresses = []
     for rank in range(1, n):
         h = hosts[rank]
-        bind, connect = command_address(run_dir, epoch, rank,
-                                        None if h["ssh"] is None else h["ip"], ports[n + rank])
+        bind, connect = command_address(
+            run_dir, epoch, rank, None if h["ssh"] is None else h["ip"], ports[n + rank]
+        )
         addresses.append(connect)
         renv = {**common, "MLX_RANK": str(rank)}
         if be == "nccl":  # one GPU per rank, counted per host
             local = sum(1 for o in hosts[:rank] if o["ssh"] == h["ssh"])
             renv["CUDA_VISIBLE_DEVICES"] = _gpu(local, env if h["ssh"] is None else {})
-        argv = [sys.executable, "-m", "mlxd.enginecore.follower", str(run_dir), str(epoch),
-                bind]
+        argv = [sys.executable, "-m", "mlxd.enginecore.follower", str(run_dir), str(epoch), bind]
         if h["ssh"] is None:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env={**env, **renv})
         else:
             proc = _ssh(h["ssh"], argv, renv, run_dir)
         followers.append(proc)
-    renv = {**common, "MLX_RANK": "0", RANK_PIDS_ENV: ",".join(str(p.pid) for p in followers),
-            "MLXD_TP_FOLLOWERS": json.dumps(addresses)}
+    renv = {
+        **common,
+        "MLX_RANK": "0",
+        RANK_PIDS_ENV: ",".join(str(p.pid) for p in followers),
+        "MLXD_TP_FOLLOWERS": json.dumps(addresses),
+    }
     if be == "nccl":
         renv["CUDA_VISIBLE_DEVICES"] = _gpu(0, env)
     rank0 = subprocess.Popen(
         [sys.executable, "-m", "mlxd.enginecore", str(run_dir), str(epoch)],
-        stdin=subprocess.DEVNULL, env={**env, **renv})
-    log.info("%s-parallel engine core %d: %d ranks (%s), pids %s",
-             settings.engine.parallel_mode, epoch, n, be,
-             [rank0.pid, *(p.pid for p in followers)])
+        stdin=subprocess.DEVNULL,
+        env={**env, **renv},
+    )
+    log.info(
+        "%s-parallel engine core %d: %d ranks (%s), pids %s",
+        settings.engine.parallel_mode,
+        epoch,
+        n,
+        be,
+        [rank0.pid, *(p.pid for p in followers)],
+    )
     return RankGroup([rank0, *followers])
 
 
@@ -217,13 +235,14 @@ def _ssh(host: str, argv: list[str], renv: dict[str, str], run_dir: Path) -> sub
         content = Path(hostfile).read_text()
         script += f"printf %s {shlex.quote(content)} > {shlex.quote(hostfile)}; "
     settings_file = run_dir / "settings.pkl"
-    script += (f"base64 -d > {shlex.quote(str(settings_file))} <<'EOF'\n"
-               f"{_b64(settings_file.read_bytes())}\nEOF\n")
+    script += (
+        f"base64 -d > {shlex.quote(str(settings_file))} <<'EOF'\n"
+        f"{_b64(settings_file.read_bytes())}\nEOF\n"
+    )
     for k, v in renv.items():
         script += f"export {k}={shlex.quote(v)}; "
     script += "exec " + " ".join(shlex.quote(a) for a in argv)
-    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", host, script],
-                            stdin=subprocess.DEVNULL)
+    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", host, script], stdin=subprocess.DEVNULL)
 
 
 def _b64(data: bytes) -> str:
@@ -275,8 +294,9 @@ def init_rank(settings: Settings) -> Any:
     be = os.environ.get("MLXD_TP_BACKEND", "ring")
     t0 = time.monotonic()
     g = mx.distributed.init(strict=True, backend=be)
-    log.info("rank %d of %d joined the %s group in %.1fs", g.rank(), g.size(), be,
-             time.monotonic() - t0)
+    log.info(
+        "rank %d of %d joined the %s group in %.1fs", g.rank(), g.size(), be, time.monotonic() - t0
+    )
     return g
 
 
@@ -297,5 +317,9 @@ def status() -> dict[str, Any] | None:
     if g is None:
         return None
     pids = [os.getpid(), *(int(p) for p in os.environ.get(RANK_PIDS_ENV, "").split(",") if p)]
-    return {"mode": tensor_parallel.mode(), "size": g.size(),
-            "backend": os.environ.get("MLXD_TP_BACKEND", "ring"), "rank_pids": pids}
+    return {
+        "mode": tensor_parallel.mode(),
+        "size": g.size(),
+        "backend": os.environ.get("MLXD_TP_BACKEND", "ring"),
+        "rank_pids": pids,
+    }

@@ -454,10 +454,36 @@ class Fault(Request[Faulted], tag="fault"):
 
 
 # tagged unions: the first element of a call's array names its struct
-CallRequest = (Touch | Unload | Loaded | Forget | Status | Metrics | Embed | Rerank | Tokenize
-               | Transcribe | Speak | Scorers | Fault)
-CallResult = (ModelInfo | Unloaded | LoadedModels | CoreStatus | MetricsText | Embedded
-              | Reranked | Tokenized | Transcribed | Spoken | ScorerCount | Done | Faulted)
+CallRequest = (
+    Touch
+    | Unload
+    | Loaded
+    | Forget
+    | Status
+    | Metrics
+    | Embed
+    | Rerank
+    | Tokenize
+    | Transcribe
+    | Speak
+    | Scorers
+    | Fault
+)
+CallResult = (
+    ModelInfo
+    | Unloaded
+    | LoadedModels
+    | CoreStatus
+    | MetricsText
+    | Embedded
+    | Reranked
+    | Tokenized
+    | Transcribed
+    | Spoken
+    | ScorerCount
+    | Done
+    | Faulted
+)
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -519,8 +545,12 @@ def error_to_wire(exc: BaseException) -> WireError:
     from mlxd.runtime.worker import WorkerDied, is_out_of_memory
 
     if isinstance(exc, MlxdError):
-        return WireError(type(exc).__name__, exc.message, exc.param,
-                         {str(k): str(v) for k, v in exc.headers.items()} or None)
+        return WireError(
+            type(exc).__name__,
+            exc.message,
+            exc.param,
+            {str(k): str(v) for k, v in exc.headers.items()} or None,
+        )
     if isinstance(exc, WorkerDied):
         return WireError("core_died", str(exc))
     if is_out_of_memory(exc):
@@ -536,11 +566,13 @@ def error_from_wire(err: WireError) -> Exception:
     if isinstance(cls, type) and issubclass(cls, errors.MlxdError):
         return cls(err.message, param=err.param, headers=err.headers)
     if err.kind == "core_died":
-        return errors.Unavailable(f"{err.message}; it is being restarted, retry shortly",
-                                  headers={"Retry-After": "2"})
+        return errors.Unavailable(
+            f"{err.message}; it is being restarted, retry shortly", headers={"Retry-After": "2"}
+        )
     if err.kind == "out_of_memory":
         return errors.OutOfMemory(
             f"out of memory while generating ({err.message}); the batch was cancelled to "
             "free memory. Retry, or lower max_tokens or engine.max_num_seqs",
-            headers={"Retry-After": "1"})
+            headers={"Retry-After": "1"},
+        )
     return errors.EngineError(f"generation failed: {err.message}")

@@ -39,9 +39,16 @@ log = logging.getLogger(__name__)
 
 
 class CoreSupervisor:
-    def __init__(self, settings: Settings, *, device: Device = DEFAULT, index: int = 0,
-                 first_delay: float = 0.2, max_delay: float = 30.0,
-                 stable_after: float = 60.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        device: Device = DEFAULT,
+        index: int = 0,
+        first_delay: float = 0.2,
+        max_delay: float = 30.0,
+        stable_after: float = 60.0,
+    ) -> None:
         self.settings = settings
         self.device = device
         self.index = index  # this core's place among the host's engine cores
@@ -62,16 +69,21 @@ class CoreSupervisor:
 
     def start(self) -> None:
         self._spawn()
-        self._thread = threading.Thread(target=self._watch, name="mlxd-core-supervisor",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="mlxd-core-supervisor", daemon=True
+        )
         self._thread.start()
 
     def _spawn(self) -> None:
         self.epoch += 1
         settings_file = self.run_dir / "settings.pkl"
         settings_file.write_bytes(pickle.dumps(self.settings))
-        env = {**os.environ, **self.device.env, **core_env(self.settings.backend),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **self.device.env,
+            **core_env(self.settings.backend),
+            "PYTHONUNBUFFERED": "1",
+        }
         # the front ends' shared metric files (--api-workers N) are theirs alone: the core
         # serves its own families, which every front end fetches and labels
         env.pop(MULTIPROC_ENV, None)
@@ -81,11 +93,18 @@ class CoreSupervisor:
             self._proc = group.spawn(self.settings, self.run_dir, self.epoch, env)
         else:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir),
-                 str(self.epoch)], stdin=subprocess.DEVNULL, env=env)
+                [sys.executable, "-m", "mlxd.enginecore", str(self.run_dir), str(self.epoch)],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         self._started = time.monotonic()
-        log.info("engine core %d on %s: epoch %d started (pid %d)", self.index,
-                 self.device.name, self.epoch, self._proc.pid)
+        log.info(
+            "engine core %d on %s: epoch %d started (pid %d)",
+            self.index,
+            self.device.name,
+            self.epoch,
+            self._proc.pid,
+        )
 
     def _watch(self) -> None:
         quick_deaths = 0  # in a row, each within stable_after of its start
@@ -95,12 +114,20 @@ class CoreSupervisor:
             code = proc.wait()
             if self._stopping.is_set():
                 return
-            quick_deaths = 0 if time.monotonic() - self._started > self.stable_after \
-                else quick_deaths + 1
+            quick_deaths = (
+                0 if time.monotonic() - self._started > self.stable_after else quick_deaths + 1
+            )
             delay = min(self.first_delay * 2 ** max(quick_deaths - 1, 0), self.max_delay)
-            log.error("engine core %d on %s (epoch %d, pid %s) died with exit code %s; "
-                      "starting a new one in %.1fs", self.index, self.device.name, self.epoch,
-                      proc.pid, code, delay)
+            log.error(
+                "engine core %d on %s (epoch %d, pid %s) died with exit code %s; "
+                "starting a new one in %.1fs",
+                self.index,
+                self.device.name,
+                self.epoch,
+                proc.pid,
+                code,
+                delay,
+            )
             for cb in list(self.on_death):
                 try:
                     cb(code)
@@ -131,8 +158,9 @@ def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
     """One supervisor per device of ``engine.devices`` (not started yet); ConfigError for
     devices this host does not have."""
     try:
-        devices = resolve(settings.engine.devices, gpu_count,
-                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+        devices = resolve(
+            settings.engine.devices, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if settings.engine.devices == "all" and devices[0].kind == "cpu":
@@ -140,14 +168,17 @@ def supervisors_for(settings: Settings) -> list[CoreSupervisor]:
     if len(devices) > 1 and settings.engine.rank_group_size > 1:
         # each rank takes the next GPU of CUDA_VISIBLE_DEVICES, which a per-device core
         # narrows to its own one: groups of devices per core are not built yet
-        raise ConfigError(f"engine.devices (several engine cores) and engine."
-                          f"{settings.engine.parallel_mode}_parallel > 1 cannot be combined "
-                          "yet: choose one")
+        raise ConfigError(
+            f"engine.devices (several engine cores) and engine."
+            f"{settings.engine.parallel_mode}_parallel > 1 cannot be combined "
+            "yet: choose one"
+        )
     return [CoreSupervisor(settings, device=d, index=i) for i, d in enumerate(devices)]
 
 
-GPU_PROBE = ("import mlx.core as mx; "
-             "print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)")
+GPU_PROBE = (
+    "import mlx.core as mx; print(mx.device_count(mx.gpu) if mx.is_available(mx.gpu) else 0)"
+)
 
 
 def gpu_count(python: str | None = None, timeout: float = 120) -> int:
@@ -158,8 +189,13 @@ def gpu_count(python: str | None = None, timeout: float = 120) -> int:
     caller then serves on the CPU (``all``) or names the GPU it lacks, and the warning says
     why."""
     try:
-        out = subprocess.run([python or sys.executable, "-c", GPU_PROBE], capture_output=True,
-                             text=True, timeout=timeout, check=True).stdout
+        out = subprocess.run(
+            [python or sys.executable, "-c", GPU_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        ).stdout
         count = int(out.strip().splitlines()[-1])
         if count < 0:
             raise ValueError(f"a negative count: {count}")

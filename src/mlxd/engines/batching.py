@@ -58,8 +58,9 @@ class BatchPolicy:
     pass_overhead_tokens: int = 32
 
 
-def split_by_length(items: list[EncodeItem], max_tokens: int, overhead: int
-                    ) -> list[list[EncodeItem]]:
+def split_by_length(
+    items: list[EncodeItem], max_tokens: int, overhead: int
+) -> list[list[EncodeItem]]:
     """Sort by length and cut into contiguous passes minimising padded tokens + overhead.
 
     Cost of a pass = ``overhead`` + rows x longest row; a pass of more than one row stays
@@ -69,12 +70,11 @@ def split_by_length(items: list[EncodeItem], max_tokens: int, overhead: int
     s = sorted(items, key=lambda it: it.n)
     out: list[list[EncodeItem]] = []
     for w in range(0, len(s), 128):
-        out.extend(_split_window(s[w:w + 128], max_tokens, overhead))
+        out.extend(_split_window(s[w : w + 128], max_tokens, overhead))
     return out
 
 
-def _split_window(s: list[EncodeItem], max_tokens: int, overhead: int
-                  ) -> list[list[EncodeItem]]:
+def _split_window(s: list[EncodeItem], max_tokens: int, overhead: int) -> list[list[EncodeItem]]:
     n = len(s)
     if n == 0:
         return []
@@ -124,8 +124,9 @@ class BatchQueue:
         if any(it.job is job for it in self._queue):
             self._queue = deque(it for it in self._queue if it.job is not job)
             self._queued_tokens = sum(it.n for it in self._queue)
-        self._passes = [p for p in ([it for it in p if it.job is not job]
-                                    for p in self._passes) if p]
+        self._passes = [
+            p for p in ([it for it in p if it.job is not job] for p in self._passes) if p
+        ]
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -138,8 +139,11 @@ class BatchQueue:
 
     def _ready(self, now: float) -> bool:
         q, p = self._queue, self.policy
-        return bool(q) and (len(q) >= p.max_batch_size or self._queued_tokens >= p.max_batch_tokens
-                            or now >= q[0].t_queued + p.max_wait_s)
+        return bool(q) and (
+            len(q) >= p.max_batch_size
+            or self._queued_tokens >= p.max_batch_tokens
+            or now >= q[0].t_queued + p.max_wait_s
+        )
 
     def has_work(self) -> bool:
         return bool(self._passes) or self._ready(self.clock())
@@ -208,5 +212,6 @@ def events_for(items: list[EncodeItem], values: list[Any]) -> list[tuple[EncodeJ
 
 
 def error_events(jobs: list[EncodeJob], exc: Exception) -> list[tuple[EncodeJob, Any]]:
-    return [(j, EncodeEvent(error=exc, finish_reason="error")) for j in jobs
-            if j.handle is not None]
+    return [
+        (j, EncodeEvent(error=exc, finish_reason="error")) for j in jobs if j.handle is not None
+    ]

@@ -30,11 +30,22 @@ SUPPORTED_TYPES = BERT_TYPES | ROBERTA_TYPES
 # erf as a rational function of x (Eigen's / XLA's float32 erf, max error ~5e-7): MLX's
 # CPU erf/tanh/exp are scalar libm calls at ~25 ns per element and made GELU most of an
 # encoder's time; multiply-adds vectorise and fuse under mx.compile (7x faster here).
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-          -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-          -7.37332916720468e-03, -1.42647390514189e-02)
+_ERF_P = (
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+)
+_ERF_Q = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
 
 
 def _erf(x: mx.array) -> mx.array:
@@ -86,8 +97,10 @@ class EncoderConfig:
     def from_hf(cls, cfg: dict[str, Any], *, with_head: bool) -> EncoderConfig:
         mt = str(cfg.get("model_type") or "")
         if mt not in SUPPORTED_TYPES:
-            raise ValueError(f"encoder model_type {mt!r} is not supported (supported: "
-                             f"{', '.join(sorted(SUPPORTED_TYPES))})")
+            raise ValueError(
+                f"encoder model_type {mt!r} is not supported (supported: "
+                f"{', '.join(sorted(SUPPORTED_TYPES))})"
+            )
         pet = cfg.get("position_embedding_type") or "absolute"
         if pet != "absolute":
             raise ValueError(f"position_embedding_type {pet!r} is not supported")
@@ -107,8 +120,11 @@ class EncoderConfig:
             hidden_act=act,
             type_vocab_size=int(cfg.get("type_vocab_size") or 1),
             layer_norm_eps=float(cfg.get("layer_norm_eps") or 1e-12),
-            pad_token_id=int(cfg.get("pad_token_id") if cfg.get("pad_token_id") is not None
-                             else (1 if mt in ROBERTA_TYPES else 0)),
+            pad_token_id=int(
+                cfg.get("pad_token_id")
+                if cfg.get("pad_token_id") is not None
+                else (1 if mt in ROBERTA_TYPES else 0)
+            ),
             num_labels=num_labels,
         )
 
@@ -143,8 +159,11 @@ class Embeddings(nn.Module):
             pos = mx.arange(L, dtype=mx.int32)[None]
         if types is None:
             types = mx.zeros_like(ids)
-        h = self.word_embeddings(ids) + self.position_embeddings(pos) \
+        h = (
+            self.word_embeddings(ids)
+            + self.position_embeddings(pos)
             + self.token_type_embeddings(types)
+        )
         return self.LayerNorm(h)
 
 
@@ -263,19 +282,18 @@ class EncoderModel(nn.Module):
                 self.pooler = Pooler(c)
                 self.classifier = nn.Linear(c.hidden_size, c.num_labels)
 
-    def hidden(self, ids: mx.array, mask: mx.array, types: mx.array | None = None
-               ) -> mx.array:
+    def hidden(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
         h = self.embeddings(ids, mask, types)
         dtype = h.dtype
         # Additive attention bias over keys: 0 for tokens, a large negative for padding.
-        bias = ((1 - mask.astype(dtype)) * mx.array(-1e9 if dtype == mx.float32 else -3e4,
-                                                    dtype))[:, None, None, :]
+        bias = ((1 - mask.astype(dtype)) * mx.array(-1e9 if dtype == mx.float32 else -3e4, dtype))[
+            :, None, None, :
+        ]
         for layer in self.encoder.layer:
             h = layer(h, bias)
         return h
 
-    def classify(self, ids: mx.array, mask: mx.array, types: mx.array | None = None
-                 ) -> mx.array:
+    def classify(self, ids: mx.array, mask: mx.array, types: mx.array | None = None) -> mx.array:
         h = self.hidden(ids, mask, types)
         if self.config.is_roberta:
             return self.classifier(h)
@@ -295,7 +313,7 @@ def map_weights(weights: dict[str, mx.array], c: EncoderConfig) -> dict[str, mx.
         k = key
         for p in prefixes + ("model.",):
             if k.startswith(p):
-                k = k[len(p):]
+                k = k[len(p) :]
                 break
         for old, new in _LEGACY.items():
             if k.endswith(old):
@@ -310,14 +328,16 @@ def map_weights(weights: dict[str, mx.array], c: EncoderConfig) -> dict[str, mx.
     return out
 
 
-def load_encoder(path: Path, cfg: dict[str, Any], *, with_head: bool,
-                 dtype: Any | None, fuse_qkv: bool = True) -> EncoderModel:
+def load_encoder(
+    path: Path, cfg: dict[str, Any], *, with_head: bool, dtype: Any | None, fuse_qkv: bool = True
+) -> EncoderModel:
     """Build the model for ``cfg`` and load ``path``'s safetensors into it (strictly)."""
     c = EncoderConfig.from_hf(cfg, with_head=with_head)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
-            f"no .safetensors weights in {path} (pytorch_model.bin alone is not supported)")
+            f"no .safetensors weights in {path} (pytorch_model.bin alone is not supported)"
+        )
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
@@ -326,8 +346,10 @@ def load_encoder(path: Path, cfg: dict[str, Any], *, with_head: bool,
         c.type_vocab_size = weights["embeddings.token_type_embeddings.weight"].shape[0]
     model = EncoderModel(c)
     if dtype is not None:
-        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-                   for k, v in weights.items()}
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
     model.load_weights(list(weights.items()), strict=True)
     if fuse_qkv:
         for layer in model.encoder.layer:

@@ -29,8 +29,10 @@ def bounded_prompt_cache(model: Any, max_kv_size: int) -> list[Any]:
     ``keep=0``: mlx-lm's batched rotating cache keeps no attention-sink tokens, so a
     per-sequence ``keep`` would be dropped as soon as the sequence joins the batch.
     """
-    return [RotatingKVCache(max_size=max_kv_size, keep=0) if type(c) is KVCache else c
-            for c in make_prompt_cache(model)]
+    return [
+        RotatingKVCache(max_size=max_kv_size, keep=0) if type(c) is KVCache else c
+        for c in make_prompt_cache(model)
+    ]
 
 
 def can_bound(model: Any) -> bool:
@@ -50,8 +52,16 @@ class BoundedBatchGenerator(ServingBatchGenerator):
         super().__init__(model, max_kv_size=max_kv_size, **kwargs)
         self._bound = max_kv_size
 
-    def insert_segments(self, segments: list, max_tokens: Any = None,
-                        caches: list | None = None, *args: Any, **kwargs: Any) -> Any:
-        caches = [c if c is not None else bounded_prompt_cache(self.model, self._bound)
-                  for c in (caches or [None] * len(segments))]
+    def insert_segments(
+        self,
+        segments: list,
+        max_tokens: Any = None,
+        caches: list | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        caches = [
+            c if c is not None else bounded_prompt_cache(self.model, self._bound)
+            for c in (caches or [None] * len(segments))
+        ]
         return super().insert_segments(segments, max_tokens, caches, *args, **kwargs)

@@ -102,15 +102,23 @@ class DecodeEngine(abc.ABC):
     def kv_options(self) -> dict[str, Any]:
         """The KV-cache options this engine runs with (for /health)."""
         options = getattr(self, "options", None)  # engines/options.py's, by kind
-        return {k: getattr(options, k) for k in
-                ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")
-                if hasattr(options, k)}
+        return {
+            k: getattr(options, k)
+            for k in ("kv_bits", "kv_quant_scheme", "kv_group_size", "max_kv_size")
+            if hasattr(options, k)
+        }
 
-    def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
-                     grammar: Any = None, arm_after: tuple[int, ...] | None = None
-                     ) -> Sequence:
-        return Sequence(prompt_tokens=prompt_tokens, params=params, grammar=grammar,
-                        arm_after=arm_after)
+    def new_sequence(
+        self,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        grammar: Any = None,
+        arm_after: tuple[int, ...] | None = None,
+    ) -> Sequence:
+        return Sequence(
+            prompt_tokens=prompt_tokens, params=params, grammar=grammar, arm_after=arm_after
+        )
 
     @abc.abstractmethod
     def _sequences(self) -> list[Sequence]:
@@ -134,8 +142,9 @@ class DecodeEngine(abc.ABC):
         return out
 
     # -- what a step emits ---------------------------------------------------------------
-    def _emit(self, seq: Sequence, token: int | None, finish: str | None,
-              logprobs: mx.array | None) -> StepOutput:
+    def _emit(
+        self, seq: Sequence, token: int | None, finish: str | None, logprobs: mx.array | None
+    ) -> StepOutput:
         if token is not None:
             seq.generated += 1
         out = StepOutput(token, finish)

@@ -82,8 +82,9 @@ def read_sentence_transformers(path: Path, *, decoder: bool) -> SentenceTransfor
     bad = [p for p in pooling if p not in ("cls", "max", "mean", "mean_sqrt_len", "lasttoken")]
     if bad:
         raise ModelLoadError(f"pooling mode {bad[0]!r} is not supported")
-    return SentenceTransformerConfig(pooling, normalize, msl if isinstance(msl, int) else None,
-                                     dense)
+    return SentenceTransformerConfig(
+        pooling, normalize, msl if isinstance(msl, int) else None, dense
+    )
 
 
 def encoder_dtype(setting: str) -> Any:
@@ -99,8 +100,9 @@ class _DenseModule(nn.Module):
 
     def __init__(self, cfg: dict) -> None:
         super().__init__()
-        self.linear = nn.Linear(int(cfg["in_features"]), int(cfg["out_features"]),
-                                bias=bool(cfg.get("bias", True)))
+        self.linear = nn.Linear(
+            int(cfg["in_features"]), int(cfg["out_features"]), bias=bool(cfg.get("bias", True))
+        )
         act = str(cfg.get("activation_function") or "Identity").rsplit(".", 1)[-1]
         if act not in ("Tanh", "Identity"):
             raise ModelLoadError(f"Dense activation {act!r} is not supported")
@@ -147,8 +149,7 @@ class EmbeddingEngine(BatchingEncoder):
 
     kind = "embedding"
 
-    def __init__(self, name: str, path: Path, policy: BatchPolicy, *, dtype: str = "auto"
-                 ) -> None:
+    def __init__(self, name: str, path: Path, policy: BatchPolicy, *, dtype: str = "auto") -> None:
         super().__init__(name, policy)
         self.path = Path(path)
         cfg = read_json(self.path / "config.json")
@@ -186,8 +187,9 @@ class EmbeddingEngine(BatchingEncoder):
         except ModelLoadError:
             raise
         except Exception as exc:  # noqa: BLE001 - one clear load error
-            raise ModelLoadError(f"could not load embedding model '{name}' from {path}: "
-                                 f"{exc}") from exc
+            raise ModelLoadError(
+                f"could not load embedding model '{name}' from {path}: {exc}"
+            ) from exc
         if st.max_seq_length:
             limit = min(limit, st.max_seq_length)
         self.context_length = limit
@@ -203,14 +205,18 @@ class EmbeddingEngine(BatchingEncoder):
             self.policy.pass_overhead_tokens = 16
 
     # -- thread-safe tokenizer helpers -------------------------------------------------
-    def encode_inputs(self, inputs: list[str | list[int]], *, truncate: bool
-                      ) -> list[tuple[list[int], None]]:
+    def encode_inputs(
+        self, inputs: list[str | list[int]], *, truncate: bool
+    ) -> list[tuple[list[int], None]]:
         texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
         out: list[Any] = [None] * len(inputs)
         if texts:
-            ids = self.tokenizer.encode([t for _, t in texts], truncate=truncate,
-                                        positions=[i for i, _ in texts],
-                                        many=len(inputs) > 1)
+            ids = self.tokenizer.encode(
+                [t for _, t in texts],
+                truncate=truncate,
+                positions=[i for i, _ in texts],
+                many=len(inputs) > 1,
+            )
             for (i, _), x in zip(texts, ids, strict=True):
                 out[i] = (x, None)
         for i, x in enumerate(inputs):
@@ -218,8 +224,7 @@ class EmbeddingEngine(BatchingEncoder):
                 toks = list(x)
                 if len(toks) > self.context_length:
                     if not truncate:
-                        raise too_long(i, len(toks), self.context_length, "input",
-                                       len(inputs) > 1)
+                        raise too_long(i, len(toks), self.context_length, "input", len(inputs) > 1)
                     toks = toks[: self.context_length]
                 out[i] = (toks, None)
         return out
@@ -252,8 +257,9 @@ class EmbeddingEngine(BatchingEncoder):
 
         job = EncodeJob([EncodeItem(i, ids) for i, ids in enumerate(encoded)])
         out: list[Any] = [None] * len(encoded)
-        for p in split_by_length(job.items, self.policy.max_batch_tokens,
-                                 self.policy.pass_overhead_tokens):
+        for p in split_by_length(
+            job.items, self.policy.max_batch_tokens, self.policy.pass_overhead_tokens
+        ):
             for it, v in zip(p, self._forward(p), strict=True):
                 out[it.index] = v
         return np.stack(out)

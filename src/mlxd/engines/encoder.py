@@ -35,8 +35,11 @@ def batch_policy(settings: Any, **over: Any) -> BatchPolicy:
     b = getattr(settings, "batch", None)
     if b is None:
         return BatchPolicy(**over)
-    p = BatchPolicy(max_batch_size=b.max_batch_size, max_batch_tokens=b.max_batch_tokens,
-                    max_wait_s=b.max_wait_ms / 1000.0)
+    p = BatchPolicy(
+        max_batch_size=b.max_batch_size,
+        max_batch_tokens=b.max_batch_tokens,
+        max_wait_s=b.max_wait_ms / 1000.0,
+    )
     for k, v in over.items():
         setattr(p, k, v)
     return p
@@ -108,8 +111,7 @@ class BatchingEncoder(abc.ABC):
         try:
             values = self._forward(items)
         except Exception as exc:  # noqa: BLE001 - fail this pass's requests, keep the rest
-            log.exception("model %s: an encoder pass of %d inputs failed", self.name,
-                          len(items))
+            log.exception("model %s: an encoder pass of %d inputs failed", self.name, len(items))
             jobs = jobs_of(items)
             for j in jobs:
                 self._q.cancel(j)  # their other inputs need not run
@@ -174,52 +176,74 @@ class TextTokenizer:
         self._trunc.enable_truncation(max_length, strategy="longest_first")
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, texts: list[str], *, truncate: bool, param: str = "input",
-               positions: list[int] | None = None, many: bool | None = None
-               ) -> list[list[int]]:
+    def encode(
+        self,
+        texts: list[str],
+        *,
+        truncate: bool,
+        param: str = "input",
+        positions: list[int] | None = None,
+        many: bool | None = None,
+    ) -> list[list[int]]:
         """Token ids per text; ``positions`` (the texts' indices in the request) and
         ``many`` only shape the error message of an input that is too long."""
-        encs = self._plain.encode_batch(texts) if len(texts) > 1 else \
-            [self._plain.encode(texts[0])]
+        encs = self._plain.encode_batch(texts) if len(texts) > 1 else [self._plain.encode(texts[0])]
         out = []
         for i, e in enumerate(encs):
             ids = e.ids
             if len(ids) > self.max_length:
                 if not truncate:
-                    raise too_long(positions[i] if positions else i, len(ids), self.max_length,
-                                   param, len(texts) > 1 if many is None else many)
+                    raise too_long(
+                        positions[i] if positions else i,
+                        len(ids),
+                        self.max_length,
+                        param,
+                        len(texts) > 1 if many is None else many,
+                    )
                 ids = self._trunc.encode(texts[i]).ids
             out.append(list(ids))
         return out
 
-    def encode_pairs(self, first: str, seconds: list[str], *, truncate: bool,
-                     param: str = "documents") -> list[tuple[list[int], list[int]]]:
+    def encode_pairs(
+        self, first: str, seconds: list[str], *, truncate: bool, param: str = "documents"
+    ) -> list[tuple[list[int], list[int]]]:
         pairs = [(first, s) for s in seconds]
         encs = self._plain.encode_batch(pairs)
         out = []
         for i, e in enumerate(encs):
             if len(e.ids) > self.max_length:
                 if not truncate:
-                    raise too_long(i, len(e.ids), self.max_length, param, True,
-                                   what="query and document together")
+                    raise too_long(
+                        i,
+                        len(e.ids),
+                        self.max_length,
+                        param,
+                        True,
+                        what="query and document together",
+                    )
                 e = self._trunc.encode(*pairs[i])
             out.append((list(e.ids), list(e.type_ids)))
         return out
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        return [list(e.ids) for e in
-                self._plain.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [
+            list(e.ids)
+            for e in self._plain.encode_batch(texts, add_special_tokens=add_special_tokens)
+        ]
 
     def token_strings(self, ids: list[int]) -> list[str]:
         return [self._plain.id_to_token(i) or "" for i in ids]
 
 
-def too_long(i: int, n: int, limit: int, param: str, many: bool,
-             what: str = "input") -> ContextLengthExceeded:
+def too_long(
+    i: int, n: int, limit: int, param: str, many: bool, what: str = "input"
+) -> ContextLengthExceeded:
     where = f"{param}[{i}]" if many else param
     return ContextLengthExceeded(
         f"{where}: the {what} has {n} tokens, more than this model's maximum of {limit}; "
-        "shorten it or send truncate: true", param=where)
+        "shorten it or send truncate: true",
+        param=where,
+    )
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -236,8 +260,9 @@ def load_tokenizer(path: Path) -> Any:
         fast = AutoTokenizer.from_pretrained(str(path), use_fast=True)
         return Tokenizer.from_str(fast.backend_tokenizer.to_str())
     except Exception as exc:  # noqa: BLE001 - one clear error
-        raise InvalidRequest(f"{path}: no usable tokenizer (tokenizer.json or a "
-                             f"transformers fast tokenizer): {exc}") from exc
+        raise InvalidRequest(
+            f"{path}: no usable tokenizer (tokenizer.json or a transformers fast tokenizer): {exc}"
+        ) from exc
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -34,8 +34,9 @@ class GrammarProcessor:
     of a thinking part).
     """
 
-    def __init__(self, matcher: Any, eos_token_ids: Sequence[int],
-                 arm_after: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, matcher: Any, eos_token_ids: Sequence[int], arm_after: Sequence[int] | None = None
+    ) -> None:
         self.matcher = matcher
         self.eos = list(eos_token_ids)
         self._arm = tuple(arm_after or ())
@@ -52,7 +53,7 @@ class GrammarProcessor:
                 if self._pending and not self.matcher.is_stopped():
                     self.matcher.consume_token(token)
             else:
-                self._tail = (self._tail + [token])[-len(self._arm):]
+                self._tail = (self._tail + [token])[-len(self._arm) :]
                 if tuple(self._tail) == self._arm:
                     self.armed = True
         if not self.armed:
@@ -65,9 +66,11 @@ class GrammarProcessor:
             # (GuardedProcessors), never with an end-of-sequence that reads as "stop"
             raise GrammarError(
                 "the grammar engine could not follow this schema or grammar while generating "
-                f"({first_line(self.matcher.get_error())}); simplify it")
-        allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8),
-                                bitorder="little")[:vocab].astype(bool)
+                f"({first_line(self.matcher.get_error())}); simplify it"
+            )
+        allowed = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[
+            :vocab
+        ].astype(bool)
         if allowed.shape[0] < vocab:
             allowed = np.pad(allowed, (0, vocab - allowed.shape[0]))
         mask = mx.array(allowed)

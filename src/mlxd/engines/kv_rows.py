@@ -77,21 +77,21 @@ class RowPoolKVCache(BatchKVCache):
         b = self.rows
         self.offset = self.offset + n
         self._idx += n
-        self.keys[:b, :, prev:self._idx, :] = keys
-        self.values[:b, :, prev:self._idx, :] = values
+        self.keys[:b, :, prev : self._idx, :] = keys
+        self.values[:b, :, prev : self._idx, :] = values
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         b = self.rows
-        return self.keys[:b, :, :self._idx, :], self.values[:b, :, :self._idx, :]
+        return self.keys[:b, :, : self._idx, :], self.values[:b, :, : self._idx, :]
 
     def _grow(self, need: int) -> None:
         """More positions: one copy, as mlx-lm's grow makes, which gives back spare rows
         when fewer than half the capacity is live."""
         rows = self.capacity if self.rows * 2 > self.capacity else max(self.rows, 1)
         length = -(-need // self.step) * self.step
-        self.keys = _placed(self.keys[:rows, :, :self._idx, :], length)
-        self.values = _placed(self.values[:rows, :, :self._idx, :], length)
+        self.keys = _placed(self.keys[:rows, :, : self._idx, :], length)
+        self.values = _placed(self.values[:rows, :, : self._idx, :], length)
 
     # -- the batch's reshapes ------------------------------------------------------------
 
@@ -104,10 +104,12 @@ class RowPoolKVCache(BatchKVCache):
             return False
         shift = self._idx - other._idx
         if self._idx:  # the spare rows' earlier contents are overwritten, padding with 0s
-            self.keys[b:b + m, :, :self._idx, :] = _left_aligned(other, "keys", self.keys, m,
-                                                                 shift)
-            self.values[b:b + m, :, :self._idx, :] = _left_aligned(other, "values",
-                                                                   self.values, m, shift)
+            self.keys[b : b + m, :, : self._idx, :] = _left_aligned(
+                other, "keys", self.keys, m, shift
+            )
+            self.values[b : b + m, :, : self._idx, :] = _left_aligned(
+                other, "values", self.values, m, shift
+            )
         self._set_left(self.left + [p + shift for p in other_left])
         return True
 
@@ -120,11 +122,12 @@ class RowPoolKVCache(BatchKVCache):
         index = mx.array(keep)
         self.keys, self.values = self.keys[index], self.values[index]
 
-    def _write_rows(self, runs: list[tuple[int, int, int]], keys: mx.array,
-                    values: mx.array) -> None:
+    def _write_rows(
+        self, runs: list[tuple[int, int, int]], keys: mx.array, values: mx.array
+    ) -> None:
         for dst, start, stop in runs:
-            self.keys[dst:dst + stop - start] = keys[start:stop]
-            self.values[dst:dst + stop - start] = values[start:stop]
+            self.keys[dst : dst + stop - start] = keys[start:stop]
+            self.values[dst : dst + stop - start] = values[start:stop]
 
     def _keep_left(self, keep: list[int]) -> None:
         left = [self.left[i] for i in keep]
@@ -148,15 +151,16 @@ class RowPoolKVCache(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         cache = KVCache()
         start = self.left[idx]
-        cache.keys = mx.contiguous(self.keys[idx:idx + 1, :, start:self._idx])
-        cache.values = mx.contiguous(self.values[idx:idx + 1, :, start:self._idx])
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, start : self._idx])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, start : self._idx])
         cache.offset = cache.keys.shape[2]
         return cache
 
     # -- the rest of mlx-lm's protocol, on the live rows ---------------------------------
 
-    def prepare(self, *, left_padding: Any = None, lengths: Any = None,
-                right_padding: Any = None) -> None:
+    def prepare(
+        self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None
+    ) -> None:
         if left_padding is not None:
             raise ValueError("Left padding can only be added to an empty BatchKVCache")
         if right_padding is not None and max(right_padding) > 0:
@@ -253,29 +257,30 @@ def join_caches(a: BatchKVCache, b: BatchKVCache) -> RowPoolKVCache:
     start = 0
     for c, n in ((a, len(la)), (b, len(lb))):
         if c.keys is not None and c._idx:
-            keys[start:start + n, :, idx - c._idx:idx, :] = c.keys[:n, :, :c._idx, :]
-            values[start:start + n, :, idx - c._idx:idx, :] = c.values[:n, :, :c._idx, :]
+            keys[start : start + n, :, idx - c._idx : idx, :] = c.keys[:n, :, : c._idx, :]
+            values[start : start + n, :, idx - c._idx : idx, :] = c.values[:n, :, : c._idx, :]
         start += n
     left = [p + idx - a._idx for p in la] + [p + idx - b._idx for p in lb]
     return RowPoolKVCache(left, idx, keys, values)
 
 
-def _left_aligned(cache: BatchKVCache, part: str, like: mx.array, rows: int,
-                  shift: int) -> mx.array:
+def _left_aligned(
+    cache: BatchKVCache, part: str, like: mx.array, rows: int, shift: int
+) -> mx.array:
     """A joining group's keys or values over the batch's positions ``[0, end)``: zeros,
     then the group's ``[0, its end)``. Zeros and not whatever a spare row held before: a
     masked position weighs 0, and 0 times a stale inf would be NaN."""
     x = getattr(cache, part)
     if x is None or not cache._idx:
         return mx.zeros((rows, like.shape[1], shift, like.shape[3]), dtype=like.dtype)
-    x = x[..., :cache._idx, :]
+    x = x[..., : cache._idx, :]
     return mx.pad(x, [(0, 0), (0, 0), (shift, 0), (0, 0)]) if shift else x
 
 
 def _placed(x: mx.array, length: int) -> mx.array:
     """``x`` at the start of zeroed arrays ``length`` positions long."""
     out = mx.zeros((*x.shape[:2], length, x.shape[3]), dtype=x.dtype)
-    out[:, :, :x.shape[2], :] = x
+    out[:, :, : x.shape[2], :] = x
     return out
 
 

@@ -60,8 +60,7 @@ class LLMEngine(DecodeEngine):
 
     kind = "chat"
 
-    def __init__(self, name: str, path: Path, options: TextEngineOptions | None = None
-                 ) -> None:
+    def __init__(self, name: str, path: Path, options: TextEngineOptions | None = None) -> None:
         """Load ``path`` as ``name`` with ``options`` (engines/options.py; None: a bare
         engine's defaults)."""
         super().__init__()
@@ -78,8 +77,7 @@ class LLMEngine(DecodeEngine):
             # prefix cache stays off (engines/tensor_parallel.py says why)
             o = replace(o, prefix_cache_bytes=0)
             self.tp_id = tensor_parallel.new_engine_id()
-            tensor_parallel.publish(("load", self.tp_id, name, str(self.path),
-                                     o.for_followers()))
+            tensor_parallel.publish(("load", self.tp_id, name, str(self.path), o.for_followers()))
         self.options = o
         trust_remote_code = o.trust_remote_code
         # a load that fails here after the followers were told: they drop their shard
@@ -87,7 +85,9 @@ class LLMEngine(DecodeEngine):
             try:
                 # trust_remote_code: models.trust_remote_code, off unless the operator says so
                 model, tokenizer, config = mlx_lm_load(
-                    str(self.path), return_config=True, trust_remote_code=trust_remote_code,
+                    str(self.path),
+                    return_config=True,
+                    trust_remote_code=trust_remote_code,
                     tokenizer_config={"trust_remote_code": trust_remote_code},
                     adapter_path=str(adapter_path.expanduser()) if adapter_path else None,
                     lazy=sharded,
@@ -108,12 +108,15 @@ class LLMEngine(DecodeEngine):
             # tokens per step, decode rows first (engines/serving_batch.py)
             self._step_tokens = step_budget(o.max_step_tokens, mx.default_device() != mx.cpu)
             if o.max_kv_size is not None and not can_bound(self.model):
-                raise ModelLoadError(f"max_kv_size is set for '{name}', but none of its layers "
-                                     "keeps a plain KV cache that a bound could rotate")
+                raise ModelLoadError(
+                    f"max_kv_size is set for '{name}', but none of its layers "
+                    "keeps a plain KV cache that a bound could rotate"
+                )
             # None: on a GPU only (see _admit, and engines/serving_batch.py for leaves)
             on_gpu = mx.default_device() != mx.cpu
-            self._clean_groups = on_gpu if o.clean_prefill_groups is None \
-                else o.clean_prefill_groups
+            self._clean_groups = (
+                on_gpu if o.clean_prefill_groups is None else o.clean_prefill_groups
+            )
             self._defer_leaves = on_gpu if o.defer_leaves is None else o.defer_leaves
             self._gen: Any = None  # built by bind(), on the device thread
             self._seqs: dict[int, Sequence] = {}
@@ -122,10 +125,10 @@ class LLMEngine(DecodeEngine):
             self.prefix_cache = PrefixCache(o.prefix_cache_bytes, o.prefix_cache_min_tokens)
             self.disk: DiskPrefixCache | None = None
             self._disk_writes_all = o.prefix_cache_disk_writes == "all"
-            if o.prefix_cache_bytes > 0 and o.prefix_cache_disk_bytes > 0 \
-                    and o.prefix_cache_dir:
-                self.disk = self._open_disk_tier(o.prefix_cache_dir, o.prefix_cache_disk_bytes,
-                                                 o.prefix_cache_disk_min_tokens)
+            if o.prefix_cache_bytes > 0 and o.prefix_cache_disk_bytes > 0 and o.prefix_cache_dir:
+                self.disk = self._open_disk_tier(
+                    o.prefix_cache_dir, o.prefix_cache_disk_bytes, o.prefix_cache_disk_min_tokens
+                )
             self._loading: list[tuple[Sequence, Future]] = []  # waiting for a disk-tier read
             # Reads not yet taken into the memory tier, by entry: a newcomer arriving after a
             # read finished but before this thread inserted its prefix shares that read
@@ -137,16 +140,25 @@ class LLMEngine(DecodeEngine):
             self.speculative_off_reason: str | None = None
             if o.speculative != "off" and sharded:
                 # the followers replay plain batch steps only (engines/tensor_parallel.py)
-                self.speculative_off_reason = (f"{tensor_parallel.mode()} parallel: ranks "
-                                               "replay plain steps only")
-                log.warning("speculative decoding is off for '%s': %s", name,
-                            self.speculative_off_reason)
+                self.speculative_off_reason = (
+                    f"{tensor_parallel.mode()} parallel: ranks replay plain steps only"
+                )
+                log.warning(
+                    "speculative decoding is off for '%s': %s", name, self.speculative_off_reason
+                )
             elif o.speculative != "off":
                 self.speculator = self._speculator(
-                    o.speculative, o.draft_path, o.dtype, trust_remote_code,
-                    Speculator(o.speculative, num_draft=o.num_draft_tokens,
-                               max_batch=o.speculative_max_batch,
-                               min_acceptance=o.speculative_min_acceptance))
+                    o.speculative,
+                    o.draft_path,
+                    o.dtype,
+                    trust_remote_code,
+                    Speculator(
+                        o.speculative,
+                        num_draft=o.num_draft_tokens,
+                        max_batch=o.speculative_max_batch,
+                        min_acceptance=o.speculative_min_acceptance,
+                    ),
+                )
             self._spec_reported = (0, 0, 0, 0)
             mx.eval(self.model.parameters())
             # a first token from the prefill pass (engines/prompt_end.py); rank groups keep
@@ -158,42 +170,56 @@ class LLMEngine(DecodeEngine):
                 mx.eval(draft.parameters())
                 self.nbytes += sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
 
-    def _speculator(self, mode: str, draft_path: str | Path | None, dtype: str,
-                    trust_remote_code: bool, spec: Speculator) -> Speculator | None:
+    def _speculator(
+        self,
+        mode: str,
+        draft_path: str | Path | None,
+        dtype: str,
+        trust_remote_code: bool,
+        spec: Speculator,
+    ) -> Speculator | None:
         """The speculation policy, or None (with the reason kept for /health) when this
         model's KV cache cannot be rolled back per row. A draft model that does not share
         this model's tokenizer is a load error: its drafts would be other tokens."""
         if self.options.max_kv_size is not None:
             self.speculative_off_reason = "max_kv_size: a rotating cache cannot roll back"
         elif not can_speculate(self.model):
-            self.speculative_off_reason = ("the model has layers without a plain KV cache "
-                                           "(sliding windows or recurrent state)")
+            self.speculative_off_reason = (
+                "the model has layers without a plain KV cache (sliding windows or recurrent state)"
+            )
         if self.speculative_off_reason is not None:
-            log.warning("speculative decoding is off for '%s': %s", self.name,
-                        self.speculative_off_reason)
+            log.warning(
+                "speculative decoding is off for '%s': %s", self.name, self.speculative_off_reason
+            )
             return None
         if mode == "draft":
             if draft_path is None:
                 raise ModelLoadError(f"speculative 'draft' for '{self.name}' needs a draft model")
             spec.drafter = DraftModel(
-                self._load_draft(Path(draft_path), dtype, trust_remote_code), self.vocab_size,
+                self._load_draft(Path(draft_path), dtype, trust_remote_code),
+                self.vocab_size,
                 self.options.prefill_step_size,
                 # the catch-up lengths the warm-up runs (DraftModel.warm)
-                max_catch_up=spec.num_draft + 1 if compiles_per_shape() else None)
+                max_catch_up=spec.num_draft + 1 if compiles_per_shape() else None,
+            )
         return spec
 
     def _load_draft(self, path: Path, dtype: str, trust_remote_code: bool) -> Any:
         try:
             model, tokenizer, config = mlx_lm_load(
-                str(path), return_config=True, trust_remote_code=trust_remote_code,
-                tokenizer_config={"trust_remote_code": trust_remote_code})
+                str(path),
+                return_config=True,
+                trust_remote_code=trust_remote_code,
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+            )
         except Exception as exc:  # noqa: BLE001 - as for the model itself
             raise ModelLoadError(f"could not load draft model from {path}: {exc}") from exc
         if tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise ModelLoadError(
                 f"draft model {path.name} does not share the tokenizer of '{self.name}' "
                 "(their vocabularies differ), so its drafts would be other tokens: pick a "
-                "draft model of the same family")
+                "draft model of the same family"
+            )
         ours, theirs = _special_tokens(self.tokenizer), _special_tokens(tokenizer)
         if ours != theirs:
             i = min(set(ours.items()) ^ set(theirs.items()))[0]
@@ -202,35 +228,48 @@ class LLMEngine(DecodeEngine):
                 f"(their special tokens differ, first at id {i}: "
                 f"{ours.get(i, 'not special')!r} for '{self.name}', "
                 f"{theirs.get(i, 'not special')!r} for the draft), so it was set up for "
-                "another format: pick a draft model of the same family")
+                "another format: pick a draft model of the same family"
+            )
         if set(tokenizer.eos_token_ids) != set(self.eos_token_ids):
             # Not a refusal: the served model alone decides where a sequence ends (drafts
             # past the draft's own EOS are verified like any other token), and a base model
             # drafting for its instruct sibling differs only here.
-            log.warning("draft model %s ends sequences with other tokens (EOS %s) than '%s' "
-                        "(EOS %s): probably another variant of the family (base or "
-                        "instruct), whose drafts may agree less; output is unchanged",
-                        path.name, sorted(tokenizer.eos_token_ids), self.name,
-                        self.eos_token_ids)
+            log.warning(
+                "draft model %s ends sequences with other tokens (EOS %s) than '%s' "
+                "(EOS %s): probably another variant of the family (base or "
+                "instruct), whose drafts may agree less; output is unchanged",
+                path.name,
+                sorted(tokenizer.eos_token_ids),
+                self.name,
+                self.eos_token_ids,
+            )
         if not can_speculate(model):
-            raise ModelLoadError(f"draft model {path.name} has layers without a plain KV "
-                                 "cache, which drafting cannot roll back")
+            raise ModelLoadError(
+                f"draft model {path.name} has layers without a plain KV "
+                "cache, which drafting cannot roll back"
+            )
         apply_dtype(model, config, dtype)
         return model
 
-    def _open_disk_tier(self, root: Path, max_bytes: int, min_tokens: int
-                        ) -> DiskPrefixCache | None:
+    def _open_disk_tier(
+        self, root: Path, max_bytes: int, min_tokens: int
+    ) -> DiskPrefixCache | None:
         """The disk tier in this model's fingerprint folder; None (and a warning) when the
         folder cannot be used: the server still serves, from the memory tier alone."""
         import mlx_lm
 
-        extra = {"dtype": str(self.dtype), "max_kv_size": self.options.max_kv_size,
-                 "mlx_lm": mlx_lm.__version__,
-                 "adapter": model_fingerprint(Path(self.adapter_path).expanduser(), {})
-                 if self.adapter_path else None}
+        extra = {
+            "dtype": str(self.dtype),
+            "max_kv_size": self.options.max_kv_size,
+            "mlx_lm": mlx_lm.__version__,
+            "adapter": model_fingerprint(Path(self.adapter_path).expanduser(), {})
+            if self.adapter_path
+            else None,
+        }
         try:
-            return DiskPrefixCache(root, model_fingerprint(self.path, extra), max_bytes,
-                                   min_tokens, self.name)
+            return DiskPrefixCache(
+                root, model_fingerprint(self.path, extra), max_bytes, min_tokens, self.name
+            )
         except OSError as exc:
             log.warning("prefix cache on disk is off for %s: %s", self.name, exc)
             return None
@@ -273,8 +312,9 @@ class LLMEngine(DecodeEngine):
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if o.max_kv_size is not None:
-            return BoundedBatchGenerator(self.model, max_kv_size=o.max_kv_size,
-                                         defer_leaves=self._defer_leaves, **common)
+            return BoundedBatchGenerator(
+                self.model, max_kv_size=o.max_kv_size, defer_leaves=self._defer_leaves, **common
+            )
         return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
@@ -325,12 +365,13 @@ class LLMEngine(DecodeEngine):
             if got is not None and id(fut) not in inserted:
                 tokens, cache = got
                 # the entry matched this sequence's salt: the file and the request share it
-                self.prefix_cache.insert(tokens.tolist(), cache, reused=True,
-                                         salt=seq.cache_salt)
+                self.prefix_cache.insert(tokens.tolist(), cache, reused=True, salt=seq.cache_salt)
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
-                if got is not None and \
-                        self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt) > 0:
+                if (
+                    got is not None
+                    and self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt) > 0
+                ):
                     self.disk.count_hit()
                 else:
                     self.disk.count_miss()
@@ -386,8 +427,7 @@ class LLMEngine(DecodeEngine):
         self._poll_loads()
         if not self._pending:
             return failed
-        room = (self._gen.clean_group_room() if self._clean_groups
-                else len(self._pending))
+        room = self._gen.clean_group_room() if self._clean_groups else len(self._pending)
         if room == 0 or time.monotonic() < self._admit_at():
             return failed
         batch, self._pending = self._pending[:room], self._pending[room:]
@@ -407,10 +447,10 @@ class LLMEngine(DecodeEngine):
         caches = [c for _, _, c, _ in ready]
         try:
             uids = self._gen.insert(
-                [s.prompt_tokens[s.cached_tokens:] for s, _, _, _ in ready],
+                [s.prompt_tokens[s.cached_tokens :] for s, _, _, _ in ready],
                 max_tokens=[s.params.max_tokens for s, _, _, _ in ready],
                 caches=caches if any(c is not None for c in caches) else None,
-                all_tokens=[list(s.prompt_tokens[:s.cached_tokens]) for s, _, _, _ in ready],
+                all_tokens=[list(s.prompt_tokens[: s.cached_tokens]) for s, _, _, _ in ready],
                 samplers=[sm for _, sm, _, _ in ready],
                 logits_processors=[p for _, _, _, p in ready],
             )
@@ -442,8 +482,7 @@ class LLMEngine(DecodeEngine):
         """The prefix cache's KV for the start of ``seq``'s prompt (sets cached_tokens)."""
         cache, seq.cached_tokens = None, 0
         if self.prefix_cache.enabled:
-            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens,
-                                                                seq.cache_salt)
+            cache, seq.cached_tokens = self.prefix_cache.lookup(seq.prompt_tokens, seq.cache_salt)
         return cache
 
     def _processors(self, seq: Sequence) -> list:
@@ -452,8 +491,7 @@ class LLMEngine(DecodeEngine):
         processors = build_logits_processors(seq.params)
         if seq.grammar is not None:
             # last, so that nothing after it can lift the grammar's mask
-            processors.append(GrammarProcessor(seq.grammar, self.eos_token_ids,
-                                               seq.arm_after))
+            processors.append(GrammarProcessor(seq.grammar, self.eos_token_ids, seq.arm_after))
         return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
     def stats(self) -> dict[str, Any]:
@@ -464,8 +502,7 @@ class LLMEngine(DecodeEngine):
         if step_stats is not None:
             out["step_budget"] = step_stats.as_dict()
         if self.speculator is not None:
-            out["speculative"] = {"mode": self.speculator.mode,
-                                  **self.speculator.stats.as_dict()}
+            out["speculative"] = {"mode": self.speculator.mode, **self.speculator.stats.as_dict()}
         elif self.speculative_off_reason is not None:
             out["speculative"] = {"mode": "off", "reason": self.speculative_off_reason}
         return out
@@ -480,11 +517,11 @@ class LLMEngine(DecodeEngine):
         if st is None or st.verify_steps == self._spec_reported[0] or self._warm_phases:
             return  # nothing new, or warm-up drafts (reset when it ends)
         now = (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.emitted_tokens)
-        steps, drafted, accepted, emitted = (a - b for a, b in zip(now, self._spec_reported,
-                                                                   strict=True))
+        steps, drafted, accepted, emitted = (
+            a - b for a, b in zip(now, self._spec_reported, strict=True)
+        )
         self._spec_reported = now
-        metrics.spec_decode_events(self.name, steps, drafted, accepted, emitted,
-                                   st.as_dict())
+        metrics.spec_decode_events(self.name, steps, drafted, accepted, emitted, st.as_dict())
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from
@@ -529,8 +566,7 @@ class LLMEngine(DecodeEngine):
             del self._seqs[seq.uid]
             seq.finished = True
             self._forget(seq.uid)
-            caches = self._gen.remove([seq.uid],
-                                      return_prompt_caches=self.prefix_cache.enabled)
+            caches = self._gen.remove([seq.uid], return_prompt_caches=self.prefix_cache.enabled)
             for cache, tokens in (caches or {}).values():
                 self._keep(seq, tokens, cache)
 
@@ -540,16 +576,17 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
-        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0,
-                                 salt=seq.cache_salt)
-        if self.disk is not None and self._warm_phases is None and (
-                self._disk_writes_all or seq.cached_tokens > 0):
+        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0, salt=seq.cache_salt)
+        if (
+            self.disk is not None
+            and self._warm_phases is None
+            and (self._disk_writes_all or seq.cached_tokens > 0)
+        ):
             self.disk.spill(tokens, cache, seq.cache_salt)
 
     def has_work(self) -> bool:
         self._poll_loads()
-        return bool(self._seqs) or (bool(self._pending)
-                                    and time.monotonic() >= self._admit_at())
+        return bool(self._seqs) or (bool(self._pending) and time.monotonic() >= self._admit_at())
 
     @property
     def num_running(self) -> int:
@@ -658,10 +695,15 @@ class LLMEngine(DecodeEngine):
                 ids = self.encode_messages([{"role": "user", "content": "Hello"}])
             except Exception:  # noqa: BLE001 - an odd template must not stop the load
                 ids = []
-        ids = ids or self.encode_prompt("Hello") or [self.eos_token_ids[0] if self.eos_token_ids
-                                                     else 0]
-        greedy, sampled = SamplingParams(max_tokens=3, temperature=0.0), \
-            SamplingParams(max_tokens=3, temperature=1.0)
+        ids = (
+            ids
+            or self.encode_prompt("Hello")
+            or [self.eos_token_ids[0] if self.eos_token_ids else 0]
+        )
+        greedy, sampled = (
+            SamplingParams(max_tokens=3, temperature=0.0),
+            SamplingParams(max_tokens=3, temperature=1.0),
+        )
         yield [self.new_sequence(ids, greedy), self.new_sequence(ids, sampled)]
         yield from self._warm_verify_batches(ids)
         if not compiles_per_shape():
@@ -726,8 +768,9 @@ class LLMEngine(DecodeEngine):
                 self.speculator.warm = False
                 self.speculator.stats = SpecStats()
                 self._spec_reported = (0, 0, 0, 0)
-            self.prefix_cache = PrefixCache(self.prefix_cache.max_bytes,
-                                            self.prefix_cache.min_hit_tokens)  # no warm-up KV
+            self.prefix_cache = PrefixCache(
+                self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens
+            )  # no warm-up KV
             if not self._warm_done.done():
                 self._warm_done.set_result(None)
             return

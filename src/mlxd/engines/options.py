@@ -21,18 +21,27 @@ def model_options(name: str, settings: Settings) -> dict[str, Any]:
     """The KV options, prefill chunk and adapter for ``name``: models.options.<name> over
     engine.*; models.adapter_path belongs to the default model."""
     e, m = settings.engine, settings.models
-    out: dict[str, Any] = {"kv_bits": e.kv_bits, "kv_quant_scheme": e.kv_quant_scheme,
-                           "kv_group_size": e.kv_group_size, "max_kv_size": e.max_kv_size,
-                           "prefill_step_size": e.prefill_step_size, "adapter_path": None}
+    out: dict[str, Any] = {
+        "kv_bits": e.kv_bits,
+        "kv_quant_scheme": e.kv_quant_scheme,
+        "kv_group_size": e.kv_group_size,
+        "max_kv_size": e.max_kv_size,
+        "prefill_step_size": e.prefill_step_size,
+        "adapter_path": None,
+    }
     default = Path(m.default).expanduser()
-    default_name = default.resolve().name if (
-        ("/" in m.default or m.default.startswith(".")) and default.is_dir()) else m.default
+    default_name = (
+        default.resolve().name
+        if (("/" in m.default or m.default.startswith(".")) and default.is_dir())
+        else m.default
+    )
     if name == default_name and m.adapter_path is not None:
         out["adapter_path"] = m.adapter_path
     opts = m.options.get(name)
     if opts is not None:  # the batch size is the model manager's (core/slots.py)
-        out.update({k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items()
-                    if v is not None})
+        out.update(
+            {k: v for k, v in opts.model_dump(exclude={"max_num_seqs"}).items() if v is not None}
+        )
     out["kv_quant_scheme"] = resolve_kv_quant_scheme(out["kv_bits"], out["kv_quant_scheme"])
     return out
 
@@ -41,8 +50,11 @@ def fixed_max_num_seqs(name: str, settings: Settings) -> int:
     """The batch size without a memory budget to size it by: a set number as it is, and
     for 'auto' the floor that auto never goes below."""
     opts = settings.models.options.get(name)
-    value = opts.max_num_seqs if opts is not None and opts.max_num_seqs is not None \
+    value = (
+        opts.max_num_seqs
+        if opts is not None and opts.max_num_seqs is not None
         else settings.engine.max_num_seqs
+    )
     return value if isinstance(value, int) else 8  # core/slots.py's AUTO_FLOOR
 
 
@@ -89,8 +101,14 @@ class TextEngineOptions:
                 object.__setattr__(self, key, Path(value))
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str, *, draft_path: Path | None = None,
-                      max_num_seqs: int | None = None) -> TextEngineOptions:
+    def from_settings(
+        cls,
+        settings: Settings,
+        name: str,
+        *,
+        draft_path: Path | None = None,
+        max_num_seqs: int | None = None,
+    ) -> TextEngineOptions:
         """``name``'s options on this server (``draft_path``: its draft model, with
         engine.speculative: draft; ``max_num_seqs``: the batch size the model manager
         resolved, None: :func:`fixed_max_num_seqs`). A quantized KV cache is refused here:
@@ -104,9 +122,11 @@ class TextEngineOptions:
                 f"{option_key(name, settings, 'kv_bits')} is set, but '{name}' is a text "
                 "model: mlx-lm's BatchGenerator cannot batch a quantized KV cache, so text "
                 "models do not take kv_bits (max_kv_size bounds their KV cache instead). "
-                "Set kv_bits per vision model under models.options.<name>.kv_bits.")
+                "Set kv_bits per vision model under models.options.<name>.kv_bits."
+            )
         return cls(
-            max_num_seqs=max_num_seqs if max_num_seqs is not None
+            max_num_seqs=max_num_seqs
+            if max_num_seqs is not None
             else fixed_max_num_seqs(name, settings),
             prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"],
@@ -135,12 +155,15 @@ class TextEngineOptions:
         command link (``TextEngineOptions(**it)`` there): the same batch and weights, no
         prefix cache and no speculation (engines/tensor_parallel.py says why)."""
         return dict(
-            max_num_seqs=self.max_num_seqs, prefill_batch_size=self.prefill_batch_size,
-            prefill_step_size=self.prefill_step_size, max_step_tokens=self.max_step_tokens,
+            max_num_seqs=self.max_num_seqs,
+            prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=self.prefill_step_size,
+            max_step_tokens=self.max_step_tokens,
             dtype=self.dtype,
             trust_remote_code=self.trust_remote_code,
             adapter_path=str(self.adapter_path) if self.adapter_path is not None else None,
-            max_kv_size=self.max_kv_size)
+            max_kv_size=self.max_kv_size,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,22 +189,31 @@ class VisionEngineOptions:
         if self.adapter_path is not None and not isinstance(self.adapter_path, Path):
             object.__setattr__(self, "adapter_path", Path(self.adapter_path))
         # the scheme mlx-vlm will use, so that /health shows it (config.py's rule)
-        object.__setattr__(self, "kv_quant_scheme",
-                           resolve_kv_quant_scheme(self.kv_bits, self.kv_quant_scheme))
+        object.__setattr__(
+            self, "kv_quant_scheme", resolve_kv_quant_scheme(self.kv_bits, self.kv_quant_scheme)
+        )
 
     @classmethod
-    def from_settings(cls, settings: Settings, name: str, *, max_num_seqs: int | None = None
-                      ) -> VisionEngineOptions:
+    def from_settings(
+        cls, settings: Settings, name: str, *, max_num_seqs: int | None = None
+    ) -> VisionEngineOptions:
         """``name``'s options on this server (``max_num_seqs`` as for text models)."""
         e, v = settings.engine, settings.vision
         opts = model_options(name, settings)
         return cls(
-            max_num_seqs=max_num_seqs if max_num_seqs is not None
+            max_num_seqs=max_num_seqs
+            if max_num_seqs is not None
             else fixed_max_num_seqs(name, settings),
             prefill_batch_size=e.prefill_batch_size,
-            prefill_step_size=opts["prefill_step_size"], kv_bits=opts["kv_bits"],
-            kv_quant_scheme=opts["kv_quant_scheme"], kv_group_size=opts["kv_group_size"],
-            max_kv_size=opts["max_kv_size"], adapter_path=opts["adapter_path"],
-            dtype=settings.models.dtype, trust_remote_code=settings.models.trust_remote_code,
-            batching=v.batching, feature_cache_entries=v.feature_cache_entries,
-            feature_cache_bytes=v.feature_cache_bytes)
+            prefill_step_size=opts["prefill_step_size"],
+            kv_bits=opts["kv_bits"],
+            kv_quant_scheme=opts["kv_quant_scheme"],
+            kv_group_size=opts["kv_group_size"],
+            max_kv_size=opts["max_kv_size"],
+            adapter_path=opts["adapter_path"],
+            dtype=settings.models.dtype,
+            trust_remote_code=settings.models.trust_remote_code,
+            batching=v.batching,
+            feature_cache_entries=v.feature_cache_entries,
+            feature_cache_bytes=v.feature_cache_bytes,
+        )

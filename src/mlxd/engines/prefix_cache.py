@@ -76,8 +76,7 @@ def block_hashes(tokens: Any, limit: int | None = None, salt: str | None = None)
     """Chained hashes of the full blocks of ``tokens`` (of its first ``limit`` tokens),
     seeded with the cache salt (None: the unsalted chain)."""
     seq = tokens.tolist() if isinstance(tokens, np.ndarray) else tokens
-    return chained_block_hashes(seq, BLOCK, seed=0 if salt is None else ("salt", salt),
-                                limit=limit)
+    return chained_block_hashes(seq, BLOCK, seed=0 if salt is None else ("salt", salt), limit=limit)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -149,12 +148,17 @@ class PrefixCache:
         return len(self._entries)
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._entries), "bytes": self.nbytes,
-                "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
-                "tokens_saved": self.tokens_saved, "skipped": self.skipped}
+        return {
+            "entries": len(self._entries),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "tokens_saved": self.tokens_saved,
+            "skipped": self.skipped,
+        }
 
-    def lookup(self, tokens: list[int], salt: str | None = None
-               ) -> tuple[list[Any] | None, int]:
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[list[Any] | None, int]:
         """(cache holding the first n prompt tokens, n); (None, 0) without a useful match
         among the entries of ``salt``."""
         best_key, best_n = self._best(tokens, salt)
@@ -183,8 +187,7 @@ class PrefixCache:
         # A match ends within the block after the deepest shared one: if even that cannot
         # reach min_hit_tokens, no entry is worth comparing (the common case: prompts that
         # share only a chat template's preamble).
-        candidates = keys[-_CANDIDATES:] if (level + 1) * BLOCK - 1 >= self.min_hit_tokens \
-            else []
+        candidates = keys[-_CANDIDATES:] if (level + 1) * BLOCK - 1 >= self.min_hit_tokens else []
         if self.min_hit_tokens < BLOCK:
             candidates = [*candidates, *self._short]
         want = np.asarray(tokens, dtype=np.int64) if candidates else None
@@ -202,8 +205,7 @@ class PrefixCache:
             return None, 0
         return best_key, best_n
 
-    def _walk(self, tokens: list[int], limit: int, salt: str | None
-              ) -> tuple[int, list[int]]:
+    def _walk(self, tokens: list[int], limit: int, salt: str | None) -> tuple[int, list[int]]:
         """(the deepest block level ``tokens`` shares with an entry of ``salt``, the entries
         sharing it, oldest first)."""
         level, found = 0, []
@@ -228,8 +230,9 @@ class PrefixCache:
         if len(self._ghosts) > GHOSTS:
             self._ghosts.popitem(last=False)
 
-    def insert(self, tokens: list[int], cache: list[Any], *, reused: bool = False,
-               salt: str | None = None) -> bool:
+    def insert(
+        self, tokens: list[int], cache: list[Any], *, reused: bool = False, salt: str | None = None
+    ) -> bool:
         """Keep a finished sequence's KV under its cache ``salt``; True if kept. ``reused``:
         it started from a cached prefix, or a request is waiting for it (a disk-tier read),
         so a full tier takes it without the admission test."""

@@ -146,8 +146,7 @@ def read_header(path: Path) -> dict[str, str]:
         if n > min(size - 8, 64 << 20):
             raise ValueError("header longer than the file")
         header = json.loads(f.read(n))
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-              default=0)
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
         raise ValueError(f"file is {size} bytes, its header says {8 + n + end}")
     meta = header.get("__metadata__") or {}
@@ -166,8 +165,9 @@ def _decode_tokens(text: str) -> np.ndarray:
 class DiskPrefixCache:
     """One model's disk tier (see the module docstring)."""
 
-    def __init__(self, root: Path, fingerprint: str, max_bytes: int, min_tokens: int,
-                 model: str) -> None:
+    def __init__(
+        self, root: Path, fingerprint: str, max_bytes: int, min_tokens: int, model: str
+    ) -> None:
         self.dir = Path(root).expanduser() / fingerprint
         self.fingerprint = fingerprint
         self.max_bytes = max(0, int(max_bytes))
@@ -194,11 +194,19 @@ class DiskPrefixCache:
         return self.max_bytes > 0
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._entries), "bytes": self.nbytes,
-                "max_bytes": self.max_bytes, "hits": self.hits, "misses": self.misses,
-                "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-                "evictions": self.evictions, "removed_invalid": self.removed_bad,
-                "writes_pending": self._queued_bytes > 0, "writes_dropped": self.dropped}
+        return {
+            "entries": len(self._entries),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "evictions": self.evictions,
+            "removed_invalid": self.removed_bad,
+            "writes_pending": self._queued_bytes > 0,
+            "writes_dropped": self.dropped,
+        }
 
     # -- start -----------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -219,31 +227,50 @@ class DiskPrefixCache:
                 self._check(meta)
                 tokens = _decode_tokens(meta["tokens"])
                 salt = meta.get("salt") or None
-                if f.stem != meta["key"] or len(tokens) < self.min_tokens or \
-                        meta["key"] != entry_key(tokens, salt):
-                    raise ValueError("its name, key, tokens and salt disagree, or it is "
-                                     "shorter than prefix_cache_disk_min_tokens")
+                if (
+                    f.stem != meta["key"]
+                    or len(tokens) < self.min_tokens
+                    or meta["key"] != entry_key(tokens, salt)
+                ):
+                    raise ValueError(
+                        "its name, key, tokens and salt disagree, or it is "
+                        "shorter than prefix_cache_disk_min_tokens"
+                    )
                 st = f.stat()
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self._remove_bad(f, exc)
                 continue
-            found.append((st.st_mtime, DiskEntry(meta["key"], tokens, st.st_size,
-                                                 meta.get("trimmable") == "1",
-                                                 block_hashes(tokens, salt=salt), salt)))
+            found.append(
+                (
+                    st.st_mtime,
+                    DiskEntry(
+                        meta["key"],
+                        tokens,
+                        st.st_size,
+                        meta.get("trimmable") == "1",
+                        block_hashes(tokens, salt=salt),
+                        salt,
+                    ),
+                )
+            )
         for _, e in sorted(found, key=lambda x: x[0]):
             self._add(e)
         self._evict()
         metrics.prefix_disk_bytes.labels(self.model).set(self.nbytes)
         if found:
-            log.info("prefix cache on disk for %s: %d entries, %d bytes (%s)", self.model,
-                     len(self._entries), self.nbytes, self.dir)
+            log.info(
+                "prefix cache on disk for %s: %d entries, %d bytes (%s)",
+                self.model,
+                len(self._entries),
+                self.nbytes,
+                self.dir,
+            )
 
     def _check(self, meta: dict[str, str]) -> None:
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')!r}, not {FORMAT}")
         if meta.get("mlxd_version") != __version__:
-            raise ValueError(f"written by mlxd {meta.get('mlxd_version')}, this is "
-                             f"{__version__}")
+            raise ValueError(f"written by mlxd {meta.get('mlxd_version')}, this is {__version__}")
         if meta.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another model (fingerprint differs)")
 
@@ -288,8 +315,9 @@ class DiskPrefixCache:
             self.evictions += 1
             metrics.prefix_disk_evictions.labels(self.model).inc()
 
-    def _best(self, tokens: np.ndarray, limit: int, salt: str | None
-              ) -> tuple[DiskEntry | None, int]:
+    def _best(
+        self, tokens: np.ndarray, limit: int, salt: str | None
+    ) -> tuple[DiskEntry | None, int]:
         level, keys = 0, []
         for lv, h in enumerate(block_hashes(tokens, limit, salt), 1):
             found = self._index.get(h)
@@ -311,8 +339,7 @@ class DiskPrefixCache:
         return (best, best_n) if best_n >= self.min_tokens else (None, 0)
 
     # -- the device thread's calls ----------------------------------------------------------
-    def match(self, tokens: list[int], salt: str | None = None
-              ) -> tuple[DiskEntry | None, int]:
+    def match(self, tokens: list[int], salt: str | None = None) -> tuple[DiskEntry | None, int]:
         """(the entry of ``salt`` serving the longest prefix of ``tokens`` of at least
         ``min_tokens``, how many tokens it serves); the last prompt token always runs."""
         if not self.enabled or len(tokens) <= self.min_tokens:
@@ -362,17 +389,24 @@ class DiskPrefixCache:
         return True
 
     # -- the I/O threads -------------------------------------------------------------------
-    def _write(self, tokens: np.ndarray, cache: list[Any], nbytes: int,
-               salt: str | None = None) -> None:
+    def _write(
+        self, tokens: np.ndarray, cache: list[Any], nbytes: int, salt: str | None = None
+    ) -> None:
         key = entry_key(tokens, salt)
         tmp = self.dir / f"{key}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         final = self.dir / (key + SUFFIX)
         try:
             trimmable = can_trim_prompt_cache(cache)
-            meta = {"format": FORMAT, "mlxd_version": __version__,
-                    "fingerprint": self.fingerprint, "key": key,
-                    "tokens": _encode_tokens(tokens), "trimmable": "1" if trimmable else "0",
-                    "checksum": cache_checksum(cache), "salt": salt or ""}
+            meta = {
+                "format": FORMAT,
+                "mlxd_version": __version__,
+                "fingerprint": self.fingerprint,
+                "key": key,
+                "tokens": _encode_tokens(tokens),
+                "trimmable": "1" if trimmable else "0",
+                "checksum": cache_checksum(cache),
+                "salt": salt or "",
+            }
             save_prompt_cache(str(tmp), cache, meta)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -402,9 +436,13 @@ class DiskPrefixCache:
                 candidates = {k for h in entry.hashes for k in self._tails.get(h, ())}
                 for k in candidates:
                     e = self._entries.get(k)
-                    if e is not None and k != key and e.salt == salt and \
-                            len(e.tokens) <= len(tokens) and \
-                            common_prefix(e.tokens, tokens) >= len(e.tokens) - _NEAR:
+                    if (
+                        e is not None
+                        and k != key
+                        and e.salt == salt
+                        and len(e.tokens) <= len(tokens)
+                        and common_prefix(e.tokens, tokens) >= len(e.tokens) - _NEAR
+                    ):
                         self._delete(k)
             self._add(entry)
             self.bytes_written += size
@@ -423,8 +461,10 @@ class DiskPrefixCache:
                 mx.eval([c.state for c in cache])
                 if cache_checksum(cache) != meta.get("checksum"):
                     raise ValueError("checksum mismatch")
-                if not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens) or \
-                        (meta.get("salt") or None) != entry.salt:
+                if (
+                    not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens)
+                    or (meta.get("salt") or None) != entry.salt
+                ):
                     raise ValueError("tokens or salt differ from the index")
             except FileNotFoundError:
                 with self._lock:

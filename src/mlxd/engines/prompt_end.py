@@ -47,8 +47,10 @@ class _LastPositions(nn.Module):
 
 def _decoder(model: Any) -> Any:
     """The module whose ``norm`` is the model's final norm (mlx-lm's layout), or None."""
-    for inner in (getattr(model, "model", None),
-                  getattr(getattr(model, "language_model", None), "model", None)):
+    for inner in (
+        getattr(model, "model", None),
+        getattr(getattr(model, "language_model", None), "model", None),
+    ):
         if isinstance(inner, nn.Module) and isinstance(inner.get("norm"), nn.Module):
             return inner
     return None

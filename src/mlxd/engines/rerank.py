@@ -42,18 +42,17 @@ log = logging.getLogger(__name__)
 class CrossEncoderEngine(BatchingEncoder):
     kind = "reranker"
 
-    def __init__(self, name: str, path: Path, policy: BatchPolicy, *, dtype: str = "auto"
-                 ) -> None:
+    def __init__(self, name: str, path: Path, policy: BatchPolicy, *, dtype: str = "auto") -> None:
         super().__init__(name, policy)
         self.path = Path(path)
         cfg = read_json(self.path / "config.json")
         self.config = cfg
         try:
-            self.model = bert.load_encoder(self.path, cfg, with_head=True,
-                                           dtype=encoder_dtype(dtype))
+            self.model = bert.load_encoder(
+                self.path, cfg, with_head=True, dtype=encoder_dtype(dtype)
+            )
         except Exception as exc:  # noqa: BLE001 - one clear load error
-            raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}"
-                                 ) from exc
+            raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}") from exc
         limit = self.model.config.max_tokens
         tok_max = read_json(self.path / "tokenizer_config.json").get("model_max_length")
         if isinstance(tok_max, int) and 0 < tok_max < limit:
@@ -67,8 +66,9 @@ class CrossEncoderEngine(BatchingEncoder):
 
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
-    def encode_pairs(self, query: str, documents: list[str], *, truncate: bool,
-                     instruction: str | None = None) -> list[tuple[list[int], list[int]]]:
+    def encode_pairs(
+        self, query: str, documents: list[str], *, truncate: bool, instruction: str | None = None
+    ) -> list[tuple[list[int], list[int]]]:
         return self.tokenizer.encode_pairs(query, documents, truncate=truncate)
 
     def _forward(self, items: list[EncodeItem]) -> list[Any]:
@@ -103,8 +103,10 @@ class CrossEncoderEngine(BatchingEncoder):
 
 # -- LLM rerankers ------------------------------------------------------------------------------
 
-QWEN3_SYSTEM = ('Judge whether the Document meets the requirements based on the Query and '
-                'the Instruct provided. Note that the answer can only be "yes" or "no".')
+QWEN3_SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and "
+    'the Instruct provided. Note that the answer can only be "yes" or "no".'
+)
 QWEN3_PREFIX = f"<|im_start|>system\n{QWEN3_SYSTEM}<|im_end|>\n<|im_start|>user\n"
 QWEN3_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -128,8 +130,9 @@ class _Holder:
 class LLMRerankEngine(BatchingEncoder):
     kind = "reranker"
 
-    def __init__(self, name: str, source: Any, policy: BatchPolicy, *, qwen3_format: bool,
-                 shared: bool) -> None:
+    def __init__(
+        self, name: str, source: Any, policy: BatchPolicy, *, qwen3_format: bool, shared: bool
+    ) -> None:
         super().__init__(name, policy)
         self._src = source  # .model, .tokenizer, .context_length (an LLMEngine or _Holder)
         self.shared = shared
@@ -141,16 +144,20 @@ class LLMRerankEngine(BatchingEncoder):
             yes = [self._hf.convert_tokens_to_ids("yes")]
             no = [self._hf.convert_tokens_to_ids("no")]
         else:
-            yes, no = self._single_tokens(("yes", "Yes", " yes", " Yes", "YES")), \
-                self._single_tokens(("no", "No", " no", " No", "NO"))
+            yes, no = (
+                self._single_tokens(("yes", "Yes", " yes", " Yes", "YES")),
+                self._single_tokens(("no", "No", " no", " No", "NO")),
+            )
         if not yes or not no or any(i is None for i in yes + no):
-            raise ModelLoadError(f"'{name}' has no single-token 'yes'/'no': it cannot be used "
-                                 "as an LLM reranker")
+            raise ModelLoadError(
+                f"'{name}' has no single-token 'yes'/'no': it cannot be used as an LLM reranker"
+            )
         self.yes_ids, self.no_ids = sorted(set(yes)), sorted(set(no))
         self.pad_id = 0
         model = source.model
-        self._plain_head = getattr(model, "model_type", None) in _PLAIN_HEAD_TYPES \
-            and hasattr(model, "model")
+        self._plain_head = getattr(model, "model_type", None) in _PLAIN_HEAD_TYPES and hasattr(
+            model, "model"
+        )
         self.vocab_size = len(self._hf)
         self.nbytes = 0 if shared else _nbytes(model)
 
@@ -165,25 +172,33 @@ class LLMRerankEngine(BatchingEncoder):
         return cls(llm.name, llm, policy, qwen3_format=False, shared=True)
 
     @classmethod
-    def load(cls, name: str, path: Path, policy: BatchPolicy, *, dtype: str = "auto",
-             trust_remote_code: bool = False) -> LLMRerankEngine:
+    def load(
+        cls,
+        name: str,
+        path: Path,
+        policy: BatchPolicy,
+        *,
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> LLMRerankEngine:
         """A dedicated reranker checkpoint (Qwen3-Reranker and alike) with its own weights."""
         from mlx_lm.utils import load as mlx_lm_load
 
         try:
             model, tokenizer, config = mlx_lm_load(
-                str(path), return_config=True, trust_remote_code=trust_remote_code,
-                tokenizer_config={"trust_remote_code": trust_remote_code})
+                str(path),
+                return_config=True,
+                trust_remote_code=trust_remote_code,
+                tokenizer_config={"trust_remote_code": trust_remote_code},
+            )
         except Exception as exc:  # noqa: BLE001 - one clear load error
-            raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}"
-                                 ) from exc
+            raise ModelLoadError(f"could not load reranker '{name}' from {path}: {exc}") from exc
         dt = encoder_dtype(dtype)
         if dt is not None and "quantization" not in config:
             model.apply(lambda x: x.astype(dt) if mx.issubdtype(x.dtype, mx.floating) else x)
         mx.eval(model.parameters())
         ctx = int(config.get("max_position_embeddings") or 8192)
-        return cls(name, _Holder(model, tokenizer, ctx), policy, qwen3_format=True,
-                   shared=False)
+        return cls(name, _Holder(model, tokenizer, ctx), policy, qwen3_format=True, shared=False)
 
     def _single_tokens(self, spellings: tuple[str, ...]) -> list[int]:
         out = []
@@ -197,20 +212,23 @@ class LLMRerankEngine(BatchingEncoder):
     def _frame(self, query: str, instruction: str | None) -> tuple[str, str]:
         """The prompt text before and after the document."""
         if self.qwen3_format or not getattr(self._hf, "chat_template", None):
-            body = (f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
-                    f"<Document>: {_SENTINEL}")
+            body = (
+                f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
+                f"<Document>: {_SENTINEL}"
+            )
             text = QWEN3_PREFIX + body + QWEN3_SUFFIX
         else:
             # A general chat model is not trained on the <Instruct>/<Query>/<Document> tags;
             # the same judgement asked in plain words ranks far better (docs/benchmarks.md).
-            body = (f"Instruct: {instruction}\n" if instruction else "") + \
-                f"Query: {query}\nDocument: {_SENTINEL}\n{CHAT_QUESTION}"
-            text = self._render([{"role": "system", "content": QWEN3_SYSTEM},
-                                 {"role": "user", "content": body}])
+            body = (
+                f"Instruct: {instruction}\n" if instruction else ""
+            ) + f"Query: {query}\nDocument: {_SENTINEL}\n{CHAT_QUESTION}"
+            text = self._render(
+                [{"role": "system", "content": QWEN3_SYSTEM}, {"role": "user", "content": body}]
+            )
         pre, sep, post = text.partition(_SENTINEL)
         if not sep:
-            raise InvalidRequest("the model's chat template dropped the document",
-                                 param="model")
+            raise InvalidRequest("the model's chat template dropped the document", param="model")
         return pre, post
 
     def _render(self, messages: list[dict]) -> str:
@@ -218,34 +236,46 @@ class LLMRerankEngine(BatchingEncoder):
         try:
             return self._hf.apply_chat_template(messages, **kw)
         except Exception:  # noqa: BLE001 - templates without a system role
-            merged = [{"role": "user",
-                       "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}]
+            merged = [
+                {
+                    "role": "user",
+                    "content": messages[0]["content"] + "\n\n" + messages[1]["content"],
+                }
+            ]
             try:
                 return self._hf.apply_chat_template(merged, **kw)
             except Exception as exc:  # noqa: BLE001
                 raise InvalidRequest(f"chat template failed: {exc}", param="model") from exc
 
-    def encode_pairs(self, query: str, documents: list[str], *, truncate: bool,
-                     instruction: str | None = None) -> list[tuple[list[int], None]]:
+    def encode_pairs(
+        self, query: str, documents: list[str], *, truncate: bool, instruction: str | None = None
+    ) -> list[tuple[list[int], None]]:
         pre, post = self._frame(query, instruction)
-        enc = self._hf(
-            [pre + d + post for d in documents], add_special_tokens=False)["input_ids"]
+        enc = self._hf([pre + d + post for d in documents], add_special_tokens=False)["input_ids"]
         limit = self.context_length
         out: list[tuple[list[int], None]] = []
         fixed: tuple[list[int], list[int]] | None = None
         for i, ids in enumerate(enc):
             if len(ids) > limit:
                 if not truncate:
-                    raise too_long(i, len(ids), limit, "documents", len(documents) > 1,
-                                   what="prompt (query and document)")
+                    raise too_long(
+                        i,
+                        len(ids),
+                        limit,
+                        "documents",
+                        len(documents) > 1,
+                        what="prompt (query and document)",
+                    )
                 if fixed is None:
-                    fixed = (self._hf.encode(pre, add_special_tokens=False),
-                             self._hf.encode(post, add_special_tokens=False))
+                    fixed = (
+                        self._hf.encode(pre, add_special_tokens=False),
+                        self._hf.encode(post, add_special_tokens=False),
+                    )
                 room = limit - len(fixed[0]) - len(fixed[1])
                 if room < 1:
                     raise InvalidRequest(
-                        f"the query alone fills this model's {limit}-token context",
-                        param="query")
+                        f"the query alone fills this model's {limit}-token context", param="query"
+                    )
                 doc = self._hf.encode(documents[i], add_special_tokens=False)[:room]
                 ids = fixed[0] + doc + fixed[1]
             out.append((list(ids), None))
@@ -274,7 +304,7 @@ class LLMRerankEngine(BatchingEncoder):
             rows = max(1, _FULL_LOGITS_TOKENS // L)
             parts = []
             for i in range(0, B, rows):
-                parts.append(mx.take_along_axis(model(x[i:i + rows]), last[i:i + rows], axis=1))
+                parts.append(mx.take_along_axis(model(x[i : i + rows]), last[i : i + rows], axis=1))
                 mx.eval(parts[-1])
             logits = mx.concatenate(parts)
         logits = logits[:, 0, :].astype(mx.float32)
@@ -307,4 +337,5 @@ def is_causal_lm(cfg: dict) -> bool:
     archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) or (
         str(cfg.get("model_type") or "") not in bert.SUPPORTED_TYPES
-        and not any(a.endswith("ForSequenceClassification") for a in archs))
+        and not any(a.endswith("ForSequenceClassification") for a in archs)
+    )

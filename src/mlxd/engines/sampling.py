@@ -44,8 +44,9 @@ def _top_p(logprobs: mx.array, p: float) -> mx.array:
     # Keep a token if the mass before it is still below p: the top token always survives.
     keep = (cum - mx.exp(sorted_lp)) < p
     kept = mx.where(keep, sorted_lp, _NEG_INF)
-    return mx.put_along_axis(mx.full(logprobs.shape, _NEG_INF, logprobs.dtype), order, kept,
-                             axis=-1)
+    return mx.put_along_axis(
+        mx.full(logprobs.shape, _NEG_INF, logprobs.dtype), order, kept, axis=-1
+    )
 
 
 def _min_p(logprobs: mx.array, p: float) -> mx.array:

@@ -136,14 +136,13 @@ class ServingPromptBatch(PromptProcessingBatch):
             inputs = mx.array(tokens)
         logits = None
         if last:  # one pass: the scheduler's chunk plus the last token
-            logits = last_logits(self.model, inputs, self.prompt_cache,
-                                 [n - 1 for n in lengths])
+            logits = last_logits(self.model, inputs, self.prompt_cache, [n - 1 for n in lengths])
             mx.eval(logits, [c.state for c in self.prompt_cache])
             trim_buffer_cache()
         else:
             step = self.prefill_step_size
             for start in range(0, longest, step):
-                self.model(inputs[:, start:start + step], cache=self.prompt_cache)
+                self.model(inputs[:, start : start + step], cache=self.prompt_cache)
                 mx.eval([c.state for c in self.prompt_cache])
                 trim_buffer_cache()
         if padded:
@@ -189,8 +188,11 @@ class ServingGenerationBatch(GenerationBatch):
                 responses.append(self.Response(uid, tokens[i], logprobs[i], None, None, None))
                 continue
             # a copy: a row left in the batch goes on appending to its token list
-            responses.append(self.Response(uid, tokens[i], logprobs[i], finish,
-                                           self.extract_cache(i), list(self.tokens[i])))
+            responses.append(
+                self.Response(
+                    uid, tokens[i], logprobs[i], finish, self.extract_cache(i), list(self.tokens[i])
+                )
+            )
             done.add(uid)
             finished_now.append(i)
         if done and (not self.defer_leaves or len(done) >= len(self)):
@@ -241,15 +243,18 @@ class ServingGenerationBatch(GenerationBatch):
         :class:`RowPoolKVCache` s, written into spare rows (engines/kv_rows.py)."""
         self.compact()
         mine, theirs = self.prompt_cache, batch.prompt_cache
-        if (mine and theirs and all(c.keys is not None for c in mine)
-                and all(map(poolable, mine + theirs))):
+        if (
+            mine
+            and theirs
+            and all(c.keys is not None for c in mine)
+            and all(map(poolable, mine + theirs))
+        ):
             self.prompt_cache = [join_into(c, o) for c, o in zip(mine, theirs, strict=True)]
             batch.prompt_cache = []  # taken: mlx-lm's extend then keeps ours
         super().extend(batch)
 
 
-def prefilled_group(model: Any, group: PromptProcessingBatch, logits: mx.array
-                    ) -> GenerationBatch:
+def prefilled_group(model: Any, group: PromptProcessingBatch, logits: mx.array) -> GenerationBatch:
     """``group`` (prefilled through each row's last prompt token) as mlx-lm's generation
     batch, its first tokens sampled from ``logits`` (the prefill's last positions).
 
@@ -261,10 +266,17 @@ def prefilled_group(model: Any, group: PromptProcessingBatch, logits: mx.array
     (``extend``), which runs the model from then on.
     """
     batch = GenerationBatch(
-        lambda inputs, cache=None: logits[:, None, :], group.uids,
-        mx.array([t[-1] for t in group.tokens]), group.prompt_cache,
-        [t[:-1] for t in group.tokens], group.samplers, group.fallback_sampler,
-        group.logits_processors, group.stop_sequences, group.max_tokens)
+        lambda inputs, cache=None: logits[:, None, :],
+        group.uids,
+        mx.array([t[-1] for t in group.tokens]),
+        group.prompt_cache,
+        [t[:-1] for t in group.tokens],
+        group.samplers,
+        group.fallback_sampler,
+        group.logits_processors,
+        group.stop_sequences,
+        group.max_tokens,
+    )
     batch.model = model
     return batch
 
@@ -295,8 +307,15 @@ class ServingBatchGenerator(BatchGenerator):
     they join the one decode batch made here, which every step runs.
     """
 
-    def __init__(self, model: Any, *, defer_leaves: bool = False, prompt_end: bool = False,
-                 max_step_tokens: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        defer_leaves: bool = False,
+        prompt_end: bool = False,
+        max_step_tokens: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, **kwargs)
         self.prompt_end = prompt_end
         self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
@@ -307,8 +326,9 @@ class ServingBatchGenerator(BatchGenerator):
         self._generation_batch = batch
 
     def _empty_prompt_batch(self) -> ServingPromptBatch:
-        return ServingPromptBatch.empty(self.model, self.sampler,
-                                        prefill_step_size=self.prefill_step_size)
+        return ServingPromptBatch.empty(
+            self.model, self.sampler, prefill_step_size=self.prefill_step_size
+        )
 
     def _prefill_left(self, decode_tokens: int) -> int | None:
         """The prefill tokens a step may carry beside ``decode_tokens``; None: unbounded."""
@@ -353,9 +373,12 @@ class ServingBatchGenerator(BatchGenerator):
             return prompt_responses, generation_responses
         staying = len(self._currently_processing) - len(self._joining())
         left = self._prefill_left(fed + len(self._currently_processing) - staying)
-        n = min(self.prefill_batch_size - len(self._prompt_batch),
-                self._prompt_rows(left) - staying,
-                self.completion_batch_size - len(batch), len(self._unprocessed_sequences))
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self._prompt_rows(left) - staying,
+            self.completion_batch_size - len(batch),
+            len(self._unprocessed_sequences),
+        )
         if n > 0:
             self._prompt_batch.extend(self._make_batch(n))
         joining = self._joining()
@@ -372,18 +395,23 @@ class ServingBatchGenerator(BatchGenerator):
         for uid, seq in zip(prompts.uids, rows, strict=True):
             segments = seq[0]
             chunk = segments[0][:size]
-            segments[0] = segments[0][len(chunk):]
+            segments[0] = segments[0][len(chunk) :]
             end_of_segment = not segments[0]
             if end_of_segment:
                 segments.pop(0)
-            if (self.prompt_end and len(segments) == 1 and len(segments[0]) == 1
-                    and (left is None or len(chunk) < size)):
+            if (
+                self.prompt_end
+                and len(segments) == 1
+                and len(segments[0]) == 1
+                and (left is None or len(chunk) < size)
+            ):
                 chunk = chunk + segments.pop()  # the last token mlx-lm split off at insert
             seq[1] += len(chunk)
             chunks.append(chunk)
             ends.append(not segments)
-            prompt_responses.append(PromptProcessingBatch.Response(
-                uid, (seq[1], seq[2]), end_of_segment, not segments))
+            prompt_responses.append(
+                PromptProcessingBatch.Response(uid, (seq[1], seq[2]), end_of_segment, not segments)
+            )
         counters.prompt_tokens += sum(len(c) for c in chunks)
         self.step_stats.record(fed, len(chunks) * max(map(len, chunks), default=0))
         tic = time.perf_counter()
@@ -396,8 +424,7 @@ class ServingBatchGenerator(BatchGenerator):
                 group, self._prompt_batch = prompts, self._empty_prompt_batch()
             else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
                 group, logits = prompts.split(done), logits[mx.array(done)]
-            self._currently_processing = [
-                s for s, end in zip(rows, ends, strict=True) if not end]
+            self._currently_processing = [s for s, end in zip(rows, ends, strict=True) if not end]
             batch.extend(prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
@@ -406,8 +433,11 @@ class ServingBatchGenerator(BatchGenerator):
         """mlx-lm's path: the prompt rows prefilled up to their last token."""
         if self.prompt_end:
             return []
-        return [i for i, (segments, *_) in enumerate(self._currently_processing)
-                if len(segments) == 1 and len(segments[0]) == 1]
+        return [
+            i
+            for i, (segments, *_) in enumerate(self._currently_processing)
+            if len(segments) == 1 and len(segments[0]) == 1
+        ]
 
     def _join(self, split: list[int], prompt_responses: list) -> None:
         """mlx-lm's move of rows prefilled up to their last token into the decode batch,
@@ -451,8 +481,8 @@ class ServingBatchGenerator(BatchGenerator):
         """
         rows = self._currently_processing
         if self._unprocessed_sequences or (
-                rows and all(len(segments) == 1 and len(segments[0]) == 1
-                             for segments, *_ in rows)):
+            rows and all(len(segments) == 1 and len(segments[0]) == 1 for segments, *_ in rows)
+        ):
             return 0
         left = self._prefill_left(len(self._generation_batch.uids))
         return max(self._prompt_rows(left) - len(rows), 0)

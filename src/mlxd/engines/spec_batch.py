@@ -75,17 +75,26 @@ class SpeculativeGenerationBatch(GenerationBatch):
         # that inside the row's first verify step held its first token back by that pass
         # (CPU: TTFT 2.0 -> 4.6 s); instead the row's first token comes from this step
         # without a draft, and the draft's prompt pass is queued behind it.
-        fresh = ([(uid, list(self.tokens[i])) for i, uid in enumerate(self.uids)
-                  if self._num_tokens[i] == 0 and spec.drafts_with_model(uid)]
-                 if spec.drafter is not None and not spec.warm else [])
+        fresh = (
+            [
+                (uid, list(self.tokens[i]))
+                for i, uid in enumerate(self.uids)
+                if self._num_tokens[i] == 0 and spec.drafts_with_model(uid)
+            ]
+            if spec.drafter is not None and not spec.warm
+            else []
+        )
         skip = {uid for uid, _ in fresh}
         wanting = [uid not in skip and spec.wants_draft(uid) for uid in self.uids]
         drafts: list[list[int]] = []
         if any(wanting):
             pending = self._next_tokens.tolist()
             drafts = [
-                spec.propose(uid, [*self.tokens[i], pending[i]],
-                             self.max_tokens[i] - self._num_tokens[i] - 1) if want else []
+                spec.propose(
+                    uid, [*self.tokens[i], pending[i]], self.max_tokens[i] - self._num_tokens[i] - 1
+                )
+                if want
+                else []
                 for i, (uid, want) in enumerate(zip(self.uids, wanting, strict=True))
             ]
         if any(drafts):
@@ -100,8 +109,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         return out
 
     # -- the verify step -------------------------------------------------------------------
-    def _verify(self, pending: list[int], drafts: list[list[int]]
-                ) -> list[GenerationBatch.Response]:
+    def _verify(
+        self, pending: list[int], drafts: list[list[int]]
+    ) -> list[GenerationBatch.Response]:
         spec = self.speculator
         assert spec is not None
         n = len(self.uids)
@@ -109,8 +119,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         lens = [len(d) for d in drafts]
         padded = [d + [0] * (k - len(d)) for d in drafts]
         self.fed_tokens = n * (k + 1)
-        inputs = mx.array([[p, *d] for p, d in zip(pending, padded, strict=True)],
-                          dtype=mx.uint32)
+        inputs = mx.array([[p, *d] for p, d in zip(pending, padded, strict=True)], dtype=mx.uint32)
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
 
@@ -120,16 +129,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
             # rows with processors never draft: only their first position is used
             first = []
             for e in range(n):
-                row = logits[e:e + 1, 0]
+                row = logits[e : e + 1, 0]
                 processors = self.logits_processors[e] or ()
                 if processors:
-                    context = self._token_context[e].update_and_fetch(inputs[e:e + 1, 0])
+                    context = self._token_context[e].update_and_fetch(inputs[e : e + 1, 0])
                     token_context.append(context)
                     for proc in processors:
                         row = proc(context, row)
                 first.append(row)
-            logits = mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]],
-                                    axis=1)
+            logits = mx.concatenate([mx.concatenate(first, axis=0)[:, None], logits[:, 1:]], axis=1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
         accepted: list[Any] = [0] * n
@@ -139,21 +147,28 @@ class SpeculativeGenerationBatch(GenerationBatch):
         for i in range(n):
             if not lens[i]:  # a plain row inside the verify pass: its own sampler
                 sampler = (self.samplers[i] if self.samplers else None) or self.fallback_sampler
-                nxt[i] = sampler(logprobs[i:i + 1, 0])[0]
+                nxt[i] = sampler(logprobs[i : i + 1, 0])[0]
         if greedy:
             idx = mx.array(greedy)
-            acc, tok = verify_greedy(logprobs[idx], mx.array([padded[i] for i in greedy]),
-                                     mx.array([lens[i] for i in greedy]))
+            acc, tok = verify_greedy(
+                logprobs[idx],
+                mx.array([padded[i] for i in greedy]),
+                mx.array([lens[i] for i in greedy]),
+            )
             for j, i in enumerate(greedy):
                 accepted[i], nxt[i] = acc[j], tok[j]
         if sampled:
             p = mx.stack([spec.rows[self.uids[i]].dist(logprobs[i]) for i in sampled])
-            acc, tok = verify_sampled(p, mx.array([padded[i] for i in sampled]),
-                                      mx.array([lens[i] for i in sampled]))
+            acc, tok = verify_sampled(
+                p, mx.array([padded[i] for i in sampled]), mx.array([lens[i] for i in sampled])
+            )
             for j, i in enumerate(sampled):
                 accepted[i], nxt[i] = acc[j], tok[j]
-        acc_arr = mx.array([0] * n) if not (greedy or sampled) else mx.stack(
-            [a if isinstance(a, mx.array) else mx.array(a) for a in accepted])
+        acc_arr = (
+            mx.array([0] * n)
+            if not (greedy or sampled)
+            else mx.stack([a if isinstance(a, mx.array) else mx.array(a) for a in accepted])
+        )
         next_tokens = mx.stack(nxt).astype(mx.uint32)
         mx.eval(acc_arr, next_tokens, self._current_logprobs, token_context)
         acc_list: list[int] = acc_arr.tolist()
@@ -181,8 +196,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 spec.update(uid, lens[i], a)
         return self._respond(emitted, logprobs)
 
-    def _respond(self, emitted: list[list[int]], logprobs: mx.array
-                 ) -> list[GenerationBatch.Response]:
+    def _respond(
+        self, emitted: list[list[int]], logprobs: mx.array
+    ) -> list[GenerationBatch.Response]:
         """One response per emitted token, in order; a row that finishes mid-way (EOS,
         max_tokens) stops there, its cache and tokens cut back to the finishing token."""
         keep, responses = [], []
@@ -203,7 +219,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 if extra:
                     for c in cache:
                         c.trim(extra)
-                tokens = self.tokens[i][:len(self.tokens[i]) - extra]
+                tokens = self.tokens[i][: len(self.tokens[i]) - extra]
                 responses.append(self.Response(self.uids[i], tok, lp, finish, cache, tokens))
                 break
             if finish is None:

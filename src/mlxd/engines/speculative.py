@@ -28,8 +28,9 @@ NGRAM_MAX = 4  # longest suffix looked up; longer matches predict better
 NGRAM_MIN = 2  # a single repeated token predicts too little to be worth verifying
 
 
-def ngram_draft(tokens: np.ndarray, k: int, max_n: int = NGRAM_MAX,
-                min_n: int = NGRAM_MIN) -> list[int]:
+def ngram_draft(
+    tokens: np.ndarray, k: int, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN
+) -> list[int]:
     """Prompt lookup: the up to ``k`` tokens that followed the most recent earlier
     occurrence of the sequence's last n-gram (longest n first). Empty when nothing matches.
 
@@ -40,18 +41,17 @@ def ngram_draft(tokens: np.ndarray, k: int, max_n: int = NGRAM_MAX,
     if k <= 0 or n_tok < min_n + 1:
         return []
     for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        suffix = tokens[n_tok - n:]
+        suffix = tokens[n_tok - n :]
         # windows that end before the last token, so each has at least one token after it
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:n_tok - 1], n)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tok - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            return tokens[start : start + k].tolist()
     return []
 
 
-def verify_greedy(logits: mx.array, drafts: mx.array, lens: mx.array
-                  ) -> tuple[mx.array, mx.array]:
+def verify_greedy(logits: mx.array, drafts: mx.array, lens: mx.array) -> tuple[mx.array, mx.array]:
     """Greedy verification of ``N`` rows: (accepted counts [N], next token [N]).
 
     ``logits`` [N, K+1, V] are the target's at the pending token and after each draft token,
@@ -67,8 +67,13 @@ def verify_greedy(logits: mx.array, drafts: mx.array, lens: mx.array
     return accepted, nxt
 
 
-def verify_sampled(p: mx.array, drafts: mx.array, lens: mx.array, q: mx.array | None = None,
-                   key: mx.array | None = None) -> tuple[mx.array, mx.array]:
+def verify_sampled(
+    p: mx.array,
+    drafts: mx.array,
+    lens: mx.array,
+    q: mx.array | None = None,
+    key: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
     """Rejection-sampling verification of ``N`` rows: (accepted counts [N], next token [N]).
 
     ``p`` [N, K+1, V]: the target's sampling distributions (temperature and filters
@@ -143,17 +148,21 @@ class SpecStats:
         runs (verify vs plain steps, and why plain: a large batch, paused rows) and what it
         gains (acceptance, tokens per verify step)."""
         return {
-            "verify_steps": self.verify_steps, "plain_steps": self.plain_steps,
+            "verify_steps": self.verify_steps,
+            "plain_steps": self.plain_steps,
             "large_batch_steps": self.large_batch_steps,
             "max_verify_batch": self.max_verify_batch,
-            "pauses": self.pauses, "paused_row_steps": self.paused_row_steps,
-            "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+            "pauses": self.pauses,
+            "paused_row_steps": self.paused_row_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
             # the two counts behind tokens_per_step, so an interval's rate can be taken
-            "emitted_tokens": self.emitted_tokens, "row_steps": self.row_steps,
-            "acceptance_rate": (self.accepted_tokens / self.draft_tokens
-                                if self.draft_tokens else None),
-            "tokens_per_step": (self.emitted_tokens / self.row_steps
-                                if self.row_steps else None),
+            "emitted_tokens": self.emitted_tokens,
+            "row_steps": self.row_steps,
+            "acceptance_rate": (
+                self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+            ),
+            "tokens_per_step": (self.emitted_tokens / self.row_steps if self.row_steps else None),
         }
 
 
@@ -259,8 +268,13 @@ class DraftModel:
     history (rejected drafts go) and fed the rest.
     """
 
-    def __init__(self, model: Any, target_vocab: int, prefill_step_size: int = 512,
-                 max_catch_up: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        target_vocab: int,
+        prefill_step_size: int = 512,
+        max_catch_up: int | None = None,
+    ) -> None:
         """``max_catch_up``: the most tokens one forward pass feeds into a row's non-empty
         cache (None: any number). On a GPU the engine sets it to the catch-up lengths the
         warm-up runs (``num_draft + 1``): a row that resumes drafting after a pause has
@@ -287,14 +301,15 @@ class DraftModel:
         self._feed(cache, tokens, mx.async_eval)
         self._rows[uid] = (cache, list(tokens))
 
-    def _feed(self, cache: list[Any], tokens: list[int], evaluate: Any,
-              size: int | None = None) -> None:
+    def _feed(
+        self, cache: list[Any], tokens: list[int], evaluate: Any, size: int | None = None
+    ) -> None:
         """Run ``tokens`` into ``cache`` ``size`` tokens (default a prefill chunk) at a
         time, each pass handed to ``evaluate`` (``mx.eval`` or ``mx.async_eval``) so the
         graph stays one pass deep."""
         size = size or self.step_size
         for i in range(0, len(tokens), size):
-            self.model(mx.array(tokens[i:i + size])[None], cache=cache)
+            self.model(mx.array(tokens[i : i + size])[None], cache=cache)
             evaluate([c.state for c in cache])
 
     def warm(self, tokens: list[int], num_draft: int) -> None:
@@ -342,7 +357,7 @@ class DraftModel:
         out: list[int] = []
         tok = mx.array(feed)[None]
         for i in range(k):
-            logits = self.model(tok, cache=cache)[0, -1, :self.vocab]
+            logits = self.model(tok, cache=cache)[0, -1, : self.vocab]
             nxt = mx.argmax(logits)
             out.append(int(nxt.item()))
             if i + 1 < k:

@@ -70,27 +70,41 @@ class SpeechToTextEngine(BatchingEncoder):
 
     kind = "stt"
 
-    def __init__(self, name: str, path: Path, policy: BatchPolicy, *,
-                 max_tokens: int = 224, dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        policy: BatchPolicy,
+        *,
+        max_tokens: int = 224,
+        dtype: str = "auto",
+    ) -> None:
         super().__init__(name, policy)
         self.path = Path(path)
         try:
             from mlx_audio.stt.utils import load_model
         except ImportError as exc:
-            raise ModelLoadError(f"model '{name}' is a speech-to-text model; install the "
-                                 "audio extra (pip install 'mlxd[audio]')") from exc
+            raise ModelLoadError(
+                f"model '{name}' is a speech-to-text model; install the "
+                "audio extra (pip install 'mlxd[audio]')"
+            ) from exc
         try:
             model = load_model(self.path)
         except Exception as exc:  # noqa: BLE001 - one clear load error
-            raise ModelLoadError(f"could not load speech-to-text model '{name}' from {path}: "
-                                 f"{exc}") from exc
+            raise ModelLoadError(
+                f"could not load speech-to-text model '{name}' from {path}: {exc}"
+            ) from exc
         if not hasattr(model, "decode") or not hasattr(model, "dims"):
-            raise ModelLoadError(f"model '{name}' ({type(model).__module__}) is not a Whisper "
-                                 "model; only Whisper checkpoints are served for speech to "
-                                 "text")
+            raise ModelLoadError(
+                f"model '{name}' ({type(model).__module__}) is not a Whisper "
+                "model; only Whisper checkpoints are served for speech to "
+                "text"
+            )
         if getattr(model, "_processor", None) is None:
-            raise ModelLoadError(f"model '{name}': no Whisper tokenizer files (vocab.json, "
-                                 "merges.txt, preprocessor_config.json) next to the weights")
+            raise ModelLoadError(
+                f"model '{name}': no Whisper tokenizer files (vocab.json, "
+                "merges.txt, preprocessor_config.json) next to the weights"
+            )
         self._cast(model, dtype)
         self.model = model
         self.sample_rate = SAMPLE_RATE
@@ -122,18 +136,22 @@ class SpeechToTextEngine(BatchingEncoder):
         if opts.language is not None:
             code = TO_LANGUAGE_CODE.get(opts.language.lower(), opts.language.lower())
             if code not in LANGUAGES:
-                raise InvalidRequest(f"language {opts.language!r} is not one Whisper knows; "
-                                     "use an ISO-639-1 code such as 'en' or 'de'",
-                                     param="language")
+                raise InvalidRequest(
+                    f"language {opts.language!r} is not one Whisper knows; "
+                    "use an ISO-639-1 code such as 'en' or 'de'",
+                    param="language",
+                )
             if not self.multilingual and code != "en":
                 raise InvalidRequest(f"model '{self.name}' is English-only", param="language")
         if opts.task == "translate" and not self.multilingual:
-            raise InvalidRequest(f"model '{self.name}' is English-only and cannot translate; "
-                                 "use a multilingual Whisper", param="model")
+            raise InvalidRequest(
+                f"model '{self.name}' is English-only and cannot translate; "
+                "use a multilingual Whisper",
+                param="model",
+            )
 
     def new_windows_job(self, pieces: list[np.ndarray], opts: WindowOptions) -> EncodeJob:
-        return EncodeJob([AudioWindow(i, [], audio=a, options=opts)
-                          for i, a in enumerate(pieces)])
+        return EncodeJob([AudioWindow(i, [], audio=a, options=opts) for i, a in enumerate(pieces)])
 
     # -- the forward pass (worker thread) ------------------------------------------------
     def _forward(self, items: list[EncodeItem]) -> list[Any]:
@@ -155,13 +173,19 @@ class SpeechToTextEngine(BatchingEncoder):
         m = self.model
         mels = []
         for it in items:
-            mel = log_mel_spectrogram(mx.array(it.audio), n_mels=m.dims.n_mels,
-                                      padding=WINDOW_SAMPLES)
+            mel = log_mel_spectrogram(
+                mx.array(it.audio), n_mels=m.dims.n_mels, padding=WINDOW_SAMPLES
+            )
             mels.append(pad_or_trim(mel, N_FRAMES, axis=-2).astype(m.dtype))
         options = DecodingOptions(
-            task=opts.task, language=opts.language, temperature=opts.temperature,
-            prompt=opts.prompt, sample_len=self.max_tokens, without_timestamps=False,
-            fp16=m.dtype == mx.float16)
+            task=opts.task,
+            language=opts.language,
+            temperature=opts.temperature,
+            prompt=opts.prompt,
+            sample_len=self.max_tokens,
+            without_timestamps=False,
+            fp16=m.dtype == mx.float16,
+        )
         results = m.decode(mx.stack(mels), options)
         out = []
         for r, it, mel in zip(results, items, mels, strict=True):
@@ -171,8 +195,7 @@ class SpeechToTextEngine(BatchingEncoder):
             out.append(res)
         return out
 
-    def _add_words(self, res: dict, language: str, task: str, mel: mx.array,
-                   samples: int) -> None:
+    def _add_words(self, res: dict, language: str, task: str, mel: mx.array, samples: int) -> None:
         """Word timings for a window's segments: mlx-audio's alignment (Whisper's
         cross-attention heads over the window's frames, dynamic time warping)."""
         from mlx_audio.stt.models.whisper.audio import HOP_LENGTH
@@ -180,13 +203,19 @@ class SpeechToTextEngine(BatchingEncoder):
 
         segs = [{**s, "seek": 0} for s in res["segments"]]
         if segs:
-            add_word_timestamps(segments=segs, model=self.model,
-                                tokenizer=self._tokenizer(language, task), mel=mel,
-                                num_frames=max(samples // HOP_LENGTH, 2),
-                                last_speech_timestamp=0.0)
+            add_word_timestamps(
+                segments=segs,
+                model=self.model,
+                tokenizer=self._tokenizer(language, task),
+                mel=mel,
+                num_frames=max(samples // HOP_LENGTH, 2),
+                last_speech_timestamp=0.0,
+            )
         for s, done in zip(res["segments"], segs, strict=True):
-            s["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
-                          for w in done.get("words", [])]
+            s["words"] = [
+                {"word": w["word"], "start": w["start"], "end": w["end"]}
+                for w in done.get("words", [])
+            ]
 
     def _tokenizer(self, language: str | None, task: str) -> Any:
         key = (language, task)
@@ -204,12 +233,17 @@ class SpeechToTextEngine(BatchingEncoder):
             segs.append({"start": start, "end": end, "text": text, "tokens": ids})
         from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES
 
-        return {"language": r.language, "language_name": LANGUAGES.get(r.language, r.language),
-                "text": "".join(s["text"] for s in segs),
-                "segments": segs, "avg_logprob": _num(r.avg_logprob),
-                "no_speech_prob": _num(r.no_speech_prob),
-                "compression_ratio": _num(r.compression_ratio),
-                "temperature": float(opts.temperature), "tokens": len(r.tokens)}
+        return {
+            "language": r.language,
+            "language_name": LANGUAGES.get(r.language, r.language),
+            "text": "".join(s["text"] for s in segs),
+            "segments": segs,
+            "avg_logprob": _num(r.avg_logprob),
+            "no_speech_prob": _num(r.no_speech_prob),
+            "compression_ratio": _num(r.compression_ratio),
+            "temperature": float(opts.temperature),
+            "tokens": len(r.tokens),
+        }
 
     def warmup(self) -> None:
         self._forward([AudioWindow(0, [], audio=np.zeros(SAMPLE_RATE, np.float32))])
@@ -224,8 +258,9 @@ class SpeechToTextEngine(BatchingEncoder):
         mx.clear_cache()
 
 
-def split_segments(tokens: list[int], ts_begin: int, eot: int, seconds: float
-                   ) -> list[tuple[float, float, list[int]]]:
+def split_segments(
+    tokens: list[int], ts_begin: int, eot: int, seconds: float
+) -> list[tuple[float, float, list[int]]]:
     """Whisper's output tokens as (start, end, text token ids) segments.
 
     Timestamp tokens (ids from ``ts_begin``, 20 ms apart) bracket the text: ``<|t0|> text
@@ -240,8 +275,7 @@ def split_segments(tokens: list[int], ts_begin: int, eot: int, seconds: float
         if t >= ts_begin:
             stamp = min((t - ts_begin) * SECONDS_PER_TIMESTAMP, seconds)
             if text:
-                out.append((start if start is not None else 0.0, max(stamp, start or 0.0),
-                            text))
+                out.append((start if start is not None else 0.0, max(stamp, start or 0.0), text))
                 text = []
             start = stamp
         elif t < eot:

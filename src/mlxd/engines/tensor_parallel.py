@@ -127,8 +127,10 @@ def check_loaded(eid: int, name: str) -> None:
     have = _count_loaded(True, g)
     if have < g.size():
         publish(("close", eid))
-        raise ModelLoadError(f"model '{name}' loaded on {have} of {g.size()} {mode_name()} "
-                             "ranks (see the other ranks' logs)")
+        raise ModelLoadError(
+            f"model '{name}' loaded on {have} of {g.size()} {mode_name()} "
+            "ranks (see the other ranks' logs)"
+        )
 
 
 def _count_loaded(mine: bool, g: Any) -> int:
@@ -139,8 +141,13 @@ def _count_loaded(mine: bool, g: Any) -> int:
 
 # Sizes mlx-lm's ``shard`` splits evenly over the ranks without checking that they divide:
 # 3 heads over 2 ranks would load and answer, wrongly.
-SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-               "moe_intermediate_size", "shared_expert_intermediate_size")
+SPLIT_SIZES = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
 
 
 def shard(model: Any, name: str, config: dict) -> None:
@@ -155,17 +162,21 @@ def shard(model: Any, name: str, config: dict) -> None:
     if not hasattr(model, "shard"):
         raise ModelLoadError(
             f"model '{name}' ({type(model).__module__}) has no tensor-parallel sharding in "
-            "mlx-lm; serve it with engine.tensor_parallel: 1")
+            "mlx-lm; serve it with engine.tensor_parallel: 1"
+        )
     for key in SPLIT_SIZES:
         v = config.get(key, (config.get("text_config") or {}).get(key))
         if isinstance(v, int) and v % g.size():
-            raise ModelLoadError(f"model '{name}' cannot be sharded over {g.size()} ranks: "
-                                 f"its {key} ({v}) does not divide by {g.size()}")
+            raise ModelLoadError(
+                f"model '{name}' cannot be sharded over {g.size()} ranks: "
+                f"its {key} ({v}) does not divide by {g.size()}"
+            )
     try:
         model.shard(g)
     except Exception as exc:  # noqa: BLE001 - e.g. heads that do not divide by the ranks
-        raise ModelLoadError(f"model '{name}' cannot be sharded over {g.size()} ranks: "
-                             f"{exc}") from exc
+        raise ModelLoadError(
+            f"model '{name}' cannot be sharded over {g.size()} ranks: {exc}"
+        ) from exc
 
 
 def pipeline(model: Any, name: str, g: Any) -> None:
@@ -180,16 +191,19 @@ def pipeline(model: Any, name: str, g: Any) -> None:
             f"model '{name}' ({type(model).__module__}) has no pipeline parallelism in "
             "mlx-lm (its class lacks PipelineMixin, which Qwen2/2.5, Qwen3-MoE, "
             "DeepSeek-V2/V3 and GLM-4-MoE have); serve it with engine.pipeline_parallel: 1, "
-            "or engine.tensor_parallel")
+            "or engine.tensor_parallel"
+        )
     layers = len(getattr(inner, "layers", []))
     if layers < g.size():
-        raise ModelLoadError(f"model '{name}' cannot be pipelined over {g.size()} ranks: it "
-                             f"has {layers} layers")
+        raise ModelLoadError(
+            f"model '{name}' cannot be pipelined over {g.size()} ranks: it has {layers} layers"
+        )
     try:
         inner.pipeline(g)
     except Exception as exc:  # noqa: BLE001 - mlx-lm's ValueError for a split it refuses
-        raise ModelLoadError(f"model '{name}' cannot be pipelined over {g.size()} ranks: "
-                             f"{exc}") from exc
+        raise ModelLoadError(
+            f"model '{name}' cannot be pipelined over {g.size()} ranks: {exc}"
+        ) from exc
 
 
 def share_tokens(gen: Any) -> None:
@@ -225,9 +239,14 @@ class ReplicatedBatch:
         self._eid = eid
         publish(("new", eid))
 
-    def insert(self, prompts: list[list[int]], max_tokens: list[int] | None = None,
-               caches: list | None = None, all_tokens: list[list[int]] | None = None,
-               **kw: Any) -> list[int]:
+    def insert(
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int] | None = None,
+        caches: list | None = None,
+        all_tokens: list[list[int]] | None = None,
+        **kw: Any,
+    ) -> list[int]:
         if caches is not None and any(c is not None for c in caches):
             raise RuntimeError(f"a cached prefix cannot join a {mode_name()} batch")
         publish(("insert", self._eid, prompts, max_tokens, all_tokens))

@@ -43,22 +43,32 @@ class SpeechPiece(EncodeItem):
 class TextToSpeechEngine(BatchingEncoder):
     kind = "tts"
 
-    def __init__(self, name: str, path: Path, policy: BatchPolicy, *, max_tokens: int = 1024,
-                 architecture: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        policy: BatchPolicy,
+        *,
+        max_tokens: int = 1024,
+        architecture: str | None = None,
+    ) -> None:
         policy.max_batch_size = 1  # see the module docstring
         super().__init__(name, policy)
         self.path = Path(path)
         try:
             from mlx_audio.tts.utils import load_model
         except ImportError as exc:
-            raise ModelLoadError(f"model '{name}' is a text-to-speech model; install the "
-                                 "audio extra (pip install 'mlxd[audio]')") from exc
+            raise ModelLoadError(
+                f"model '{name}' is a text-to-speech model; install the "
+                "audio extra (pip install 'mlxd[audio]')"
+            ) from exc
         kw = {"model_type": architecture} if architecture else {}
         try:
             model = load_model(self.path, **kw)
         except Exception as exc:  # noqa: BLE001 - one clear load error
-            raise ModelLoadError(f"could not load text-to-speech model '{name}' from {path}: "
-                                 f"{exc}") from exc
+            raise ModelLoadError(
+                f"could not load text-to-speech model '{name}' from {path}: {exc}"
+            ) from exc
         if not callable(getattr(model, "generate", None)):
             raise ModelLoadError(f"model '{name}' has no speech generator")
         self.model = model
@@ -67,15 +77,17 @@ class TextToSpeechEngine(BatchingEncoder):
         params = inspect.signature(model.generate).parameters
         self.native_speed = "speed" in params
         self._takes_max_tokens = "max_tokens" in params or any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        )
         self.context_length = 0
         from mlx.utils import tree_flatten
 
         self.nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
     def new_speech_job(self, pieces: list[str], voice: str | None, speed: float) -> EncodeJob:
-        return EncodeJob([SpeechPiece(i, [], text=t, voice=voice, speed=speed)
-                          for i, t in enumerate(pieces)])
+        return EncodeJob(
+            [SpeechPiece(i, [], text=t, voice=voice, speed=speed) for i, t in enumerate(pieces)]
+        )
 
     # -- the forward pass (worker thread) ------------------------------------------------
     def _forward(self, items: list[EncodeItem]) -> list[Any]:
@@ -88,8 +100,9 @@ class TextToSpeechEngine(BatchingEncoder):
         if self._takes_max_tokens:
             kw["max_tokens"] = self.max_tokens
         try:
-            parts = [np.asarray(r.audio, dtype=np.float32).reshape(-1)
-                     for r in self.model.generate(**kw)]
+            parts = [
+                np.asarray(r.audio, dtype=np.float32).reshape(-1) for r in self.model.generate(**kw)
+            ]
         except (ValueError, KeyError) as exc:  # an unknown voice, text it cannot speak
             raise InvalidRequest(f"model '{self.name}' cannot speak this: {exc}") from exc
         if not parts:

@@ -52,8 +52,9 @@ class VisionPrompt(list):
     """Prompt token ids (what usage and the context check count) plus the processor's
     arrays (``pixel_values``, ``image_grid_thw``...) and the images' sha256 digests."""
 
-    def __init__(self, ids: list[int], inputs: dict | None = None,
-                 digests: list[str] | None = None) -> None:
+    def __init__(
+        self, ids: list[int], inputs: dict | None = None, digests: list[str] | None = None
+    ) -> None:
         super().__init__(ids)
         self.inputs = inputs or {}
         self.digests = digests or []
@@ -126,8 +127,7 @@ class VisionEngine(DecodeEngine):
 
     kind = "vision"
 
-    def __init__(self, name: str, path: Path, options: VisionEngineOptions | None = None
-                 ) -> None:
+    def __init__(self, name: str, path: Path, options: VisionEngineOptions | None = None) -> None:
         """Load ``path`` as ``name`` with ``options`` (engines/options.py; None: a bare
         engine's defaults)."""
         super().__init__()
@@ -141,7 +141,8 @@ class VisionEngine(DecodeEngine):
         except ImportError as exc:  # the optional [vision] extra is not installed
             raise ModelLoadError(
                 f"model '{name}' is a vision model, and serving vision models needs mlx-vlm "
-                "(pip install 'mlxd[vision]')") from exc
+                "(pip install 'mlxd[vision]')"
+            ) from exc
         if adapter_path is not None and not adapter_path.expanduser().is_dir():
             raise ModelLoadError(f"adapter for '{name}' not found: {adapter_path}")
         try:
@@ -151,8 +152,9 @@ class VisionEngine(DecodeEngine):
                 trust_remote_code=o.trust_remote_code,
             )
         except Exception as exc:  # ValueError, FileNotFoundError, KeyError...
-            raise ModelLoadError(f"could not load vision model '{name}' from {path}: {exc}"
-                                 ) from exc
+            raise ModelLoadError(
+                f"could not load vision model '{name}' from {path}: {exc}"
+            ) from exc
         # transformers warns on every templated request that mlx-vlm passes processor
         # kwargs the legacy way; nothing an operator can act on.
         logging.getLogger("transformers.processing_utils").setLevel(logging.ERROR)
@@ -171,8 +173,9 @@ class VisionEngine(DecodeEngine):
         self.eos_token_ids = sorted(set(getattr(criteria, "eos_token_ids", None) or []))
         # mlx-vlm's batch cannot rotate a bounded cache: max_kv_size means one at a time.
         self.batching = o.batching and o.max_kv_size is None
-        self.features = FeatureEncoder(model, FeatureCache(o.feature_cache_entries,
-                                                           o.feature_cache_bytes))
+        self.features = FeatureEncoder(
+            model, FeatureCache(o.feature_cache_entries, o.feature_cache_bytes)
+        )
         self._prep_lock = threading.Lock()
         self._pending: deque[VisionSequence] = deque()  # admitted, not yet in the batch
         self._active: dict[int, VisionSequence] = {}  # in the batch (batch mode)
@@ -196,8 +199,11 @@ class VisionEngine(DecodeEngine):
 
     def _vocab_size(self) -> int:
         text = getattr(self.model.config, "text_config", None)
-        v = getattr(text, "vocab_size", None) or (self.config.get("text_config") or {}).get(
-            "vocab_size") or self.config.get("vocab_size")
+        v = (
+            getattr(text, "vocab_size", None)
+            or (self.config.get("text_config") or {}).get("vocab_size")
+            or self.config.get("vocab_size")
+        )
         if isinstance(v, int) and v > 0:
             return v
         return len(self.tokenizer)
@@ -253,32 +259,40 @@ class VisionEngine(DecodeEngine):
             return 0
         return int(getattr(fe, "sampling_rate", 0) or 0)
 
-    def encode_vision(self, *, messages: list[dict] | None = None, prompt: str | None = None,
-                       prompt_tokens: list[int] | None = None,
-                       images: list[LoadedImage] | None = None,
-                       template_kwargs: dict | None = None,
-                       audio: list[LoadedAudio] | None = None) -> VisionPrompt:
+    def encode_vision(
+        self,
+        *,
+        messages: list[dict] | None = None,
+        prompt: str | None = None,
+        prompt_tokens: list[int] | None = None,
+        images: list[LoadedImage] | None = None,
+        template_kwargs: dict | None = None,
+        audio: list[LoadedAudio] | None = None,
+    ) -> VisionPrompt:
         """Template, image-process and tokenize one request (any thread but the worker's)."""
         images = images or []
         audio = audio or []
         if audio and not self.sample_rate:
-            raise InvalidRequest(f"model '{self.name}' does not accept audio (it has no audio "
-                                 "encoder)", param=audio[0].param)
+            raise InvalidRequest(
+                f"model '{self.name}' does not accept audio (it has no audio encoder)",
+                param=audio[0].param,
+            )
         if len(audio) > 1 and not getattr(self.processor, "supports_multiple_audio", False):
-            raise InvalidRequest(f"model '{self.name}' takes one audio clip per request",
-                                 param=audio[1].param)
+            raise InvalidRequest(
+                f"model '{self.name}' takes one audio clip per request", param=audio[1].param
+            )
         if prompt_tokens is not None:
             if images or audio:
-                raise InvalidRequest("a token-id prompt cannot carry images or audio",
-                                     param="prompt")
+                raise InvalidRequest(
+                    "a token-id prompt cannot carry images or audio", param="prompt"
+                )
             bad = [t for t in prompt_tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"token ids out of range: {bad[:5]}", param="prompt")
             return VisionPrompt(list(prompt_tokens))
         with self._prep_lock:
             if messages is not None:
-                text = self._template(messages, len(images), len(audio),
-                                      template_kwargs or {})
+                text = self._template(messages, len(images), len(audio), template_kwargs or {})
             else:
                 text = prompt or ""
             inputs = self._process(text, images, audio)
@@ -288,15 +302,21 @@ class VisionEngine(DecodeEngine):
             raise InvalidRequest("the prompt is empty", param="prompt")
         return VisionPrompt(ids, inputs, [im.digest for im in images])
 
-    def _template(self, messages: list[dict], n_images: int, n_audio: int,
-                  template_kwargs: dict) -> str:
+    def _template(
+        self, messages: list[dict], n_images: int, n_audio: int, template_kwargs: dict
+    ) -> str:
         from mlx_vlm.prompt_utils import apply_chat_template
 
         check_template_kwargs(template_kwargs)  # variables only (core/render.py)
         try:
-            out = apply_chat_template(self.processor, self.model.config, messages,
-                                      num_images=n_images, num_audios=n_audio,
-                                      **template_kwargs)
+            out = apply_chat_template(
+                self.processor,
+                self.model.config,
+                messages,
+                num_images=n_images,
+                num_audios=n_audio,
+                **template_kwargs,
+            )
         except Exception as exc:  # jinja2 TemplateError, KeyError on odd messages...
             raise InvalidRequest(f"chat template failed: {exc}", param="messages") from exc
         if not isinstance(out, str):  # some families return the last message (PaliGemma)
@@ -304,27 +324,32 @@ class VisionEngine(DecodeEngine):
             out = content if isinstance(content, str) else str(content)
         return out
 
-    def _process(self, text: str, images: list[LoadedImage], audio: list[LoadedAudio]
-                 ) -> dict:
+    def _process(self, text: str, images: list[LoadedImage], audio: list[LoadedAudio]) -> dict:
         from mlx_vlm.utils import prepare_inputs
 
         chat_template = getattr(self.processor, "chat_template", None)
-        add_special = (chat_template is None) if self.model_type in (
-            "gemma3", "gemma3n", "gemma4", "gemma4_unified") else True
+        add_special = (
+            (chat_template is None)
+            if self.model_type in ("gemma3", "gemma3n", "gemma4", "gemma4_unified")
+            else True
+        )
         try:
-            return dict(prepare_inputs(
-                self.processor,
-                images=[im.image for im in images] or None,
-                audio=[a.samples for a in audio] or None,
-                prompts=text,
-                image_token_index=getattr(self.model.config, "image_token_index", None),
-                add_special_tokens=add_special,
-            ))
+            return dict(
+                prepare_inputs(
+                    self.processor,
+                    images=[im.image for im in images] or None,
+                    audio=[a.samples for a in audio] or None,
+                    prompts=text,
+                    image_token_index=getattr(self.model.config, "image_token_index", None),
+                    add_special_tokens=add_special,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - the processor rejected these inputs
             media = [*images, *audio]
             where = media[0].param if len(media) == 1 else "messages"
-            raise InvalidRequest(f"the model's processor could not prepare the input: {exc}",
-                                 param=where) from exc
+            raise InvalidRequest(
+                f"the model's processor could not prepare the input: {exc}", param=where
+            ) from exc
 
     # text-model compatible helpers (token counting, /v1/tokenize)
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
@@ -337,9 +362,14 @@ class VisionEngine(DecodeEngine):
         return self.tokenizer.decode(ids)
 
     # -- worker-thread API ---------------------------------------------------------------
-    def new_sequence(self, prompt_tokens: list[int], params: SamplingParams, *,
-                     grammar: Any = None, arm_after: tuple[int, ...] | None = None
-                     ) -> VisionSequence:
+    def new_sequence(
+        self,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        *,
+        grammar: Any = None,
+        arm_after: tuple[int, ...] | None = None,
+    ) -> VisionSequence:
         if not isinstance(prompt_tokens, VisionPrompt):
             prompt_tokens = VisionPrompt(list(prompt_tokens))
         return VisionSequence(prompt_tokens=prompt_tokens, params=params)
@@ -383,7 +413,7 @@ class VisionEngine(DecodeEngine):
         total = 0
         try:
             for batch in (gen._generation_batch, gen._prompt_batch):
-                for c in (getattr(batch, "prompt_cache", None) or []):
+                for c in getattr(batch, "prompt_cache", None) or []:
                     total += _cache_nbytes(c)
         except Exception:  # noqa: BLE001 - the batch changed under the reading: next time
             return 0
@@ -400,10 +430,15 @@ class VisionEngine(DecodeEngine):
     def feature_cache_stats(self) -> dict[str, Any]:
         """For /health: the image-feature cache and how often the vision encoder ran."""
         cache = self.features.cache
-        return {"mode": self.features.mode if cache.enabled else None, "entries": len(cache),
-                "bytes": cache.nbytes, "hits": self.cache_hits, "misses": self.cache_misses,
-                "encoder_runs": self.features.encoder_runs,
-                "batching": self.batching}
+        return {
+            "mode": self.features.mode if cache.enabled else None,
+            "entries": len(cache),
+            "bytes": cache.nbytes,
+            "hits": self.cache_hits,
+            "misses": self.cache_misses,
+            "encoder_runs": self.features.encoder_runs,
+            "batching": self.batching,
+        }
 
     def step(self) -> list[tuple[VisionSequence, StepOutput]]:
         out: list[tuple[VisionSequence, StepOutput]] = []
@@ -434,8 +469,11 @@ class VisionEngine(DecodeEngine):
             try:
                 ids, kwargs = self._embed(seq)
                 (uid,) = self._gen.insert(
-                    [ids], max_tokens=[seq.params.max_tokens], prompt_kwargs=[kwargs],
-                    logits_processors=[self._processors(seq)])
+                    [ids],
+                    max_tokens=[seq.params.max_tokens],
+                    prompt_kwargs=[kwargs],
+                    logits_processors=[self._processors(seq)],
+                )
             except Exception as exc:  # noqa: BLE001 - this request fails, the batch lives
                 out.append((seq, self._error(exc)))
                 continue
@@ -521,8 +559,11 @@ class VisionEngine(DecodeEngine):
             event = self._on_token(seq, None, "length")
         else:
             token = int(token)
-            finish = "stop" if token in self.eos_token_ids else (
-                "length" if seq.generated + 1 >= seq.params.max_tokens else None)
+            finish = (
+                "stop"
+                if token in self.eos_token_ids
+                else ("length" if seq.generated + 1 >= seq.params.max_tokens else None)
+            )
             event = self._on_token(seq, token, finish)
         out.append((seq, event))
         if event.finish_reason is not None:
@@ -543,13 +584,21 @@ class VisionEngine(DecodeEngine):
         o = self.options
         prompt.inputs = {}
         return generate_step(
-            mx.array([list(prompt)]), self.model, pixel_values, mask,
-            max_tokens=seq.params.max_tokens, sampler=_argmax,
+            mx.array([list(prompt)]),
+            self.model,
+            pixel_values,
+            mask,
+            max_tokens=seq.params.max_tokens,
+            sampler=_argmax,
             logits_processors=self._processors(seq),
-            prefill_step_size=o.prefill_step_size, kv_bits=o.kv_bits,
-            kv_group_size=o.kv_group_size, kv_quant_scheme=o.kv_quant_scheme or "uniform",
+            prefill_step_size=o.prefill_step_size,
+            kv_bits=o.kv_bits,
+            kv_group_size=o.kv_group_size,
+            kv_quant_scheme=o.kv_quant_scheme or "uniform",
             quantized_kv_start=0,  # as the batch (see _new_generator)
-            max_kv_size=o.max_kv_size, **data)
+            max_kv_size=o.max_kv_size,
+            **data,
+        )
 
     def _end_current(self) -> None:
         seq, self._current = self._current, None
@@ -558,8 +607,7 @@ class VisionEngine(DecodeEngine):
             seq._steps = None
 
     # shared ----------------------------------------------------------------------------
-    def _on_token(self, seq: VisionSequence, token: int | None, finish: str | None
-                  ) -> StepOutput:
+    def _on_token(self, seq: VisionSequence, token: int | None, finish: str | None) -> StepOutput:
         raw_lp = seq._row.pending.popleft() if (seq._row and seq._row.pending) else None
         return self._emit(seq, token, finish, raw_lp)
 
@@ -600,8 +648,13 @@ class VisionEngine(DecodeEngine):
             except Exception as exc:  # noqa: BLE001 - decide the mode, then warm again
                 if not self.batching:
                     raise
-                log.warning("vision model %s cannot be batched by mlx-vlm (%s: %s); serving "
-                            "it one request at a time", self.name, type(exc).__name__, exc)
+                log.warning(
+                    "vision model %s cannot be batched by mlx-vlm (%s: %s); serving "
+                    "it one request at a time",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                )
                 self.fail_all(exc)
                 if self._gen is not None:
                     self._gen.close()
@@ -611,8 +664,10 @@ class VisionEngine(DecodeEngine):
         except MlxdError:
             raise
         except Exception as exc:
-            raise ModelLoadError(f"vision model '{self.name}' failed its warm-up generation: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise ModelLoadError(
+                f"vision model '{self.name}' failed its warm-up generation: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             self._warming = False
             self.features.cache.clear()
@@ -624,12 +679,15 @@ class VisionEngine(DecodeEngine):
         from PIL import Image
 
         image = LoadedImage(Image.new("RGB", (56, 56), (127, 127, 127)), "warmup")
-        msgs = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": "Hi"}]}]
-        prompts = [self.encode_vision(messages=msgs, images=[image]),
-                   self.encode_vision(messages=[{"role": "user", "content": "Hi"}])]
-        seqs = [self.new_sequence(p, SamplingParams(max_tokens=2, temperature=t))
-                for p, t in zip(prompts, (0.0, 1.0), strict=True)]
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+        prompts = [
+            self.encode_vision(messages=msgs, images=[image]),
+            self.encode_vision(messages=[{"role": "user", "content": "Hi"}]),
+        ]
+        seqs = [
+            self.new_sequence(p, SamplingParams(max_tokens=2, temperature=t))
+            for p, t in zip(prompts, (0.0, 1.0), strict=True)
+        ]
         for seq in seqs:
             seq.handle = None
             self.add(seq)

@@ -100,8 +100,9 @@ class FeatureEncoder:
         model_type = str(getattr(model.config, "model_type", ""))
         if model_type in _PER_IMAGE_GRID and hasattr(model, "vision_tower"):
             self.mode = "per_image"
-        elif (hasattr(model, "encode_images") or hasattr(model, "encode_image")) and \
-                _takes_cached_features(model):
+        elif (
+            hasattr(model, "encode_images") or hasattr(model, "encode_image")
+        ) and _takes_cached_features(model):
             self.mode = "per_request"
         else:
             self.mode = None
@@ -133,8 +134,11 @@ class FeatureEncoder:
         cached = self.cache.get(key)
         if cached is not None:
             return cached, len(digests), 0
-        kwargs = {k: v for k, v in inputs.items()
-                  if k not in ("input_ids", "pixel_values", "attention_mask")}
+        kwargs = {
+            k: v
+            for k, v in inputs.items()
+            if k not in ("input_ids", "pixel_values", "attention_mask")
+        }
         if hasattr(self.model, "encode_images"):
             feats = self.model.encode_images(pixel_values, **kwargs)
         else:
@@ -144,8 +148,9 @@ class FeatureEncoder:
         self.cache.put(key, feats)
         return feats, 0, len(digests)
 
-    def _per_image(self, inputs: dict, pixel_values: mx.array, digests: list[str]
-                   ) -> tuple[Any, int, int]:
+    def _per_image(
+        self, inputs: dict, pixel_values: mx.array, digests: list[str]
+    ) -> tuple[Any, int, int]:
         grid = inputs.get("image_grid_thw")
         if grid is None or grid.shape[0] != len(digests):
             self.encoder_runs += len(digests)
@@ -160,8 +165,11 @@ class FeatureEncoder:
         for i, (digest, n) in enumerate(zip(digests, rows, strict=True)):
             f = self.cache.get(digest)
             if f is None:
-                f = tower(pixel_values[start:start + n].astype(dtype), grid[i:i + 1],
-                          output_hidden_states=False)
+                f = tower(
+                    pixel_values[start : start + n].astype(dtype),
+                    grid[i : i + 1],
+                    output_hidden_states=False,
+                )
                 mx.eval(f)
                 self.cache.put(digest, f)
                 self.encoder_runs += 1

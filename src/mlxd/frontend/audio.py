@@ -31,21 +31,27 @@ SPEECH_FORMATS: dict[str, tuple[str, str, int | None]] = {
 MUXER_OPTIONS: dict[str, dict[str, str]] = {"opus": {"page_duration": "100000"}}
 # OpenAI's pcm: raw 24 kHz 16-bit signed little-endian samples, no header
 PCM_RATE = 24000
-MEDIA_TYPES = {"mp3": "audio/mpeg", "flac": "audio/flac", "wav": "audio/wav",
-               "opus": "audio/ogg", "aac": "audio/aac", "pcm": "audio/pcm"}
+MEDIA_TYPES = {
+    "mp3": "audio/mpeg",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "pcm": "audio/pcm",
+}
 
 
 def _av() -> Any:
     try:
         import av
     except ImportError as exc:  # pragma: no cover - the audio extra is missing
-        raise NotInstalled("audio needs the audio extra on this server "
-                           "(pip install 'mlxd[audio]')") from exc
+        raise NotInstalled(
+            "audio needs the audio extra on this server (pip install 'mlxd[audio]')"
+        ) from exc
     return av
 
 
-def decode_audio(data: bytes, rate: int, *, max_seconds: float, param: str = "file"
-                 ) -> np.ndarray:
+def decode_audio(data: bytes, rate: int, *, max_seconds: float, param: str = "file") -> np.ndarray:
     """``data`` (any format FFmpeg reads) as mono float32 samples at ``rate`` Hz.
 
     A file that is not audio, or is broken, is a 400; one longer than ``max_seconds`` a
@@ -71,12 +77,17 @@ def decode_audio(data: bytes, rate: int, *, max_seconds: float, param: str = "fi
                 if total > limit:
                     raise PayloadTooLarge(
                         f"the audio is longer than this server accepts ({max_seconds:g} s; "
-                        "audio.max_duration_s)", param=param)
+                        "audio.max_duration_s)",
+                        param=param,
+                    )
             for out in resampler.resample(None):
                 parts.append(out.to_ndarray().reshape(-1))
     except av.error.FFmpegError as exc:
-        raise InvalidRequest(f"could not decode the audio file ({exc.strerror or exc}); "
-                             "send wav, mp3, flac, ogg/opus, m4a or webm", param=param) from exc
+        raise InvalidRequest(
+            f"could not decode the audio file ({exc.strerror or exc}); "
+            "send wav, mp3, flac, ogg/opus, m4a or webm",
+            param=param,
+        ) from exc
     if not parts:
         raise InvalidRequest("the audio file holds no samples", param=param)
     samples = np.concatenate(parts).astype(np.float32, copy=False)
@@ -90,8 +101,9 @@ CUT_FRAME_S = 0.1  # the quiet stretch a cut is put in the middle of
 CUT_QUIET_RATIO = 0.25  # its RMS against the searched seconds' RMS: below it, a pause
 
 
-def window_bounds(samples: np.ndarray, rate: int, window_s: float, search_s: float
-                  ) -> list[tuple[int, int]]:
+def window_bounds(
+    samples: np.ndarray, rate: int, window_s: float, search_s: float
+) -> list[tuple[int, int]]:
     """(start, end) sample offsets of the windows a file is transcribed in, in order.
 
     Whisper hears at most ``window_s`` (30 s) at a time, and this server decodes a file's
@@ -113,11 +125,11 @@ def window_bounds(samples: np.ndarray, rate: int, window_s: float, search_s: flo
         end = start + win
         cut = end
         if span >= frame:
-            seg = samples[end - span:end].astype(np.float64)
+            seg = samples[end - span : end].astype(np.float64)
             sq = np.concatenate(([0.0], np.cumsum(seg * seg)))
             power = (sq[frame:] - sq[:-frame]) / frame  # mean square of each frame-long run
             quiet = int(np.argmin(power))
-            if power[quiet] < CUT_QUIET_RATIO ** 2 * (sq[-1] / span):
+            if power[quiet] < CUT_QUIET_RATIO**2 * (sq[-1] / span):
                 cut = end - span + quiet + frame // 2
         bounds.append((start, cut))
         start = cut
@@ -158,15 +170,15 @@ class SpeechEncoder:
     ``finish``: FFmpeg then writes the real sizes, frame count and total.
     """
 
-    def __init__(self, fmt: str, rate: int, speed: float = 1.0, *, whole: bool = False
-                 ) -> None:
+    def __init__(self, fmt: str, rate: int, speed: float = 1.0, *, whole: bool = False) -> None:
         av = _av()
         self.av = av
         self.fmt = fmt
         self.in_rate = rate
         self.out_rate = PCM_RATE if fmt == "pcm" else (SPEECH_FORMATS[fmt][2] or rate)
-        self.resampler = av.AudioResampler(format="s16" if fmt == "pcm" else None,
-                                           layout="mono", rate=self.out_rate)
+        self.resampler = av.AudioResampler(
+            format="s16" if fmt == "pcm" else None, layout="mono", rate=self.out_rate
+        )
         self.graph = self._tempo(speed) if abs(speed - 1.0) > 1e-3 else None
         self.pts = 0
         if fmt == "pcm":
@@ -174,14 +186,16 @@ class SpeechEncoder:
             return
         container, codec, _ = SPEECH_FORMATS[fmt]
         self.sink: _Sink | io.BytesIO = io.BytesIO() if whole else _Sink()
-        self.container = av.open(self.sink, mode="w", format=container,
-                                 options=MUXER_OPTIONS.get(fmt, {}))
+        self.container = av.open(
+            self.sink, mode="w", format=container, options=MUXER_OPTIONS.get(fmt, {})
+        )
         self.stream = self.container.add_stream(codec, rate=self.out_rate, layout="mono")
 
     def _tempo(self, speed: float) -> Any:
         graph = self.av.filter.Graph()
-        src = graph.add_abuffer(format="flt", sample_rate=self.in_rate, layout="mono",
-                                time_base=f"1/{self.in_rate}")
+        src = graph.add_abuffer(
+            format="flt", sample_rate=self.in_rate, layout="mono", time_base=f"1/{self.in_rate}"
+        )
         chain = [src]
         s = speed
         while s > 2.0 or s < 0.5:  # atempo takes 0.5..2 per stage (older FFmpeg)
@@ -200,8 +214,9 @@ class SpeechEncoder:
         av = self.av
         frames: list[Any] = []
         if samples is not None and samples.size:
-            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[None, :]),
-                                           format="flt", layout="mono")
+            f = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(samples[None, :]), format="flt", layout="mono"
+            )
             f.sample_rate = self.in_rate
             f.pts = self.pts
             self.pts += samples.size
@@ -249,8 +264,9 @@ class SpeechEncoder:
 def split_text(text: str, max_chars: int) -> list[str]:
     """Speech input in pieces of at most ``max_chars`` characters, cut after sentence ends
     (then at spaces), so each piece is synthesised and streamed on its own."""
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\s*\n\s*", text.strip())
-                 if s.strip()]
+    sentences = [
+        s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\s*\n\s*", text.strip()) if s.strip()
+    ]
     pieces: list[str] = []
     cur = ""
     for s in sentences:

@@ -17,8 +17,9 @@ class ModelCatalogOps:
     def __init__(self, runtime: Any) -> None:
         self._rt = runtime
 
-    async def pull(self, name: str, *, kind: str | None = None,
-                   progress: Callable[[dict], None] | None = None) -> dict:
+    async def pull(
+        self, name: str, *, kind: str | None = None, progress: Callable[[dict], None] | None = None
+    ) -> dict:
         """Pull into the store off the event loop; ``progress`` is called on the loop."""
         from mlxd.store.pull import pull as store_pull
         from mlxd.store.pull import resolve
@@ -32,8 +33,14 @@ class ModelCatalogOps:
             if progress is not None:
                 loop.call_soon_threadsafe(progress, dict(event))
 
-        return await asyncio.to_thread(store_pull, self._rt.catalog.store, name,
-                                       self._rt.settings.models, kind=kind, progress=cb)
+        return await asyncio.to_thread(
+            store_pull,
+            self._rt.catalog.store,
+            name,
+            self._rt.settings.models,
+            kind=kind,
+            progress=cb,
+        )
 
     async def delete(self, name: str) -> None:
         from mlxd.store.pull import remove
@@ -53,14 +60,23 @@ class ModelCatalogOps:
         tok_cfg = _read_json(path / "tokenizer_config.json")
         template = tok_cfg.get("chat_template")
         if isinstance(template, list):
-            template = next((t.get("template") for t in template if t.get("name") == "default"),
-                            None)
+            template = next(
+                (t.get("template") for t in template if t.get("name") == "default"), None
+            )
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
-        manifest = self._rt.catalog.store.manifest(name) or {"name": name, "kind": "chat",
-                                                         "source": str(path)}
-        return {"name": name, "path": str(path), "manifest": manifest, "config": config,
-                "chat_template": template or ""}
+        manifest = self._rt.catalog.store.manifest(name) or {
+            "name": name,
+            "kind": "chat",
+            "source": str(path),
+        }
+        return {
+            "name": name,
+            "path": str(path),
+            "manifest": manifest,
+            "config": config,
+            "chat_template": template or "",
+        }
 
 
 def _read_json(path: Path) -> dict[str, Any]:

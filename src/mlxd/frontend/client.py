@@ -36,8 +36,14 @@ def _died() -> p.WireError:
 class CoreClient:
     """One engine core's connection (frontend/cores.py's CorePool holds one per device)."""
 
-    def __init__(self, run_dir: str | Path, *, dead_after: float = 3.0, index: int = 0,
-                 device: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        dead_after: float = 3.0,
+        index: int = 0,
+        device: str | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.index = index  # among this host's engine cores
         self.device = device  # as the supervisor placed it (None: ask the core's status)
@@ -118,8 +124,10 @@ class CoreClient:
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout)
         except asyncio.TimeoutError:
-            raise Unavailable("the engine core is not running (restarting); retry shortly",
-                              headers={"Retry-After": "2"}) from None
+            raise Unavailable(
+                "the engine core is not running (restarting); retry shortly",
+                headers={"Retry-After": "2"},
+            ) from None
 
     def open_stream(self, rid: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -158,9 +166,13 @@ class CoreClient:
             raise p.error_from_wire(reply.error)
         expected = p.result_type(request)
         if not isinstance(reply.value, expected):
-            raise p.error_from_wire(p.WireError(
-                "engine", f"the engine core answered {type(reply.value).__name__} to "
-                f"{type(request).__name__}, not {expected.__name__}"))
+            raise p.error_from_wire(
+                p.WireError(
+                    "engine",
+                    f"the engine core answered {type(reply.value).__name__} to "
+                    f"{type(request).__name__}, not {expected.__name__}",
+                )
+            )
         return reply.value
 
     # -- receiving ---------------------------------------------------------------------------
@@ -197,8 +209,9 @@ class CoreClient:
             log.error("dropped an undecodable message from the engine core: %s", exc)
             return None
         log.error("an undecodable reply from the engine core: %s", exc)
-        return p.Reply(head.epoch, head.cid, None,
-                       p.WireError("engine", f"undecodable reply: {exc}"))
+        return p.Reply(
+            head.epoch, head.cid, None, p.WireError("engine", f"undecodable reply: {exc}")
+        )
 
     def _beat(self, hb: p.Heartbeat) -> None:
         self._last_beat = time.monotonic()
@@ -208,8 +221,7 @@ class CoreClient:
             self.epoch, self.core_pid, self.alive = hb.epoch, hb.pid, True
             self._orphans = []
             self._watch_pid(hb.pid)
-            log.info("connected to engine core %d (epoch %d, pid %d)", self.index, hb.epoch,
-                     hb.pid)
+            log.info("connected to engine core %d (epoch %d, pid %d)", self.index, hb.epoch, hb.pid)
         elif not self.alive:
             # The same core, silent for a while (a stall: swap, a starved CPU) and back.
             # What we failed when we gave up on it may still run there: abort it, then
@@ -218,8 +230,13 @@ class CoreClient:
             if self._orphans:
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(p.Abort(self.epoch, self._orphans))
-            log.warning("engine core %d (pid %d) answers again after a stall; %d request(s) "
-                        "failed meanwhile", hb.epoch, hb.pid, len(self._orphans))
+            log.warning(
+                "engine core %d (pid %d) answers again after a stall; %d request(s) "
+                "failed meanwhile",
+                hb.epoch,
+                hb.pid,
+                len(self._orphans),
+            )
             self._orphans = []
         self.ready = hb.ready
         self.startup_error = hb.error
@@ -233,9 +250,14 @@ class CoreClient:
         while True:
             await asyncio.sleep(every)
             now = time.monotonic()
-            if self.alive and (now - self._last_beat > self.dead_after or (
-                    self._pidfd is None and self.core_pid is not None
-                    and not pid_alive(self.core_pid))):
+            if self.alive and (
+                now - self._last_beat > self.dead_after
+                or (
+                    self._pidfd is None
+                    and self.core_pid is not None
+                    and not pid_alive(self.core_pid)
+                )
+            ):
                 self._declare_dead()
             if not self.alive and now - last_hello > 0.2:
                 last_hello = now  # until a core answers (ZeroMQ reconnects the socket)
@@ -267,9 +289,13 @@ class CoreClient:
             self._declare_dead()
 
     def _declare_dead(self) -> None:
-        log.error("engine core %d (epoch %d, pid %s) is gone or stalled; failing %d "
-                  "request(s) in flight", self.index, self.epoch, self.core_pid,
-                  len(self._streams))
+        log.error(
+            "engine core %d (epoch %d, pid %s) is gone or stalled; failing %d request(s) in flight",
+            self.index,
+            self.epoch,
+            self.core_pid,
+            len(self._streams),
+        )
         self._orphans = list(self._streams)
         self.alive = self.ready = False
         self.deaths += 1

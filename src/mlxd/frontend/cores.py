@@ -22,17 +22,25 @@ from mlxd.frontend.routing import PrefixRouter, block_hashes
 
 
 def _unavailable() -> Unavailable:
-    return Unavailable("the engine core is not running (restarting); retry shortly",
-                       headers={"Retry-After": "2"})
+    return Unavailable(
+        "the engine core is not running (restarting); retry shortly", headers={"Retry-After": "2"}
+    )
 
 
 class CorePool:
-    def __init__(self, run_dirs: Sequence[str | Path], *,
-                 devices: Sequence[str | None] | None = None, affinity_slack: int = 8,
-                 affinity_min_tokens: int = 64) -> None:
+    def __init__(
+        self,
+        run_dirs: Sequence[str | Path],
+        *,
+        devices: Sequence[str | None] | None = None,
+        affinity_slack: int = 8,
+        affinity_min_tokens: int = 64,
+    ) -> None:
         devices = list(devices) if devices is not None else [None] * len(run_dirs)
-        self.clients = [CoreClient(d, index=i, device=dev)
-                        for i, (d, dev) in enumerate(zip(run_dirs, devices, strict=True))]
+        self.clients = [
+            CoreClient(d, index=i, device=dev)
+            for i, (d, dev) in enumerate(zip(run_dirs, devices, strict=True))
+        ]
         self.router = PrefixRouter(slack=affinity_slack, min_tokens=affinity_min_tokens)
 
     def __len__(self) -> int:
@@ -50,8 +58,11 @@ class CorePool:
 
     @property
     def startup_error(self) -> str | None:
-        errors = [f"core {c.index}: {c.startup_error}" if len(self.clients) > 1
-                  else str(c.startup_error) for c in self.clients if c.startup_error]
+        errors = [
+            f"core {c.index}: {c.startup_error}" if len(self.clients) > 1 else str(c.startup_error)
+            for c in self.clients
+            if c.startup_error
+        ]
         return "; ".join(errors) if errors else None
 
     async def close(self) -> None:
@@ -104,8 +115,9 @@ class CorePool:
         """One call on the least busy core."""
         return await self.least_busy().call(request)
 
-    async def call_all(self, request: p.Request[p.R], *, timeout: float | None = None
-                       ) -> list[tuple[CoreClient, p.R | BaseException]]:
+    async def call_all(
+        self, request: p.Request[p.R], *, timeout: float | None = None
+    ) -> list[tuple[CoreClient, p.R | BaseException]]:
         """The call on every live core, concurrently: (core, result or the exception it
         raised) per core, in core order; a dead core is left out."""
         live = self.alive
@@ -121,8 +133,10 @@ class CorePool:
 
     async def metrics_texts(self) -> list[tuple[CoreClient, str | None]]:
         """Each live core's Prometheus exposition, in core order (None: it did not answer)."""
-        return [(c, None if isinstance(r, BaseException) else r.text.decode())
-                for c, r in await self.call_all(p.Metrics())]
+        return [
+            (c, None if isinstance(r, BaseException) else r.text.decode())
+            for c, r in await self.call_all(p.Metrics())
+        ]
 
     async def values_all(self, request: p.Request[p.R]) -> list[tuple[CoreClient, p.R]]:
         """:meth:`call_all`'s results; a core that died meanwhile is left out as a dead one

@@ -30,8 +30,17 @@ def _finite(x: float) -> float:
 class Generation:
     """Iterate for events; leaving early (or :meth:`close`) cancels it in the core."""
 
-    def __init__(self, runtime: Any, client: Any, model: str, processor: Any,
-                 tokens: list[int] | None, params: Any, plan: Any, add: p.Add) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        client: Any,
+        model: str,
+        processor: Any,
+        tokens: list[int] | None,
+        params: Any,
+        plan: Any,
+        add: p.Add,
+    ) -> None:
         self._runtime = runtime
         self._client = client  # the engine core chosen for it (frontend/cores.py)
         self.model = model
@@ -141,8 +150,12 @@ class Generation:
             finish = "stop"
         elif finish is not None:
             text += self._stops.flush()
-        event = TokenEvent(text=text, token_ids=list(out.token_ids), finish_reason=finish,
-                           stop_sequence=self._stops.matched if hit else None)
+        event = TokenEvent(
+            text=text,
+            token_ids=list(out.token_ids),
+            finish_reason=finish,
+            stop_sequence=self._stops.matched if hit else None,
+        )
         split = self.plan.splitter if self.plan is not None else None
         if split is not None:
             event.text, event.reasoning, event.tool_calls = split.feed(text)
@@ -154,20 +167,28 @@ class Generation:
                 if finish == "stop" and split.calls:
                     event.finish_reason = finish = "tool_calls"
         if out.logprobs:
-            event.logprobs = [self._logprob(tok, lp) for tok, lp in
-                              zip(out.token_ids, out.logprobs, strict=False)]
+            event.logprobs = [
+                self._logprob(tok, lp) for tok, lp in zip(out.token_ids, out.logprobs, strict=False)
+            ]
         if finish is not None:
-            event.usage = Usage(prompt_tokens=len(self.prompt_tokens),
-                                completion_tokens=self._generated,
-                                cached_tokens=out.cached_tokens)
+            event.usage = Usage(
+                prompt_tokens=len(self.prompt_tokens),
+                completion_tokens=self._generated,
+                cached_tokens=out.cached_tokens,
+            )
         return event
 
     def _logprob(self, token: int, lp: p.Logprob) -> TokenLogprob:
         decode = self._proc.decode
         return TokenLogprob(
-            token_id=token, token=decode([token]), logprob=_finite(lp.logprob),
-            top=[TopLogprob(i, decode([i]), _finite(v))
-                 for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)])
+            token_id=token,
+            token=decode([token]),
+            logprob=_finite(lp.logprob),
+            top=[
+                TopLogprob(i, decode([i]), _finite(v))
+                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ],
+        )
 
 
 def new_rid() -> str:

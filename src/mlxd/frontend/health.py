@@ -36,8 +36,11 @@ def core_view(client: Any, status: CoreStatus | None, restarts: int) -> dict[str
     return {
         "index": client.index,
         "device": (status.device if status else None) or client.device or "default",
-        "pid": client.core_pid, "epoch": client.epoch,
-        "alive": client.alive, "ready": client.ready, "state": core_state(client),
+        "pid": client.core_pid,
+        "epoch": client.epoch,
+        "alive": client.alive,
+        "ready": client.ready,
+        "state": core_state(client),
         "restarts": restarts,
         "requests_in_flight": status.requests_in_flight if status else 0,
         "requests_total": status.requests_total if status else 0,

@@ -36,10 +36,18 @@ class LoadedModel:
 
     @classmethod
     def from_view(cls, v: dict[str, Any]) -> LoadedModel:
-        return cls(name=v["name"], kind=v["kind"], path=v["path"], size=v["size"],
-                   pinned=v["pinned"], active_requests=v["active_requests"],
-                   expires_at=v["expires_at"], loaded_at=v["loaded_at"],
-                   context_length=v.get("context_length"), stats=v)
+        return cls(
+            name=v["name"],
+            kind=v["kind"],
+            path=v["path"],
+            size=v["size"],
+            pinned=v["pinned"],
+            active_requests=v["active_requests"],
+            expires_at=v["expires_at"],
+            loaded_at=v["loaded_at"],
+            context_length=v.get("context_length"),
+            stats=v,
+        )
 
 
 class ModelsView:
@@ -76,8 +84,7 @@ class ModelsView:
         found = await self.get_loaded(info.name)
         if found is not None:
             return found
-        return LoadedModel(info.name, info.kind, info.path, 0,
-                           context_length=info.context_length)
+        return LoadedModel(info.name, info.kind, info.path, 0, context_length=info.context_length)
 
     async def unload(self, name: str | None = None) -> dict[str, Any]:
         """Unload from every core that is up; the names any of them unloaded or deferred."""

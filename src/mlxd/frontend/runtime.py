@@ -66,8 +66,14 @@ CORE_DIR_ENV = "MLXD_CORE_DIR"
 
 
 class Runtime:
-    def __init__(self, settings: Settings, *, core_dirs: list[Path] | None = None,
-                 startup_timeout: float = 3600.0, front_ends: Any = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        core_dirs: list[Path] | None = None,
+        startup_timeout: float = 3600.0,
+        front_ends: Any = None,
+    ) -> None:
         self.settings = settings
         # with --api-workers N: their supervisor's shared counts (workers.py)
         self.front_ends = front_ends
@@ -79,13 +85,15 @@ class Runtime:
             core_dirs if core_dirs is not None else [s.run_dir for s in self.supervisors],
             devices=[s.device.name for s in self.supervisors] or None,
             affinity_slack=e.affinity_slack,
-            affinity_min_tokens=max(e.prefix_cache_min_tokens, 1))
+            affinity_min_tokens=max(e.prefix_cache_min_tokens, 1),
+        )
         self.models = ModelsView(self)
         self.catalog_ops = ModelCatalogOps(self)  # pull, delete, describe (the store)
         self.speech = SpeechRequests(self)  # transcription and speech (the audio routes)
         # chat templates run bounded, and stop with their request (core/render.py)
-        self.renderer = Renderer(settings.server.template_timeout_s,
-                                 settings.server.max_concurrent_renders)
+        self.renderer = Renderer(
+            settings.server.template_timeout_s, settings.server.max_concurrent_renders
+        )
         self.startup_timeout = startup_timeout
         self.started_at = time.time()
         self.draining = False  # set on SIGTERM: admit nothing new, finish what runs
@@ -109,8 +117,9 @@ class Runtime:
             await self.cores.start()
             await self.cores.wait_ready(self.startup_timeout)
             if self.cores.startup_error:
-                raise RuntimeError(f"the engine core could not load the pinned models: "
-                                   f"{self.cores.startup_error}")
+                raise RuntimeError(
+                    f"the engine core could not load the pinned models: {self.cores.startup_error}"
+                )
         except BaseException:
             await self.stop()  # a failed start leaves no engine core behind
             raise
@@ -137,8 +146,9 @@ class Runtime:
                     continue
                 proc = await self.processor(info)
                 if getattr(proc.tokenizer, "has_chat_template", False):
-                    await self.renderer.run(proc.encode_messages,
-                                            [{"role": "user", "content": "Hello"}])
+                    await self.renderer.run(
+                        proc.encode_messages, [{"role": "user", "content": "Hello"}]
+                    )
             except Exception:  # noqa: BLE001 - the first request will say what is wrong
                 log.warning("could not prepare the tokenizer of %s", name, exc_info=True)
 
@@ -164,8 +174,7 @@ class Runtime:
         """What the cores admit together: each core's own limit from its heartbeat (it
         follows the batch sizes of the models it loaded); before one came, the most the
         setting allows (core/slots.py)."""
-        first = provisional(self.settings, on_cpu=False) + \
-            self.settings.engine.max_queued_requests
+        first = provisional(self.settings, on_cpu=False) + self.settings.engine.max_queued_requests
         return sum(c.core_limit or first for c in self.cores.clients)
 
     @property
@@ -184,16 +193,21 @@ class Runtime:
     async def status(self) -> dict[str, Any]:
         replies = await self.cores.call_all(p.Status(), timeout=5)
         found = {c.index: r for c, r in replies if isinstance(r, p.CoreStatus)}
-        cores = [health.core_view(c, found.get(c.index), self._restarts_of(c))
-                 for c in self.cores.clients]
+        cores = [
+            health.core_view(c, found.get(c.index), self._restarts_of(c))
+            for c in self.cores.clients
+        ]
         merged = health.merge_status(sorted(found.items()))
         first = cores[0]
         return {
             "status": self.state,
             "worker_restarts": self.restarts,
             "frontend_pid": os.getpid(),
-            "front_ends": (self.front_ends.view() if self.front_ends is not None
-                           else {"workers": 1, "restarts": 0}),
+            "front_ends": (
+                self.front_ends.view()
+                if self.front_ends is not None
+                else {"workers": 1, "restarts": 0}
+            ),
             "engine_core": {k: first[k] for k in ("pid", "epoch", "alive", "ready")}
             | health.rank_group_view(found.get(0)),
             "engine_cores": cores,
@@ -217,9 +231,12 @@ class Runtime:
         """The shutdown grace is over: every generation and core call of this front end
         ends now with ShuttingDown (a stream with an error event in its dialect, a request
         still waiting with a 503), and the cores drop them. Returns how many were cut."""
-        err = p.WireError("ShuttingDown", "the server shut down before this request "
-                          "finished (server.shutdown_grace_s ran out); retry on another "
-                          "instance")
+        err = p.WireError(
+            "ShuttingDown",
+            "the server shut down before this request "
+            "finished (server.shutdown_grace_s ran out); retry on another "
+            "instance",
+        )
         return sum(c.cut(err) for c in self.cores.clients)
 
     def check_serving(self) -> None:
@@ -227,12 +244,15 @@ class Runtime:
         if self.draining:
             raise ShuttingDown()
         if not self.healthy:
-            raise Unavailable("the engine core is not running (restarting); retry shortly",
-                              headers={"Retry-After": "2"})
+            raise Unavailable(
+                "the engine core is not running (restarting); retry shortly",
+                headers={"Retry-After": "2"},
+            )
 
     # -- models and their tokenizers ---------------------------------------------------------
-    async def model_info(self, name: str, keep_alive: Any = None, *, fresh: bool = False
-                         ) -> p.ModelInfo:
+    async def model_info(
+        self, name: str, keep_alive: Any = None, *, fresh: bool = False
+    ) -> p.ModelInfo:
         """What the core knows of a model, loading it if needed (cached per core)."""
         if self._info_epoch != self.cores.epochs:
             self._info, self._info_epoch = {}, self.cores.epochs
@@ -241,8 +261,10 @@ class Runtime:
             if fresh:  # a load without a request (Ollama's empty prompt): every core
                 replies = await self.cores.values_all(p.Touch(name, keep_alive))
                 if not replies:
-                    raise Unavailable("the engine core is not running (restarting); retry "
-                                      "shortly", headers={"Retry-After": "2"})
+                    raise Unavailable(
+                        "the engine core is not running (restarting); retry shortly",
+                        headers={"Retry-After": "2"},
+                    )
                 info = replies[0][1]
             else:  # a request's model: on the core its first request will get
                 info = await self.cores.call(p.Touch(name, keep_alive))
@@ -265,9 +287,11 @@ class Runtime:
             from mlxd.text.processor import TextProcessor, load_tokenizer
 
             def load() -> Any:
-                tok = load_tokenizer(Path(info.path),
-                                     trust_remote_code=self.settings.models.trust_remote_code,
-                                     defaults=info.tokenizer_defaults)
+                tok = load_tokenizer(
+                    Path(info.path),
+                    trust_remote_code=self.settings.models.trust_remote_code,
+                    defaults=info.tokenizer_defaults,
+                )
                 vocab = info.vocab_size or len(tok)
                 eos = info.eos_token_ids or None
                 proc = TextProcessor(info.name, tok, vocab, eos)
@@ -294,8 +318,7 @@ class Runtime:
         if req.user:
             note(user=req.user)
         if self._admitted >= self.admission_limit:
-            raise QueueFull("too many requests queued; retry shortly",
-                            headers={"Retry-After": "1"})
+            raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         self._admitted += 1
         try:
             return await self._submit(name, req)
@@ -309,15 +332,15 @@ class Runtime:
         t_acquired = time.perf_counter()
         kind = info.kind
         if kind not in ("chat", "vision"):
-            raise InvalidRequest(f"model '{name}' is a {kind} model, not a chat model",
-                                 param="model")
+            raise InvalidRequest(
+                f"model '{name}' is a {kind} model, not a chat model", param="model"
+            )
         if kind != "chat":
             prompts.check_text_only_features(name, req)
         proc = await self.processor(info)
         vision = None
         if kind == "vision" or req.images or req.audio:
-            vision = await prompts.vision_input(self.settings, name, kind, req,
-                                                info.sample_rate)
+            vision = await prompts.vision_input(self.settings, name, kind, req, info.sample_rate)
             tokens: list[int] = list(req.prompt_tokens or [])
             plan = None
             params = prompts.fit_to_context(self.settings, info, req, 0)
@@ -325,15 +348,22 @@ class Runtime:
             tokens, plan = await self.renderer.run(prompts.tokenize_and_prepare, proc, req)
             params = prompts.fit_to_context(self.settings, info, req, len(tokens))
         add = p.Add(
-            epoch=0, frontend=0, rid=new_rid(), model=name, keep_alive=req.keep_alive,
+            epoch=0,
+            frontend=0,
+            rid=new_rid(),
+            model=name,
+            keep_alive=req.keep_alive,
             prompt_tokens=tokens,
             sampling=p.sampling_to_wire(params),
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
-            vision=vision, cache_salt=self._cache_salt(req))
+            vision=vision,
+            cache_salt=self._cache_salt(req),
+        )
         core = self.cores.pick(name, tokens, add.cache_salt)
-        gen = Generation(self, core, name, proc, tokens if vision is None else None, params,
-                         plan, add)
+        gen = Generation(
+            self, core, name, proc, tokens if vision is None else None, params, plan, add
+        )
         gen.t_submitted, gen.t_acquired = t0, t_acquired
         await gen.start()
         return gen
@@ -379,8 +409,7 @@ class Runtime:
     async def encoder_call(self, request: p.Request[p.R]) -> p.R:
         self.check_serving()
         if self._admitted >= self.admission_limit:
-            raise QueueFull("too many requests queued; retry shortly",
-                            headers={"Retry-After": "1"})
+            raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         self._admitted += 1
         try:
             return await self.cores.call(request)
@@ -389,9 +418,16 @@ class Runtime:
 
     async def embed(self, req: EmbedRequest) -> EmbedResult:
         timings = Timings()
-        r = await self.encoder_call(p.Embed(
-            req.model, req.inputs, truncate=req.truncate, dimensions=req.dimensions,
-            keep_alive=req.keep_alive, request_id=req.request_id))
+        r = await self.encoder_call(
+            p.Embed(
+                req.model,
+                req.inputs,
+                truncate=req.truncate,
+                dimensions=req.dimensions,
+                keep_alive=req.keep_alive,
+                request_id=req.request_id,
+            )
+        )
         timings.t_acquired = timings.t_submitted + r.load_s
         timings.t_done = time.perf_counter()
         vectors = np.frombuffer(r.vectors, dtype=np.float32).reshape(r.shape)
@@ -401,20 +437,35 @@ class Runtime:
 
     async def rerank(self, req: RerankRequest) -> RerankResult:
         timings = Timings()
-        r = await self.encoder_call(p.Rerank(
-            req.model, req.query, req.documents, truncate=req.truncate,
-            instruction=req.instruction, keep_alive=req.keep_alive, request_id=req.request_id))
+        r = await self.encoder_call(
+            p.Rerank(
+                req.model,
+                req.query,
+                req.documents,
+                truncate=req.truncate,
+                instruction=req.instruction,
+                keep_alive=req.keep_alive,
+                request_id=req.request_id,
+            )
+        )
         timings.t_acquired = timings.t_submitted + r.load_s
         timings.t_done = time.perf_counter()
         note(model=r.model)
         add_usage(r.model, r.prompt_tokens, 0)
         return RerankResult(r.model, r.scores, r.prompt_tokens, timings)
 
-    async def tokenize(self, model: str | None, inputs: list[str] | None,
-                       messages: list[dict] | None = None, *, add_special_tokens: bool = True,
-                       token_strings: bool = False, keep_alive: Any = None
-                       ) -> TokenizeResult:
-        r = await self.encoder_call(p.Tokenize(model, inputs, messages, add_special_tokens,
-                                               token_strings, keep_alive))
+    async def tokenize(
+        self,
+        model: str | None,
+        inputs: list[str] | None,
+        messages: list[dict] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        token_strings: bool = False,
+        keep_alive: Any = None,
+    ) -> TokenizeResult:
+        r = await self.encoder_call(
+            p.Tokenize(model, inputs, messages, add_special_tokens, token_strings, keep_alive)
+        )
         note(model=r.model)
         return TokenizeResult(r.model, r.kind, r.tokens, r.context_length, r.token_strings)

@@ -57,8 +57,11 @@ class SpeechRequests:
 
     def _model(self, model: str | None, kind: str) -> str:
         a = self.settings.audio
-        names, default = (OPENAI_STT_NAMES, a.default_stt) if kind == "stt" else \
-            (OPENAI_TTS_NAMES, a.default_tts)
+        names, default = (
+            (OPENAI_STT_NAMES, a.default_stt)
+            if kind == "stt"
+            else (OPENAI_TTS_NAMES, a.default_tts)
+        )
         if model is not None and not model.strip():
             raise InvalidRequest("a model name must not be empty or blank", param="model")
         if model and model != "default" and model not in names:
@@ -69,7 +72,9 @@ class SpeechRequests:
         raise InvalidRequest(
             f"no {'speech-to-text' if kind == 'stt' else 'text-to-speech'} model is "
             f"configured (audio.default_{kind}); name one in 'model', e.g. after "
-            f"'mlxd pull {hint}'", param="model")
+            f"'mlxd pull {hint}'",
+            param="model",
+        )
 
     async def _info(self, model: str | None, kind: str, keep_alive: Any) -> p.ModelInfo:
         self.rt.check_serving()
@@ -77,8 +82,10 @@ class SpeechRequests:
         note(model=info.name)
         if info.kind != kind:
             what = "speech-to-text (Whisper)" if kind == "stt" else "text-to-speech"
-            raise InvalidRequest(f"model '{info.name}' is a {info.kind} model; this "
-                                 f"endpoint needs a {what} model", param="model")
+            raise InvalidRequest(
+                f"model '{info.name}' is a {info.kind} model; this endpoint needs a {what} model",
+                param="model",
+            )
         return info
 
     async def _call(self, request: p.Request[p.R]) -> p.R:
@@ -88,15 +95,19 @@ class SpeechRequests:
     async def _samples(self, data: bytes, info: p.ModelInfo) -> np.ndarray:
         a = self.settings.audio
         if len(data) > a.max_upload_bytes:
-            raise PayloadTooLarge(f"the audio file has {len(data)} bytes, more than this "
-                                  f"server accepts ({a.max_upload_bytes}; "
-                                  "audio.max_upload_bytes)", param="file")
-        return await asyncio.to_thread(decode_audio, data, info.sample_rate,
-                                       max_seconds=a.max_duration_s)
+            raise PayloadTooLarge(
+                f"the audio file has {len(data)} bytes, more than this "
+                f"server accepts ({a.max_upload_bytes}; "
+                "audio.max_upload_bytes)",
+                param="file",
+            )
+        return await asyncio.to_thread(
+            decode_audio, data, info.sample_rate, max_seconds=a.max_duration_s
+        )
 
-    async def _windows(self, model: str | None, data: bytes, keep_alive: Any, **opts: Any
-                       ) -> tuple[p.ModelInfo, np.ndarray,
-                                  AsyncIterator[tuple[float, p.TranscriptWindow]]]:
+    async def _windows(
+        self, model: str | None, data: bytes, keep_alive: Any, **opts: Any
+    ) -> tuple[p.ModelInfo, np.ndarray, AsyncIterator[tuple[float, p.TranscriptWindow]]]:
         """(model info, samples, (start in seconds, result) of each window in order).
 
         Each window (at most 30 s) is its own core call, so no message carries more than
@@ -114,8 +125,9 @@ class SpeechRequests:
         ahead = max(int(self.settings.audio.max_batch_size), 1)
 
         def call(piece: np.ndarray) -> asyncio.Future[p.Transcribed]:
-            return asyncio.ensure_future(self._call(p.Transcribe(
-                info.name, piece.tobytes(), keep_alive=keep_alive, **opts)))
+            return asyncio.ensure_future(
+                self._call(p.Transcribe(info.name, piece.tobytes(), keep_alive=keep_alive, **opts))
+            )
 
         calls = [call(p) for p in pieces[:ahead]]
         try:
@@ -139,55 +151,90 @@ class SpeechRequests:
 
         return info, samples, results()
 
-    async def transcribe(self, model: str | None, data: bytes, *, task: str = "transcribe",
-                         language: str | None = None, prompt: str | None = None,
-                         temperature: float = 0.0, words: bool = False,
-                         keep_alive: Any = None) -> Transcript:
+    async def transcribe(
+        self,
+        model: str | None,
+        data: bytes,
+        *,
+        task: str = "transcribe",
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        words: bool = False,
+        keep_alive: Any = None,
+    ) -> Transcript:
         info, samples, results = await self._windows(
-            model, data, keep_alive, task=task, language=language, prompt=prompt,
-            temperature=temperature, words=words)
+            model,
+            data,
+            keep_alive,
+            task=task,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+            words=words,
+        )
         windows = [w async for w in results]
         return _assemble(info.name, task, samples.size / info.sample_rate, windows, words)
 
-    async def transcribe_stream(self, model: str | None, data: bytes, *, task: str,
-                                language: str | None = None, prompt: str | None = None,
-                                temperature: float = 0.0, keep_alive: Any = None
-                                ) -> AsyncIterator[tuple[str, Any]]:
+    async def transcribe_stream(
+        self,
+        model: str | None,
+        data: bytes,
+        *,
+        task: str,
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        keep_alive: Any = None,
+    ) -> AsyncIterator[tuple[str, Any]]:
         """("delta", text) per window in order, then ("done", Transcript)."""
         info, samples, results = await self._windows(
-            model, data, keep_alive, task=task, language=language, prompt=prompt,
-            temperature=temperature)
+            model,
+            data,
+            keep_alive,
+            task=task,
+            language=language,
+            prompt=prompt,
+            temperature=temperature,
+        )
 
         async def gen() -> AsyncIterator[tuple[str, Any]]:
             windows: list[tuple[float, p.TranscriptWindow]] = []
             async for w in results:
                 windows.append(w)
                 yield "delta", w[1].text
-            yield "done", _assemble(info.name, task, samples.size / info.sample_rate,
-                                    windows)
+            yield "done", _assemble(info.name, task, samples.size / info.sample_rate, windows)
 
         return gen()
 
     # -- speech --------------------------------------------------------------------------
-    async def speak(self, model: str | None, text: str, *, voice: str | None, fmt: str,
-                    speed: float = 1.0, keep_alive: Any = None
-                    ) -> tuple[str, AsyncIterator[bytes]]:
+    async def speak(
+        self,
+        model: str | None,
+        text: str,
+        *,
+        voice: str | None,
+        fmt: str,
+        speed: float = 1.0,
+        keep_alive: Any = None,
+    ) -> tuple[str, AsyncIterator[bytes]]:
         """(model name, body chunks). The first piece is synthesised before this returns,
         so a failure is still a plain HTTP error."""
         a = self.settings.audio
         if not text.strip():
             raise InvalidRequest("input must not be empty", param="input")
         if len(text) > a.max_speech_chars:
-            raise InvalidRequest(f"input has {len(text)} characters, more than this server "
-                                 f"accepts ({a.max_speech_chars}; audio.max_speech_chars)",
-                                 param="input")
+            raise InvalidRequest(
+                f"input has {len(text)} characters, more than this server "
+                f"accepts ({a.max_speech_chars}; audio.max_speech_chars)",
+                param="input",
+            )
         info = await self._info(model, "tts", keep_alive)
         pieces = split_text(text, a.tts_segment_chars)
         name = info.name
 
         def call(piece: str) -> asyncio.Future[p.Spoken]:
-            return asyncio.ensure_future(self._call(p.Speak(name, piece, voice, speed,
-                                                            keep_alive)))
+            return asyncio.ensure_future(self._call(p.Speak(name, piece, voice, speed, keep_alive)))
 
         pending = call(pieces[0])
         try:
@@ -196,8 +243,9 @@ class SpeechRequests:
             pending.cancel()
             raise
         rate = first.sample_rate
-        encoder = SpeechEncoder(fmt, rate, 1.0 if first.speed_applied else speed,
-                                whole=len(pieces) == 1)
+        encoder = SpeechEncoder(
+            fmt, rate, 1.0 if first.speed_applied else speed, whole=len(pieces) == 1
+        )
 
         async def body() -> AsyncIterator[bytes]:
             t0 = time.perf_counter()
@@ -217,8 +265,12 @@ class SpeechRequests:
                 tail = await asyncio.to_thread(encoder.finish)
                 if tail:
                     yield tail
-                log.debug("speech: %d pieces, %.2f s of audio in %.2f s", len(pieces),
-                          seconds, time.perf_counter() - t0)
+                log.debug(
+                    "speech: %d pieces, %.2f s of audio in %.2f s",
+                    len(pieces),
+                    seconds,
+                    time.perf_counter() - t0,
+                )
             finally:
                 if nxt is not None:
                     nxt.cancel()
@@ -226,27 +278,46 @@ class SpeechRequests:
         return name, body()
 
 
-def _assemble(model: str, task: str, duration: float,
-              windows: list[tuple[float, p.TranscriptWindow]], words: bool = False
-              ) -> Transcript:
+def _assemble(
+    model: str,
+    task: str,
+    duration: float,
+    windows: list[tuple[float, p.TranscriptWindow]],
+    words: bool = False,
+) -> Transcript:
     """Windows' results (each with its start in seconds) as one transcript: segments (and
     words) on the file's clock."""
     segments: list[dict[str, Any]] = []
     all_words: list[dict[str, Any]] = []
     for offset, res in windows:
         for s in res.segments:
-            all_words.extend({"word": x["word"], "start": round(offset + x["start"], 2),
-                              "end": round(offset + x["end"], 2)} for x in s.get("words", []))
-            segments.append({
-                "id": len(segments), "seek": round(offset * 100),
-                "start": round(offset + s["start"], 2), "end": round(offset + s["end"], 2),
-                "text": s["text"], "tokens": s["tokens"], "temperature": res.temperature,
-                "avg_logprob": res.avg_logprob, "compression_ratio": res.compression_ratio,
-                "no_speech_prob": res.no_speech_prob})
+            all_words.extend(
+                {
+                    "word": x["word"],
+                    "start": round(offset + x["start"], 2),
+                    "end": round(offset + x["end"], 2),
+                }
+                for x in s.get("words", [])
+            )
+            segments.append(
+                {
+                    "id": len(segments),
+                    "seek": round(offset * 100),
+                    "start": round(offset + s["start"], 2),
+                    "end": round(offset + s["end"], 2),
+                    "text": s["text"],
+                    "tokens": s["tokens"],
+                    "temperature": res.temperature,
+                    "avg_logprob": res.avg_logprob,
+                    "compression_ratio": res.compression_ratio,
+                    "no_speech_prob": res.no_speech_prob,
+                }
+            )
     first = windows[0][1] if windows else None
     language = (first.language_name or first.language or "") if first else ""
     if task == "translate":
         language = "english"
     text = "".join(res.text for _, res in windows).strip()
-    return Transcript(model, task, language, round(duration, 3), text, segments,
-                      all_words if words else None)
+    return Transcript(
+        model, task, language, round(duration, 3), text, segments, all_words if words else None
+    )

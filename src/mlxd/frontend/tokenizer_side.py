@@ -34,8 +34,8 @@ def register_without_init() -> bool:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     sys.modules["mlx_lm"] = package
     try:
-        setattr(package, "__version__",  # noqa: B010 - a module made here, typed bare
-                importlib.import_module("mlx_lm._version").__version__)
+        version = importlib.import_module("mlx_lm._version").__version__
+        setattr(package, "__version__", version)  # noqa: B010 - a module made here, typed bare
     except (ImportError, AttributeError):  # a layout without _version: only informative
         pass
     return True

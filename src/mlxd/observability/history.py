@@ -37,8 +37,9 @@ class RequestLog:
     def add(self, fields: dict[str, Any], line: str, owner: str | None = None) -> None:
         self._items.append((owner, {**fields, "time": time.time(), "line": line}))
 
-    def recent(self, limit: int | None = None,
-               visible: Callable[[str | None], bool] | None = None) -> list[dict[str, Any]]:
+    def recent(
+        self, limit: int | None = None, visible: Callable[[str | None], bool] | None = None
+    ) -> list[dict[str, Any]]:
         """Newest first; ``visible(owner)`` picks the records a caller may see (the limit
         counts those only)."""
         out: list[dict[str, Any]] = []
@@ -50,8 +51,7 @@ class RequestLog:
         return out
 
 
-def _total(metric: Any, sample: str, keep: Callable[[dict[str, str]], bool] | None = None
-           ) -> float:
+def _total(metric: Any, sample: str, keep: Callable[[dict[str, str]], bool] | None = None) -> float:
     """The sum of one sample name over every label set of a metric (``keep`` filters)."""
     total = 0.0
     for family in metric.collect():
@@ -93,8 +93,7 @@ def read_counters(skip_route: Callable[[str], bool]) -> Reading:
         generation_tokens=_total(metrics.generation_tokens_total, "mlxd:generation_tokens_total"),
         prompt_tokens=_total(metrics.prompt_tokens_total, "mlxd:prompt_tokens_total"),
         ttft_sum=_total(metrics.time_to_first_token, "mlxd:time_to_first_token_seconds_sum"),
-        ttft_count=_total(metrics.time_to_first_token,
-                          "mlxd:time_to_first_token_seconds_count"),
+        ttft_count=_total(metrics.time_to_first_token, "mlxd:time_to_first_token_seconds_count"),
         running=_total(metrics.num_requests_running, "mlxd:num_requests_running"),
         waiting=_total(metrics.num_requests_waiting, "mlxd:num_requests_waiting"),
         by_status=by_status,
@@ -111,19 +110,23 @@ def point(prev: Reading, cur: Reading) -> dict[str, Any]:
         "prompt_tokens_per_s": round((cur.prompt_tokens - prev.prompt_tokens) / dt, 3),
         # mean over the requests whose first token came in this interval; None: none did
         "ttft_ms": round((cur.ttft_sum - prev.ttft_sum) / n_first * 1000, 3)
-        if n_first > 0 else None,
+        if n_first > 0
+        else None,
         "running": cur.running,
         "waiting": cur.waiting,
-        "requests": {cls: cur.by_status.get(cls, 0.0) - prev.by_status.get(cls, 0.0)
-                     for cls in sorted(set(cur.by_status) | set(prev.by_status))},
+        "requests": {
+            cls: cur.by_status.get(cls, 0.0) - prev.by_status.get(cls, 0.0)
+            for cls in sorted(set(cur.by_status) | set(prev.by_status))
+        },
     }
 
 
 class StatsSampler:
     """Samples :func:`read_counters` every ``interval`` seconds into a ring of points."""
 
-    def __init__(self, skip_route: Callable[[str], bool], interval: float = 2.0,
-                 size: int = 300) -> None:
+    def __init__(
+        self, skip_route: Callable[[str], bool], interval: float = 2.0, size: int = 300
+    ) -> None:
         self.interval = interval
         self.skip_route = skip_route
         self.points: deque[dict[str, Any]] = deque(maxlen=size)

@@ -74,8 +74,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         # json.dumps escapes C0 controls but leaves these raw, and line readers split on them
-        return json.dumps(out, ensure_ascii=False).replace("\u2028", "\\u2028") \
-            .replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+        return (
+            json.dumps(out, ensure_ascii=False)
+            .replace("\u2028", "\\u2028")
+            .replace("\u2029", "\\u2029")
+            .replace("\x85", "\\u0085")
+        )
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:

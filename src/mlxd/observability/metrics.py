@@ -29,19 +29,33 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Families the engine-core process records (models, encoder batches, vision features); a
 # front end's /metrics takes these from the core and every other family from itself.
-CORE_FAMILIES = frozenset({
-    "mlxd:embed_batch_size", "mlxd:embed_queue_duration_seconds",
-    "mlxd:embed_inference_duration_seconds", "mlxd:vision_feature_cache_hits",
-    "mlxd:vision_feature_cache_misses", "mlxd:vision_feature_cache_bytes",
-    "mlxd:vision_images", "mlxd:models_loaded", "mlxd:model_memory_bytes",
-    "mlxd:model_load_seconds", "mlxd:model_evictions",
-    "mlxd:spec_decode_num_verify_steps", "mlxd:spec_decode_num_draft_tokens",
-    "mlxd:spec_decode_num_accepted_tokens", "mlxd:spec_decode_num_emitted_tokens",
-    "mlxd:spec_decode_draft_acceptance_rate", "mlxd:spec_decode_tokens_per_step",
-    "mlxd:prefix_cache_disk_hits", "mlxd:prefix_cache_disk_misses",
-    "mlxd:prefix_cache_disk_bytes", "mlxd:prefix_cache_disk_read_bytes",
-    "mlxd:prefix_cache_disk_written_bytes", "mlxd:prefix_cache_disk_evictions",
-})
+CORE_FAMILIES = frozenset(
+    {
+        "mlxd:embed_batch_size",
+        "mlxd:embed_queue_duration_seconds",
+        "mlxd:embed_inference_duration_seconds",
+        "mlxd:vision_feature_cache_hits",
+        "mlxd:vision_feature_cache_misses",
+        "mlxd:vision_feature_cache_bytes",
+        "mlxd:vision_images",
+        "mlxd:models_loaded",
+        "mlxd:model_memory_bytes",
+        "mlxd:model_load_seconds",
+        "mlxd:model_evictions",
+        "mlxd:spec_decode_num_verify_steps",
+        "mlxd:spec_decode_num_draft_tokens",
+        "mlxd:spec_decode_num_accepted_tokens",
+        "mlxd:spec_decode_num_emitted_tokens",
+        "mlxd:spec_decode_draft_acceptance_rate",
+        "mlxd:spec_decode_tokens_per_step",
+        "mlxd:prefix_cache_disk_hits",
+        "mlxd:prefix_cache_disk_misses",
+        "mlxd:prefix_cache_disk_bytes",
+        "mlxd:prefix_cache_disk_read_bytes",
+        "mlxd:prefix_cache_disk_written_bytes",
+        "mlxd:prefix_cache_disk_evictions",
+    }
+)
 
 
 def core_families(core_texts: list[str]) -> Any:
@@ -63,10 +77,12 @@ def core_families(core_texts: list[str]) -> Any:
                 continue
             m = merged.get(family.name)
             if m is None:
-                m = merged[family.name] = Metric(family.name, family.documentation,
-                                                 family.type, family.unit)
-            m.samples.extend(s._replace(labels={**s.labels, "engine_core": str(index)})
-                             for s in family.samples)
+                m = merged[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            m.samples.extend(
+                s._replace(labels={**s.labels, "engine_core": str(index)}) for s in family.samples
+            )
     yield from merged.values()
 
 
@@ -113,132 +129,255 @@ def merged_text(core_texts: list[str]) -> bytes:
     registry.register(MergedCollector(core_texts))  # type: ignore[arg-type]
     return generate_latest(registry)
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-            7.5, 10.0, 20.0, 40.0, 80.0)
+
+_LATENCY = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # -- generation (vLLM names) ---------------------------------------------------------------
-num_requests_running = Gauge("mlxd:num_requests_running",
-                             "Requests in a running batch.", ["model"], registry=REGISTRY,
-                             multiprocess_mode="livesum")
-num_requests_waiting = Gauge("mlxd:num_requests_waiting",
-                             "Requests admitted and waiting for a batch slot.", ["model"],
-                             registry=REGISTRY, multiprocess_mode="livesum")
-time_to_first_token = Histogram("mlxd:time_to_first_token_seconds",
-                                "Time from admission to the first token.", ["model"],
-                                buckets=_LATENCY, registry=REGISTRY)
-inter_token_latency = Histogram("mlxd:inter_token_latency_seconds",
-                                "Time between successive tokens of one request.", ["model"],
-                                buckets=_LATENCY, registry=REGISTRY)
-e2e_request_latency = Histogram("mlxd:e2e_request_latency_seconds",
-                                "Time from admission to the last token.", ["model"],
-                                buckets=_LATENCY, registry=REGISTRY)
-request_queue_time = Histogram("mlxd:request_queue_time_seconds",
-                               "Time from arrival until the request joins a batch.",
-                               ["model"], buckets=_LATENCY, registry=REGISTRY)
-prompt_tokens_total = Counter("mlxd:prompt_tokens", "Prompt tokens processed.", ["model"],
-                              registry=REGISTRY)
-generation_tokens_total = Counter("mlxd:generation_tokens", "Tokens generated.", ["model"],
-                                  registry=REGISTRY)
-request_success_total = Counter("mlxd:request_success",
-                                "Finished requests by finish reason.",
-                                ["model", "finished_reason"], registry=REGISTRY)
+num_requests_running = Gauge(
+    "mlxd:num_requests_running",
+    "Requests in a running batch.",
+    ["model"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
+num_requests_waiting = Gauge(
+    "mlxd:num_requests_waiting",
+    "Requests admitted and waiting for a batch slot.",
+    ["model"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
+time_to_first_token = Histogram(
+    "mlxd:time_to_first_token_seconds",
+    "Time from admission to the first token.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+inter_token_latency = Histogram(
+    "mlxd:inter_token_latency_seconds",
+    "Time between successive tokens of one request.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+e2e_request_latency = Histogram(
+    "mlxd:e2e_request_latency_seconds",
+    "Time from admission to the last token.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+request_queue_time = Histogram(
+    "mlxd:request_queue_time_seconds",
+    "Time from arrival until the request joins a batch.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+prompt_tokens_total = Counter(
+    "mlxd:prompt_tokens", "Prompt tokens processed.", ["model"], registry=REGISTRY
+)
+generation_tokens_total = Counter(
+    "mlxd:generation_tokens", "Tokens generated.", ["model"], registry=REGISTRY
+)
+request_success_total = Counter(
+    "mlxd:request_success",
+    "Finished requests by finish reason.",
+    ["model", "finished_reason"],
+    registry=REGISTRY,
+)
 
 # -- encoders (TEI names) -----------------------------------------------------------------
-embed_batch_size = Histogram("mlxd:embed_batch_size", "Inputs per encoder batch.", ["model"],
-                             buckets=_TOKENS_BUCKETS, registry=REGISTRY)
-embed_queue_duration = Histogram("mlxd:embed_queue_duration_seconds",
-                                 "Time an input waited for its encoder batch.", ["model"],
-                                 buckets=_LATENCY, registry=REGISTRY)
-embed_inference_duration = Histogram("mlxd:embed_inference_duration_seconds",
-                                     "Forward-pass time of one encoder batch.", ["model"],
-                                     buckets=_LATENCY, registry=REGISTRY)
+embed_batch_size = Histogram(
+    "mlxd:embed_batch_size",
+    "Inputs per encoder batch.",
+    ["model"],
+    buckets=_TOKENS_BUCKETS,
+    registry=REGISTRY,
+)
+embed_queue_duration = Histogram(
+    "mlxd:embed_queue_duration_seconds",
+    "Time an input waited for its encoder batch.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+embed_inference_duration = Histogram(
+    "mlxd:embed_inference_duration_seconds",
+    "Forward-pass time of one encoder batch.",
+    ["model"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
 
 # -- vision models ----------------------------------------------------------------------------
 vision_feature_cache_hits = Counter(
     "mlxd:vision_feature_cache_hits",
-    "Images whose features came from the vision-feature cache (encoder not run).", ["model"],
-    registry=REGISTRY)
+    "Images whose features came from the vision-feature cache (encoder not run).",
+    ["model"],
+    registry=REGISTRY,
+)
 vision_feature_cache_misses = Counter(
     "mlxd:vision_feature_cache_misses",
-    "Images the vision encoder ran for (not in the feature cache).", ["model"],
-    registry=REGISTRY)
-vision_feature_cache_bytes = Gauge("mlxd:vision_feature_cache_bytes",
-                                   "Memory held by cached image features.", ["model"],
-                                   registry=REGISTRY)
-vision_images_total = Counter("mlxd:vision_images", "Images accepted in requests.",
-                              ["model"], registry=REGISTRY)
+    "Images the vision encoder ran for (not in the feature cache).",
+    ["model"],
+    registry=REGISTRY,
+)
+vision_feature_cache_bytes = Gauge(
+    "mlxd:vision_feature_cache_bytes",
+    "Memory held by cached image features.",
+    ["model"],
+    registry=REGISTRY,
+)
+vision_images_total = Counter(
+    "mlxd:vision_images", "Images accepted in requests.", ["model"], registry=REGISTRY
+)
 
 # -- speculative decoding (vLLM's spec_decode names) -------------------------------------------
 spec_decode_verify_steps = Counter(
-    "mlxd:spec_decode_num_verify_steps", "Decode steps that verified drafts.", ["model"],
-    registry=REGISTRY)
+    "mlxd:spec_decode_num_verify_steps",
+    "Decode steps that verified drafts.",
+    ["model"],
+    registry=REGISTRY,
+)
 spec_decode_draft_tokens = Counter(
-    "mlxd:spec_decode_num_draft_tokens", "Draft tokens proposed for verification.", ["model"],
-    registry=REGISTRY)
+    "mlxd:spec_decode_num_draft_tokens",
+    "Draft tokens proposed for verification.",
+    ["model"],
+    registry=REGISTRY,
+)
 spec_decode_accepted_tokens = Counter(
-    "mlxd:spec_decode_num_accepted_tokens", "Draft tokens the model accepted.", ["model"],
-    registry=REGISTRY)
+    "mlxd:spec_decode_num_accepted_tokens",
+    "Draft tokens the model accepted.",
+    ["model"],
+    registry=REGISTRY,
+)
 spec_decode_emitted_tokens = Counter(
     "mlxd:spec_decode_num_emitted_tokens",
-    "Tokens emitted by verify steps (accepted drafts plus one per row).", ["model"],
-    registry=REGISTRY)
+    "Tokens emitted by verify steps (accepted drafts plus one per row).",
+    ["model"],
+    registry=REGISTRY,
+)
 spec_decode_acceptance_rate = Gauge(
     "mlxd:spec_decode_draft_acceptance_rate",
-    "Accepted / proposed draft tokens since the model loaded.", ["model"], registry=REGISTRY)
+    "Accepted / proposed draft tokens since the model loaded.",
+    ["model"],
+    registry=REGISTRY,
+)
 spec_decode_tokens_per_step = Gauge(
     "mlxd:spec_decode_tokens_per_step",
     "Tokens a sequence emits per verify step since the model loaded (1 = no gain).",
-    ["model"], registry=REGISTRY)
+    ["model"],
+    registry=REGISTRY,
+)
 
 # -- the prefix cache's disk tier (engines/prefix_disk.py) ------------------------------------
 prefix_disk_hits = Counter(
     "mlxd:prefix_cache_disk_hits",
-    "Requests whose prompt prefix was read from the prefix cache's disk tier.", ["model"],
-    registry=REGISTRY)
+    "Requests whose prompt prefix was read from the prefix cache's disk tier.",
+    ["model"],
+    registry=REGISTRY,
+)
 prefix_disk_misses = Counter(
     "mlxd:prefix_cache_disk_misses",
     "Long prompts the memory tier could not serve and the disk tier had nothing for.",
-    ["model"], registry=REGISTRY)
-prefix_disk_bytes = Gauge("mlxd:prefix_cache_disk_bytes",
-                          "Bytes of KV cache files in the disk tier.", ["model"],
-                          registry=REGISTRY)
-prefix_disk_read = Counter("mlxd:prefix_cache_disk_read_bytes",
-                           "Bytes read back from the disk tier.", ["model"],
-                           registry=REGISTRY)
-prefix_disk_written = Counter("mlxd:prefix_cache_disk_written_bytes",
-                              "Bytes written to the disk tier.", ["model"], registry=REGISTRY)
+    ["model"],
+    registry=REGISTRY,
+)
+prefix_disk_bytes = Gauge(
+    "mlxd:prefix_cache_disk_bytes",
+    "Bytes of KV cache files in the disk tier.",
+    ["model"],
+    registry=REGISTRY,
+)
+prefix_disk_read = Counter(
+    "mlxd:prefix_cache_disk_read_bytes",
+    "Bytes read back from the disk tier.",
+    ["model"],
+    registry=REGISTRY,
+)
+prefix_disk_written = Counter(
+    "mlxd:prefix_cache_disk_written_bytes",
+    "Bytes written to the disk tier.",
+    ["model"],
+    registry=REGISTRY,
+)
 prefix_disk_evictions = Counter(
     "mlxd:prefix_cache_disk_evictions",
-    "Disk-tier files deleted to stay within engine.prefix_cache_disk_bytes.", ["model"],
-    registry=REGISTRY)
+    "Disk-tier files deleted to stay within engine.prefix_cache_disk_bytes.",
+    ["model"],
+    registry=REGISTRY,
+)
 
 # -- the model cache ------------------------------------------------------------------------
 models_loaded = Gauge("mlxd:models_loaded", "Models loaded now.", ["kind"], registry=REGISTRY)
-model_memory_bytes = Gauge("mlxd:model_memory_bytes", "Weight memory of a loaded model.",
-                           ["model"], registry=REGISTRY)
-model_load_seconds = Histogram("mlxd:model_load_seconds", "Time to load (and warm up) a model.",
-                               ["model"], buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-                               registry=REGISTRY)
-model_evictions_total = Counter("mlxd:model_evictions", "Models unloaded to make room or idle.",
-                                ["model", "reason"], registry=REGISTRY)
+model_memory_bytes = Gauge(
+    "mlxd:model_memory_bytes", "Weight memory of a loaded model.", ["model"], registry=REGISTRY
+)
+model_load_seconds = Histogram(
+    "mlxd:model_load_seconds",
+    "Time to load (and warm up) a model.",
+    ["model"],
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+model_evictions_total = Counter(
+    "mlxd:model_evictions",
+    "Models unloaded to make room or idle.",
+    ["model", "reason"],
+    registry=REGISTRY,
+)
 
 # -- HTTP ---------------------------------------------------------------------------------------
-http_requests_total = Counter("mlxd:http_requests", "HTTP requests by route and status.",
-                              ["method", "route", "status"], registry=REGISTRY)
-http_request_duration = Histogram("mlxd:http_request_duration_seconds",
-                                  "HTTP request latency by route.", ["method", "route"],
-                                  buckets=_LATENCY, registry=REGISTRY)
+http_requests_total = Counter(
+    "mlxd:http_requests",
+    "HTTP requests by route and status.",
+    ["method", "route", "status"],
+    registry=REGISTRY,
+)
+http_request_duration = Histogram(
+    "mlxd:http_request_duration_seconds",
+    "HTTP request latency by route.",
+    ["method", "route"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
 
 rate_limit_store_errors = Counter(
     "mlxd:rate_limit_store_errors",
     "Rate-limit checks the shared store (Redis) could not answer, by failure policy.",
-    ["policy"], registry=REGISTRY)
+    ["policy"],
+    registry=REGISTRY,
+)
 
 # -- operations ------------------------------------------------------------------------------
-worker_restarts_total = Counter("mlxd:worker_restarts",
-                                "Times an engine core died and a new one was started.",
-                                registry=REGISTRY)
+worker_restarts_total = Counter(
+    "mlxd:worker_restarts",
+    "Times an engine core died and a new one was started.",
+    registry=REGISTRY,
+)
 
 try:  # process_* metrics (RSS, CPU, open fds) on Linux
     from prometheus_client import ProcessCollector
@@ -251,8 +390,9 @@ except Exception:  # noqa: BLE001 - optional
 # -- hooks the runtime calls ------------------------------------------------------------------
 
 
-def spec_decode_events(model: str, steps: int, drafted: int, accepted: int, emitted: int,
-                       totals: dict[str, Any]) -> None:
+def spec_decode_events(
+    model: str, steps: int, drafted: int, accepted: int, emitted: int, totals: dict[str, Any]
+) -> None:
     """Growth of the speculation counters since the last call, and the running ratios."""
     spec_decode_verify_steps.labels(model).inc(steps)
     spec_decode_draft_tokens.labels(model).inc(drafted)
@@ -311,7 +451,8 @@ class GenerationObserver:
             num_requests_running.labels(g.model).inc()
             queued = getattr(g, "queue_seconds", None)  # arrival -> first scheduled in a batch
             request_queue_time.labels(g.model).observe(
-                max(queued if queued is not None else g.t_acquired - g.t_submitted, 0.0))
+                max(queued if queued is not None else g.t_acquired - g.t_submitted, 0.0)
+            )
             self._ttft.observe(max(now - g.t_submitted, 0.0))
             prompt_tokens_total.labels(g.model).inc(len(g.prompt_tokens))
         elif n_tokens:

@@ -30,13 +30,13 @@ class AudioService:
         """The front end sends resolved names; a direct call may rely on the default."""
         name = model or default
         if not name:
-            raise InvalidRequest("name a model: no default is configured for it",
-                                 param="model")
+            raise InvalidRequest("name a model: no default is configured for it", param="model")
         return name
 
     @contextlib.asynccontextmanager
-    async def _leased(self, model: str | None, default: str | None, keep_alive: Any,
-                      kind: str, needs: str) -> AsyncIterator[tuple[Any, Any]]:
+    async def _leased(
+        self, model: str | None, default: str | None, keep_alive: Any, kind: str, needs: str
+    ) -> AsyncIterator[tuple[Any, Any]]:
         """Admission, then a lease on the model for the request (``needs``: what the
         request needs when the model is of another kind)."""
         name = self._name(model, default)
@@ -46,42 +46,76 @@ class AudioService:
                 entry = lease.entry
                 note(model=entry.name)
                 if entry.kind != kind:
-                    raise InvalidRequest(f"model '{entry.name}' is a {entry.kind} model; "
-                                         f"{needs}", param="model")
+                    raise InvalidRequest(
+                        f"model '{entry.name}' is a {entry.kind} model; {needs}", param="model"
+                    )
                 yield entry, lease.engine
             finally:
                 lease.release()
 
-    async def transcribe(self, model: str | None, audio: bytes, task: str = "transcribe",
-                         language: str | None = None, prompt: str | None = None,
-                         temperature: float = 0.0, words: bool = False,
-                         keep_alive: Any = None) -> dict[str, Any]:
+    async def transcribe(
+        self,
+        model: str | None,
+        audio: bytes,
+        task: str = "transcribe",
+        language: str | None = None,
+        prompt: str | None = None,
+        temperature: float = 0.0,
+        words: bool = False,
+        keep_alive: Any = None,
+    ) -> dict[str, Any]:
         """One window (at most ``window_seconds`` of samples at ``sample_rate``; where a
         long file is cut is the front end's choice, ``frontend/audio.window_bounds``)."""
         from mlxd.engines.stt import WindowOptions
 
         samples = np.frombuffer(audio, dtype=np.float32)
-        async with self._leased(model, self.rt.settings.audio.default_stt, keep_alive, "stt",
-                                "transcription needs a speech-to-text (Whisper) model"
-                                ) as (entry, engine):
+        async with self._leased(
+            model,
+            self.rt.settings.audio.default_stt,
+            keep_alive,
+            "stt",
+            "transcription needs a speech-to-text (Whisper) model",
+        ) as (entry, engine):
             if samples.size > engine.window_seconds * engine.sample_rate:
-                raise InvalidRequest(f"one transcription call takes at most "
-                                     f"{engine.window_seconds} s of audio", param="audio")
-            opts = WindowOptions(task=task, language=language or None,
-                                 prompt=prompt or None, temperature=float(temperature),
-                                 words=bool(words))
+                raise InvalidRequest(
+                    f"one transcription call takes at most {engine.window_seconds} s of audio",
+                    param="audio",
+                )
+            opts = WindowOptions(
+                task=task,
+                language=language or None,
+                prompt=prompt or None,
+                temperature=float(temperature),
+                words=bool(words),
+            )
             engine.check_options(opts)
-            (result,) = await self.encoders.run_job(
-                engine, engine.new_windows_job([samples], opts))
-            return {"model": entry.name, "duration": samples.size / engine.sample_rate,
-                    "window": result}
+            (result,) = await self.encoders.run_job(engine, engine.new_windows_job([samples], opts))
+            return {
+                "model": entry.name,
+                "duration": samples.size / engine.sample_rate,
+                "window": result,
+            }
 
-    async def speak(self, model: str | None, text: str, voice: str | None = None,
-                    speed: float = 1.0, keep_alive: Any = None) -> dict[str, Any]:
-        async with self._leased(model, self.rt.settings.audio.default_tts, keep_alive, "tts",
-                                "speech needs a text-to-speech model") as (entry, engine):
-            out = await self.encoders.run_job(engine,
-                                              engine.new_speech_job([text], voice, speed))
+    async def speak(
+        self,
+        model: str | None,
+        text: str,
+        voice: str | None = None,
+        speed: float = 1.0,
+        keep_alive: Any = None,
+    ) -> dict[str, Any]:
+        async with self._leased(
+            model,
+            self.rt.settings.audio.default_tts,
+            keep_alive,
+            "tts",
+            "speech needs a text-to-speech model",
+        ) as (entry, engine):
+            out = await self.encoders.run_job(engine, engine.new_speech_job([text], voice, speed))
             audio = np.ascontiguousarray(out[0], dtype=np.float32)
-            return {"model": entry.name, "audio": audio.tobytes(),
-                    "sample_rate": engine.sample_rate, "speed_applied": engine.native_speed}
+            return {
+                "model": entry.name,
+                "audio": audio.tobytes(),
+                "sample_rate": engine.sample_rate,
+                "speed_applied": engine.native_speed,
+            }

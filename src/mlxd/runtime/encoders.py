@@ -71,11 +71,12 @@ class EncoderService:
         if getattr(rt, "draining", False):
             raise ShuttingDown()
         if not rt.healthy:
-            raise Unavailable("the device worker is not running (restarting); retry shortly",
-                              headers={"Retry-After": "2"})
+            raise Unavailable(
+                "the device worker is not running (restarting); retry shortly",
+                headers={"Retry-After": "2"},
+            )
         if rt._inflight >= rt.admission_limit:
-            raise QueueFull("too many requests queued; retry shortly",
-                            headers={"Retry-After": "1"})
+            raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         rt._inflight += 1
         try:
             yield
@@ -91,11 +92,14 @@ class EncoderService:
         if n > limit:
             raise PayloadTooLarge(
                 f"{param} has {n} items, more than this server accepts in one request "
-                f"({limit}); split it into several requests", param=param)
+                f"({limit}); split it into several requests",
+                param=param,
+            )
         sec_limit = getattr(getattr(self.settings, "security", None), "max_inputs", None)
         if sec_limit is not None and n > sec_limit:
-            raise InvalidRequest(f"{param} has {n} items, more than this server allows "
-                                 f"({sec_limit})", param=param)
+            raise InvalidRequest(
+                f"{param} has {n} items, more than this server allows ({sec_limit})", param=param
+            )
 
     async def _off_loop(self, size: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         if size <= _INLINE_CHARS:
@@ -140,12 +144,16 @@ class EncoderService:
         self.check_count(len(inputs), "input")
         for i, x in enumerate(inputs):
             if (isinstance(x, str) and not x) or (not isinstance(x, str) and not len(x)):
-                raise InvalidRequest(f"input[{i}] is empty", param=f"input[{i}]"
-                                     if len(inputs) > 1 else "input")
+                raise InvalidRequest(
+                    f"input[{i}] is empty", param=f"input[{i}]" if len(inputs) > 1 else "input"
+                )
         if req.dimensions is not None and req.dimensions < 1:
             raise InvalidRequest("dimensions must be at least 1", param="dimensions")
-        name = req.model if req.model not in (None, "default") else \
-            self.settings.models.default_embedding
+        name = (
+            req.model
+            if req.model not in (None, "default")
+            else self.settings.models.default_embedding
+        )
         timings = Timings()
         async with self.admitted():
             lease = await self.rt.models.acquire(name, req.keep_alive)
@@ -157,25 +165,31 @@ class EncoderService:
                     raise InvalidRequest(
                         f"model '{entry.name}' is a {entry.kind} model and cannot create "
                         f"embeddings; use an embedding model such as "
-                        f"'{self.settings.models.default_embedding}'", param="model")
+                        f"'{self.settings.models.default_embedding}'",
+                        param="model",
+                    )
                 if req.dimensions is not None and req.dimensions > engine.dimensions:
                     raise InvalidRequest(
                         f"dimensions is {req.dimensions}, but '{entry.name}' makes "
-                        f"{engine.dimensions}-dimensional embeddings", param="dimensions")
+                        f"{engine.dimensions}-dimensional embeddings",
+                        param="dimensions",
+                    )
                 for i, x in enumerate(inputs):
-                    if not isinstance(x, str) and any(
-                            not 0 <= t < engine.vocab_size for t in x):
-                        raise InvalidRequest(f"input[{i}]: token ids out of range for "
-                                             f"'{entry.name}'", param="input")
+                    if not isinstance(x, str) and any(not 0 <= t < engine.vocab_size for t in x):
+                        raise InvalidRequest(
+                            f"input[{i}]: token ids out of range for '{entry.name}'", param="input"
+                        )
                 size = sum(len(x) for x in inputs if isinstance(x, str))
-                encoded = await self._off_loop(size, engine.encode_inputs, inputs,
-                                               truncate=req.truncate)
+                encoded = await self._off_loop(
+                    size, engine.encode_inputs, inputs, truncate=req.truncate
+                )
                 values = await self._run(engine, encoded)
                 vectors = np.stack(values).astype(np.float32, copy=False)
                 if req.dimensions is not None and req.dimensions < vectors.shape[1]:
                     vectors = vectors[:, : req.dimensions]
                     vectors = vectors / np.maximum(
-                        np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+                        np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12
+                    )
                 ntok = sum(len(ids) for ids, _ in encoded)
                 add_usage(entry.name, ntok, 0)
                 timings.t_done = time.perf_counter()
@@ -189,8 +203,11 @@ class EncoderService:
         if not req.query:
             raise InvalidRequest("query must not be empty", param="query")
         m = self.settings.models
-        name = req.model if req.model not in (None, "default") else \
-            (m.default_reranker or self.rt.models.default_name)
+        name = (
+            req.model
+            if req.model not in (None, "default")
+            else (m.default_reranker or self.rt.models.default_name)
+        )
         timings = Timings()
         async with self.admitted():
             lease = await self.rt.models.acquire(name, req.keep_alive)
@@ -205,14 +222,24 @@ class EncoderService:
                 else:
                     raise InvalidRequest(
                         f"model '{entry.name}' is a {entry.kind} model; reranking needs a "
-                        "reranker (cross-encoder) or a chat model", param="model")
+                        "reranker (cross-encoder) or a chat model",
+                        param="model",
+                    )
                 size = len(req.query) * len(req.documents) + sum(map(len, req.documents))
-                encode = functools.partial(engine.encode_pairs, req.query, req.documents,
-                                           truncate=req.truncate, instruction=req.instruction)
+                encode = functools.partial(
+                    engine.encode_pairs,
+                    req.query,
+                    req.documents,
+                    truncate=req.truncate,
+                    instruction=req.instruction,
+                )
                 # a chat model's scorer renders the model's chat template around the query:
                 # bounded and interrupted with the request, as every render (core/render.py)
-                encoded = await (self.rt.renderer.run(encode) if entry.kind == "chat"
-                                 else self._off_loop(size, encode))
+                encoded = await (
+                    self.rt.renderer.run(encode)
+                    if entry.kind == "chat"
+                    else self._off_loop(size, encode)
+                )
                 scores = await self._run(engine, encoded)
                 ntok = sum(len(ids) for ids, _ in encoded)
                 add_usage(entry.name, ntok, 0)
@@ -229,8 +256,9 @@ class EncoderService:
             return found[1]
         llm = entry.engine
         if getattr(llm, "model", None) is None or getattr(llm, "tokenizer", None) is None:
-            raise InvalidRequest(f"model '{entry.name}' cannot be used as a reranker",
-                                 param="model")
+            raise InvalidRequest(
+                f"model '{entry.name}' cannot be used as a reranker", param="model"
+            )
         if getattr(llm, "tp_id", 0):
             # its weights are one rank's shard: a forward pass of rank 0 alone would wait
             # for the other ranks' all-reduces forever
@@ -239,19 +267,21 @@ class EncoderService:
             raise InvalidRequest(
                 f"model '{entry.name}' is split over the engine's "
                 f"{tensor_parallel.mode_name()} ranks and cannot score documents; use a "
-                "reranker model", param="model")
+                "reranker model",
+                param="model",
+            )
         from mlxd.engines.encoder import llm_batch_policy
         from mlxd.engines.rerank import LLMRerankEngine
 
         try:
             scorer = LLMRerankEngine.sharing(llm, llm_batch_policy(self.settings))
         except ModelLoadError as exc:  # the chat model cannot score (no yes/no tokens): 400
-            raise InvalidRequest(f"model '{entry.name}' cannot be used as a reranker: "
-                                 f"{exc.message}", param="model") from exc
+            raise InvalidRequest(
+                f"model '{entry.name}' cannot be used as a reranker: {exc.message}", param="model"
+            ) from exc
         self.rt.worker.attach(scorer)
         self._scorers[id(entry)] = (entry, scorer)
-        log.info("model %s: LLM reranker attached (shares the chat model's weights)",
-                 entry.name)
+        log.info("model %s: LLM reranker attached (shares the chat model's weights)", entry.name)
         return scorer
 
     def _prune(self) -> None:
@@ -265,10 +295,16 @@ class EncoderService:
         return [s for _, s in self._scorers.values()]
 
     # -- token counting --------------------------------------------------------------------
-    async def tokenize(self, model: str | None, inputs: list[str] | None,
-                       messages: list[dict] | None = None, *, add_special_tokens: bool = True,
-                       token_strings: bool = False,
-                       keep_alive: str | int | float | None = None) -> TokenizeResult:
+    async def tokenize(
+        self,
+        model: str | None,
+        inputs: list[str] | None,
+        messages: list[dict] | None = None,
+        *,
+        add_special_tokens: bool = True,
+        token_strings: bool = False,
+        keep_alive: str | int | float | None = None,
+    ) -> TokenizeResult:
         if messages is None:
             self.check_count(len(inputs or []), "input")
         elif not messages:
@@ -280,13 +316,16 @@ class EncoderService:
             kind = entry.kind
             if messages is not None:
                 if not hasattr(engine, "encode_messages"):
-                    raise InvalidRequest(f"messages need a chat model; '{entry.name}' is a "
-                                         f"{kind} model", param="messages")
+                    raise InvalidRequest(
+                        f"messages need a chat model; '{entry.name}' is a {kind} model",
+                        param="messages",
+                    )
                 ids = [await self.rt.renderer.run(engine.encode_messages, messages)]
             else:
                 texts = list(inputs or [])
-                ids = await asyncio.to_thread(_tokenize_texts, engine, kind, texts,
-                                              add_special_tokens)
+                ids = await asyncio.to_thread(
+                    _tokenize_texts, engine, kind, texts, add_special_tokens
+                )
             strings = _token_strings(engine, ids) if token_strings else None
             return TokenizeResult(entry.name, kind, ids, int(engine.context_length), strings)
         finally:
@@ -303,8 +342,10 @@ def _tokenize_texts(engine: Any, kind: str, texts: list[str], special: bool) -> 
         return [list(engine.encode_prompt(t)) for t in texts]
     hf = getattr(tok, "_tokenizer", tok)
     if hf is None or not hasattr(hf, "encode"):
-        raise InvalidRequest(f"model '{getattr(engine, 'name', '?')}' ({kind}) has no "
-                             "tokenizer to count with", param="model")
+        raise InvalidRequest(
+            f"model '{getattr(engine, 'name', '?')}' ({kind}) has no tokenizer to count with",
+            param="model",
+        )
     return [list(hf.encode(t, add_special_tokens=special)) for t in texts]
 
 
@@ -322,10 +363,13 @@ def _as_mlxd_error(err: BaseException) -> MlxdError:
     if isinstance(err, MlxdError):
         return err
     if isinstance(err, WorkerDied):
-        return Unavailable(f"{err}; it is being restarted, retry shortly",
-                           headers={"Retry-After": "2"})
+        return Unavailable(
+            f"{err}; it is being restarted, retry shortly", headers={"Retry-After": "2"}
+        )
     if is_out_of_memory(err):
-        return OutOfMemory(f"out of memory while encoding ({err}); retry with fewer or "
-                           "shorter inputs, or lower batch.max_batch_tokens",
-                           headers={"Retry-After": "1"})
+        return OutOfMemory(
+            f"out of memory while encoding ({err}); retry with fewer or "
+            "shorter inputs, or lower batch.max_batch_tokens",
+            headers={"Retry-After": "1"},
+        )
     return EngineError(f"encoding failed: {err}")

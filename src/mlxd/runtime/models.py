@@ -96,11 +96,17 @@ class ModelManager:
         self.store = self.catalog.store
         m = settings.models
         self.default_keep_alive = parse_keep_alive(m.keep_alive)
-        self.budget = m.memory_budget_bytes if m.memory_budget_bytes is not None else \
-            default_budget()
-        self.caps = {"chat": m.max_chat_models, "vision": m.max_vision_models,
-                     "embedding": m.max_embedding_models, "reranker": m.max_rerankers,
-                     "stt": m.max_stt_models, "tts": m.max_tts_models}
+        self.budget = (
+            m.memory_budget_bytes if m.memory_budget_bytes is not None else default_budget()
+        )
+        self.caps = {
+            "chat": m.max_chat_models,
+            "vision": m.max_vision_models,
+            "embedding": m.max_embedding_models,
+            "reranker": m.max_rerankers,
+            "stt": m.max_stt_models,
+            "tts": m.max_tts_models,
+        }
         self._paths = self.catalog.paths  # models served straight from a directory
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future] = {}
@@ -134,8 +140,11 @@ class ModelManager:
     def dynamic_bytes(self) -> int:
         """Memory the loaded models hold beyond their weights: KV caches of running batches,
         prefix caches, image features. Counted against the budget with the weights."""
-        return sum(sum(e.engine.memory_bytes().values()) for e in self._loaded.values()
-                   if e.engine is not None)
+        return sum(
+            sum(e.engine.memory_bytes().values())
+            for e in self._loaded.values()
+            if e.engine is not None
+        )
 
     async def shrink(self) -> int:
         """Drop every model's reusable caches (prefix KV, image features), on the device
@@ -143,8 +152,9 @@ class ModelManager:
         engines = [e.engine for e in self._loaded.values() if e.engine is not None]
         if not engines:
             return 0
-        return await asyncio.wrap_future(self.worker.call(
-            lambda: sum(eng.shrink() for eng in engines)))
+        return await asyncio.wrap_future(
+            self.worker.call(lambda: sum(eng.shrink() for eng in engines))
+        )
 
     async def check_headroom(self) -> None:
         """Before admitting work: weights + KV + caches within the budget, or shed load.
@@ -161,7 +171,8 @@ class ModelManager:
             raise Unavailable(
                 f"the memory budget is full ({_human(used)} of {_human(self.budget)} in "
                 "weights and running batches' KV caches); retry shortly",
-                headers={"Retry-After": "1"})
+                headers={"Retry-After": "1"},
+            )
 
     @property
     def used_bytes(self) -> int:
@@ -171,8 +182,7 @@ class ModelManager:
         return self.catalog.installed()
 
     # -- acquire / release ---------------------------------------------------------------
-    async def acquire(self, name: str | None, keep_alive: str | int | float | None = None
-                      ) -> Lease:
+    async def acquire(self, name: str | None, keep_alive: str | int | float | None = None) -> Lease:
         """Load ``name`` if needed and hold it for one request."""
         name = self.resolve(name)
         ka = parse_keep_alive(keep_alive)
@@ -242,8 +252,9 @@ class ModelManager:
         validate_name(e.draft_model)
         from mlxd.store.pull import ensure_model
 
-        return await asyncio.to_thread(ensure_model, self.store, e.draft_model,
-                                       self.settings.models)
+        return await asyncio.to_thread(
+            ensure_model, self.store, e.draft_model, self.settings.models
+        )
 
     async def _resolve_path(self, name: str) -> tuple[Path, str]:
         if name in self._paths:
@@ -279,16 +290,31 @@ class ModelManager:
         batch = None
         if kind in ("chat", "vision"):
             batch = await asyncio.to_thread(
-                slots.resolve, self.settings, name, kind, path, budget=self.budget,
-                weight_bytes=need, upcast=upcast, on_cpu=self.on_cpu, draft_path=draft)
+                slots.resolve,
+                self.settings,
+                name,
+                kind,
+                path,
+                budget=self.budget,
+                weight_bytes=need,
+                upcast=upcast,
+                on_cpu=self.on_cpu,
+                draft_path=draft,
+            )
         self._reserved += need
         t0 = time.perf_counter()
 
         from mlxd.engines import registry
 
         def build() -> Any:
-            return registry.create_engine(kind, name, path, self.settings, draft_path=draft,
-                                          max_num_seqs=batch.value if batch else None)
+            return registry.create_engine(
+                kind,
+                name,
+                path,
+                self.settings,
+                draft_path=draft,
+                max_num_seqs=batch.value if batch else None,
+            )
 
         try:
             if registry.loads_off_device(kind):
@@ -296,8 +322,9 @@ class ModelManager:
                 # new engine's own steps between the other models' steps: a load never holds
                 # the device thread for long
                 engine = await asyncio.to_thread(build)
-                warm = await asyncio.wrap_future(self.worker.call(
-                    lambda: registry.finish_on_device(engine, self.settings)))
+                warm = await asyncio.wrap_future(
+                    self.worker.call(lambda: registry.finish_on_device(engine, self.settings))
+                )
                 self.worker.attach(engine)
                 try:
                     await asyncio.wrap_future(warm)
@@ -310,14 +337,16 @@ class ModelManager:
         except MlxdError:
             raise
         except WorkerDied as exc:
-            raise Unavailable(f"could not load '{name}': {exc}; retry shortly",
-                              headers={"Retry-After": "2"}) from exc
+            raise Unavailable(
+                f"could not load '{name}': {exc}; retry shortly", headers={"Retry-After": "2"}
+            ) from exc
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise OutOfMemory(
                     f"out of memory while loading '{name}' ({exc}); retry later, unload "
                     "other models, or lower models.memory_budget_bytes",
-                    headers={"Retry-After": "5"}) from exc
+                    headers={"Retry-After": "5"},
+                ) from exc
             raise ModelLoadError(f"could not load model '{name}': {exc}") from exc
         finally:
             self._reserved -= need
@@ -328,19 +357,24 @@ class ModelManager:
         self.worker.attach(engine)
         took = time.perf_counter() - t0
         entry = LoadedModel(
-            name=name, kind=kind, engine=engine, path=path, size=engine.nbytes or need,
-            loaded_at=time.time(), load_seconds=took,
+            name=name,
+            kind=kind,
+            engine=engine,
+            path=path,
+            size=engine.nbytes or need,
+            loaded_at=time.time(),
+            load_seconds=took,
             pinned=name in (self.default_name, *self.preload_names),
-            keep_alive=self.default_keep_alive if self.default_keep_alive is not None
-            else 1800.0,
+            keep_alive=self.default_keep_alive if self.default_keep_alive is not None else 1800.0,
             max_num_seqs=batch.value if batch else None,
             max_num_seqs_reason=batch.reason if batch else None,
         )
         self._loaded[name] = entry
         self.load_counts[name] = self.load_counts.get(name, 0) + 1
         metrics.model_loaded(name, kind, entry.size, took)
-        log.info("loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size),
-                 path, took)
+        log.info(
+            "loaded model %s (%s, %s) from %s in %.2fs", name, kind, _human(entry.size), path, took
+        )
         if batch is not None:
             log.info("model %s: max_num_seqs %d (%s)", name, batch.value, batch.reason)
         heap.release_free_memory()  # the loaders' parse temporaries (core/heap.py)
@@ -348,8 +382,11 @@ class ModelManager:
 
     def _evictable(self, kind: str | None = None) -> list[LoadedModel]:
         """Idle, unpinned models, least recently used first."""
-        c = [e for e in self._loaded.values()
-             if e.active == 0 and not e.pinned and (kind is None or e.kind == kind)]
+        c = [
+            e
+            for e in self._loaded.values()
+            if e.active == 0 and not e.pinned and (kind is None or e.kind == kind)
+        ]
         return sorted(c, key=lambda e: e.last_used)
 
     def _make_room(self, name: str, kind: str, need: int) -> None:
@@ -384,8 +421,9 @@ class ModelManager:
             self._unload_entry(victims[0], evicted=True, reason="memory")
 
     # -- unloading -----------------------------------------------------------------------
-    def _unload_entry(self, entry: LoadedModel, evicted: bool = False,
-                      reason: str = "idle") -> None:
+    def _unload_entry(
+        self, entry: LoadedModel, evicted: bool = False, reason: str = "idle"
+    ) -> None:
         """Forget the model now; the worker frees its memory before any later load runs.
 
         ``reason`` (capacity | memory | idle) labels the eviction metric when ``evicted``.
@@ -410,13 +448,17 @@ class ModelManager:
                 pass
 
         self.worker.call(free)
-        log.info("%s model %s (%s)", "evicted" if evicted else "unloaded", entry.name,
-                 _human(entry.size))
+        log.info(
+            "%s model %s (%s)", "evicted" if evicted else "unloaded", entry.name, _human(entry.size)
+        )
 
     async def unload(self, name: str | None = None) -> dict[str, list[str]]:
         """Unload one model or all; busy ones go as soon as their requests finish."""
-        targets = list(self._loaded.values()) if name is None else \
-            [e for e in self._loaded.values() if e.name == self.resolve(name)]
+        targets = (
+            list(self._loaded.values())
+            if name is None
+            else [e for e in self._loaded.values() if e.name == self.resolve(name)]
+        )
         if name is not None and not targets:
             raise ModelNotFound(f"model '{name}' is not loaded", param="model")
         done, deferred = [], []

@@ -53,9 +53,16 @@ class LoopChannel:
 
 
 _OOM_MARKERS = (
-    "[metal::malloc]", "[malloc]", "attempting to allocate", "out of memory",
-    "outofmemory", "cudaerrormemoryallocation", "cuda_error_out_of_memory",
-    "failed to allocate", "insufficient memory", "kiogpucommandbuffercallbackerroroutofmemory",
+    "[metal::malloc]",
+    "[malloc]",
+    "attempting to allocate",
+    "out of memory",
+    "outofmemory",
+    "cudaerrormemoryallocation",
+    "cuda_error_out_of_memory",
+    "failed to allocate",
+    "insufficient memory",
+    "kiogpucommandbuffercallbackerroroutofmemory",
 )
 
 
@@ -103,14 +110,21 @@ class DeviceWorker:
 
     @property
     def alive(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and not self._stopping
-                and not self._dead)
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and not self._dead
+        )
 
     @property
     def dead(self) -> bool:
         """The thread died on its own (not stopped): the engine core exits."""
-        return self._thread is not None and not self._stopping and (
-            self._dead or not self._thread.is_alive())
+        return (
+            self._thread is not None
+            and not self._stopping
+            and (self._dead or not self._thread.is_alive())
+        )
 
     def inject_fault(self, exc: BaseException) -> None:
         """Make the worker thread die with ``exc`` (tests and failure drills)."""
@@ -185,8 +199,11 @@ class DeviceWorker:
 
     def _until_deadline(self) -> float | None:
         """Seconds until the earliest engine deadline, or None to sleep until a command."""
-        deadlines = [d for e in self._engines
-                     if (d := getattr(e, "next_deadline", lambda: None)()) is not None]
+        deadlines = [
+            d
+            for e in self._engines
+            if (d := getattr(e, "next_deadline", lambda: None)()) is not None
+        ]
         if not deadlines:
             return None
         return max(min(deadlines) - time.monotonic(), 0.0)

@@ -70,13 +70,27 @@ class ModelCatalog:
         for name, path in self.paths.items():
             if name not in known:
                 known.add(name)
-                out.append({"name": name, "kind": "chat", "source": str(path), "format": "mlx",
-                            "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file())})
+                out.append(
+                    {
+                        "name": name,
+                        "kind": "chat",
+                        "source": str(path),
+                        "format": "mlx",
+                        "size": sum(f.stat().st_size for f in path.glob("*") if f.is_file()),
+                    }
+                )
         for cached in list_cached_models():
             if cached.name not in known:
-                out.append({"name": cached.name, "kind": cached.kind or "chat",
-                            "source": f"hf-cache:{cached.revision}", "format": "mlx",
-                            "size": cached.size, "path": str(cached.path)})
+                out.append(
+                    {
+                        "name": cached.name,
+                        "kind": cached.kind or "chat",
+                        "source": f"hf-cache:{cached.revision}",
+                        "format": "mlx",
+                        "size": cached.size,
+                        "path": str(cached.path),
+                    }
+                )
         return out
 
     def kind(self, name: str) -> str | None:

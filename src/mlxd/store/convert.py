@@ -17,8 +17,9 @@ from mlxd.store.progress import ProgressFn, emitter
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
-def quantize_dir(src: Path, out: Path, *, bits: int, group_size: int,
-                 progress: ProgressFn | None = None) -> dict[str, Any]:
+def quantize_dir(
+    src: Path, out: Path, *, bits: int, group_size: int, progress: ProgressFn | None = None
+) -> dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm.utils import load, quantize_model, save
@@ -26,8 +27,9 @@ def quantize_dir(src: Path, out: Path, *, bits: int, group_size: int,
     emit = emitter(progress)
     emit({"status": f"loading {src.name}"})
     # return_config=True makes load's result the three-item member of its union
-    model, tokenizer, config = cast("tuple[Any, Any, dict[str, Any]]",
-                                    load(str(src), return_config=True, lazy=True))
+    model, tokenizer, config = cast(
+        "tuple[Any, Any, dict[str, Any]]", load(str(src), return_config=True, lazy=True)
+    )
 
     dtype = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
     if dtype in _DTYPES:  # as mlx_lm.convert: keep the checkpoint's own float type

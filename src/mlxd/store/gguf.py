@@ -57,8 +57,13 @@ def _quantization_config(quant_bits: dict[str, int]) -> dict[str, Any]:
     return q
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "float32",
-                progress: ImportProgress | None = None) -> dict:
+def import_gguf(
+    gguf_path: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    progress: ImportProgress | None = None,
+) -> dict:
     """Convert a GGUF file into an MLX model directory loadable by ``mlx_lm.load``.
 
     ``out_dir`` must be new or empty: the caller stages into a scratch directory and
@@ -80,16 +85,18 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "flo
     md = read_metadata(reader)
     arch_name = md.get("general.architecture")
     if arch_name not in ARCHS:
-        raise GGUFImportError(f"unsupported GGUF architecture {arch_name!r}; supported: "
-                              f"{sorted(ARCHS)}")
+        raise GGUFImportError(
+            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(ARCHS)}"
+        )
     arch = ARCHS[arch_name]
     tensors = {t.name: t for t in reader.tensors}
     type_counts = Counter(t.tensor_type.name for t in reader.tensors)
-    unsupported = sorted(t for t in type_counts
-                         if GGMLQuantizationType[t] not in SUPPORTED_TYPES)
+    unsupported = sorted(t for t in type_counts if GGMLQuantizationType[t] not in SUPPORTED_TYPES)
     if unsupported:
-        raise GGUFImportError(f"unsupported GGUF tensor type(s) {unsupported}; supported: "
-                              f"{sorted(t.name for t in SUPPORTED_TYPES)}")
+        raise GGUFImportError(
+            f"unsupported GGUF tensor type(s) {unsupported}; supported: "
+            f"{sorted(t.name for t in SUPPORTED_TYPES)}"
+        )
     hf_names = {name: arch.hf_name(name) for name in tensors}  # raises on unknown tensors
 
     def table(name: str) -> np.ndarray | None:
@@ -97,8 +104,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "flo
         return None if t is None else dequantize(np.asarray(t.data), t.tensor_type).ravel()
 
     tok_files = build_tokenizer(md, int(meta(md, f"{arch_name}.context_length")))
-    config = build_config(md, arch_name, {n: _shape(t) for n, t in tensors.items()}, table,
-                          len(md["tokenizer.ggml.tokens"]))
+    config = build_config(
+        md,
+        arch_name,
+        {n: _shape(t) for n, t in tensors.items()},
+        table,
+        len(md["tokenizer.ggml.tokens"]),
+    )
 
     weights: dict[str, mx.array] = {}
     quant_bits: dict[str, int] = {}
@@ -110,8 +122,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, *, dtype: str = "flo
         if hf is None:
             continue
         n_params += int(t.n_elements)
-        conv = convert_tensor(t.data, t.tensor_type, _shape(t), dtype,
-                              offset=arch.offset_of(name))
+        conv = convert_tensor(t.data, t.tensor_type, _shape(t), dtype, offset=arch.offset_of(name))
         weights[hf] = conv.weight
         if conv.bits is not None and conv.scales is not None and conv.biases is not None:
             module = hf.rsplit(".", 1)[0]

@@ -21,22 +21,30 @@ from mlxd.store.gguf_meta import GGUFImportError, meta
 __all__ = ["ARCHS", "Arch", "build_config", "llama3_rope_scaling"]
 
 _ATTN_MLP = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _PRE_POST_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GEMMA_NORMS = {  # Gemma 2/3 normalise before and after both attention and MLP
-    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3 = {  # fused projections
-    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
-    "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj", **_PRE_POST_NORMS,
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+    **_PRE_POST_NORMS,
 }
-_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-           "output": "lm_head"}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tables llama.cpp stores as tensors that mlx-lm takes from config.json (or recomputes).
 _CONFIG_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
 
@@ -96,8 +104,13 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, base: float) -> d
             smooth = (old_ctx / wavelens - low) / (high - low)
             p = np.where(medium, p / ((1 - smooth) / factor + smooth), p)
             if np.allclose(p / periods, rope_freqs, rtol=1e-3, atol=1e-4):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                        "high_freq_factor": high, "original_max_position_embeddings": old_ctx}
+                return {
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": old_ctx,
+                }
     raise GGUFImportError(
         "rope_freqs.weight does not match any known Llama 3 rope scaling; cannot import"
     )
@@ -121,7 +134,8 @@ def _gemma(md: dict[str, Any], p: str, config: dict[str, Any], tensor: TensorVal
     # Gemma 2, 62 in Gemma 3) which use hidden/heads; HF calls it query_pre_attn_scalar.
     big = config["num_hidden_layers"] == (46 if p == "gemma2." else 62)
     config["query_pre_attn_scalar"] = (
-        config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"])
+        config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    )
     if p == "gemma2.":
         config["attn_logit_softcapping"] = float(meta(md, p + "attn_logit_softcapping", 50.0))
         config["final_logit_softcapping"] = float(meta(md, p + "final_logit_softcapping", 30.0))
@@ -133,26 +147,39 @@ def _gemma(md: dict[str, Any], p: str, config: dict[str, Any], tensor: TensorVal
 
 def _phi3(md: dict[str, Any], p: str, config: dict[str, Any], tensor: TensorValues) -> None:
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    config["partial_rotary_factor"] = int(meta(md, p + "rope.dimension_count", head_dim)) \
-        / head_dim
+    config["partial_rotary_factor"] = int(meta(md, p + "rope.dimension_count", head_dim)) / head_dim
     long, short = tensor("rope_factors_long.weight"), tensor("rope_factors_short.weight")
     if long is not None and short is not None:
         config["original_max_position_embeddings"] = int(
-            meta(md, p + "rope.scaling.original_context_length", 4096))
-        config["rope_scaling"] = {"type": "longrope", "long_factor": long.tolist(),
-                                  "short_factor": short.tolist()}
+            meta(md, p + "rope.scaling.original_context_length", 4096)
+        )
+        config["rope_scaling"] = {
+            "type": "longrope",
+            "long_factor": long.tolist(),
+            "short_factor": short.tolist(),
+        }
 
 
 _LLAMA_NAMES = {**_ATTN_MLP, **_PRE_POST_NORMS}
 ARCHS: dict[str, Arch] = {
     "llama": Arch("llama", "LlamaForCausalLM", _LLAMA_NAMES, extra=_llama),
-    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", _LLAMA_NAMES,
-                  required=("blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias")),
+    "qwen2": Arch(
+        "qwen2",
+        "Qwen2ForCausalLM",
+        _LLAMA_NAMES,
+        required=("blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"),
+    ),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", {**_LLAMA_NAMES, **_QK_NORMS}),
-    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", {**_ATTN_MLP, **_GEMMA_NORMS},
-                   norm_offset=-1.0, extra=_gemma),
-    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM",
-                   {**_ATTN_MLP, **_GEMMA_NORMS, **_QK_NORMS}, norm_offset=-1.0, extra=_gemma),
+    "gemma2": Arch(
+        "gemma2", "Gemma2ForCausalLM", {**_ATTN_MLP, **_GEMMA_NORMS}, norm_offset=-1.0, extra=_gemma
+    ),
+    "gemma3": Arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        {**_ATTN_MLP, **_GEMMA_NORMS, **_QK_NORMS},
+        norm_offset=-1.0,
+        extra=_gemma,
+    ),
     "phi3": Arch("phi3", "Phi3ForCausalLM", _PHI3, extra=_phi3),
 }
 
@@ -172,21 +199,31 @@ def _rope_scaling(md: dict[str, Any], p: str, context: int) -> dict[str, Any] | 
         return {"type": "linear", "rope_type": "linear", "factor": factor}
     if scaling_type == "yarn" and factor:
         original = int(meta(md, p + "rope.scaling.original_context_length", 0) or context)
-        return {"type": "yarn", "rope_type": "yarn", "factor": factor,
-                "original_max_position_embeddings": original}
+        return {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original,
+        }
     if scaling_type not in ("none", "linear", "yarn"):
         raise GGUFImportError(f"unsupported rope scaling type {scaling_type!r}")
     return None
 
 
-def build_config(md: dict[str, Any], arch_name: str, tensor_shapes: dict[str, tuple[int, ...]],
-                 tensor: TensorValues, vocab_size: int) -> dict[str, Any]:
+def build_config(
+    md: dict[str, Any],
+    arch_name: str,
+    tensor_shapes: dict[str, tuple[int, ...]],
+    tensor: TensorValues,
+    vocab_size: int,
+) -> dict[str, Any]:
     """config.json for ``arch_name`` from the metadata; ``tensor(name)`` reads small tables."""
     arch = ARCHS[arch_name]
     p = f"{arch_name}."
     if meta(md, p + "expert_count", 0):
         raise GGUFImportError(
-            f"mixture-of-experts {arch_name} GGUF (e.g. Mixtral) is not supported")
+            f"mixture-of-experts {arch_name} GGUF (e.g. Mixtral) is not supported"
+        )
     missing = [n for n in arch.required if n not in tensor_shapes]
     if missing:
         raise GGUFImportError(f"{arch_name} GGUF lacks tensor(s) {missing}")
@@ -199,8 +236,11 @@ def build_config(md: dict[str, Any], arch_name: str, tensor_shapes: dict[str, tu
     if embd is None:
         raise GGUFImportError("GGUF file has no token_embd.weight tensor")
     if embd[0] != vocab_size:
-        warnings.warn(f"token list has {vocab_size} entries but token_embd has {embd[0]} rows; "
-                      "using the embedding size", stacklevel=3)
+        warnings.warn(
+            f"token list has {vocab_size} entries but token_embd has {embd[0]} rows; "
+            "using the embedding size",
+            stacklevel=3,
+        )
         vocab_size = embd[0]
     context = int(meta(md, p + "context_length"))
     config: dict[str, Any] = {

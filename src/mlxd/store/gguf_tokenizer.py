@@ -44,6 +44,7 @@ _LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 _QWEN2_PRE = frozenset({"qwen2"})
 
+
 @dataclass
 class TokenizerFiles:
     """What ``import_gguf`` writes: tokenizer.json, its config, and the ids config.json needs."""
@@ -218,6 +219,7 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
     bos_tok = tokens[bos_id] if add_bos and bos_id is not None else None
     eos_tok = tokens[eos_id] if add_eos and eos_id is not None else None
     if bos_tok is not None or eos_tok is not None:
+
         def seq(piece: str, type_id: int) -> list[str]:
             return [
                 *([f"{bos_tok}:{type_id}"] if bos_tok is not None else []),
@@ -229,9 +231,7 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
         tok.post_processor = processors.TemplateProcessing(
             single=seq("$A", 0),
             pair=seq("$A", 0) + seq("$B", 1),
-            special_tokens=[
-                (t, i) for t, i in specials.items() if t in (bos_tok, eos_tok)
-            ],
+            special_tokens=[(t, i) for t, i in specials.items() if t in (bos_tok, eos_tok)],
         )
 
     def name(i: int | None) -> str | None:
@@ -250,7 +250,8 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
     extra = [
         tokens[i]
         for i in range(n)
-        if int(token_type[i]) == _TT_CONTROL and i not in {bos_id, eos_id, unk_id, pad_id}
+        if int(token_type[i]) == _TT_CONTROL
+        and i not in {bos_id, eos_id, unk_id, pad_id}
         and vocab.get(tokens[i]) == i
     ]
     if extra:
@@ -276,5 +277,3 @@ def build_tokenizer(md: dict[str, Any], context_length: int) -> TokenizerFiles:
 
     eos_ids = list(dict.fromkeys(i for i in (eos_id, eot_id, eom_id) if i is not None))
     return TokenizerFiles(tok, config, special_map, eos_ids, bos_id, pad_id)
-
-

@@ -26,15 +26,29 @@ from gguf.quants import Q4_K, dequantize
 
 from mlxd.store.gguf_meta import GGUFImportError
 
-__all__ = ["FLOAT_TYPES", "GROUP_SIZE", "NATIVE_BITS", "SUPPORTED_TYPES", "Converted",
-           "convert_tensor", "pack_codes"]
+__all__ = [
+    "FLOAT_TYPES",
+    "GROUP_SIZE",
+    "NATIVE_BITS",
+    "SUPPORTED_TYPES",
+    "Converted",
+    "convert_tensor",
+    "pack_codes",
+]
 
 Q = GGMLQuantizationType
 GROUP_SIZE = 32
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Lossless repacking: type -> bits of the MLX affine codes (group 32).
-_AFFINE_BITS: dict[Q, int] = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8,
-                              Q.Q4_K: 4, Q.Q5_K: 5}
+_AFFINE_BITS: dict[Q, int] = {
+    Q.Q4_0: 4,
+    Q.Q4_1: 4,
+    Q.Q5_0: 5,
+    Q.Q5_1: 5,
+    Q.Q8_0: 8,
+    Q.Q4_K: 4,
+    Q.Q5_K: 5,
+}
 # Re-quantized with mx.quantize: type -> bits (group 32).
 _REQUANT_BITS: dict[Q, int] = {Q.Q6_K: 8}
 NATIVE_BITS: dict[Q, int] = {**_AFFINE_BITS, **_REQUANT_BITS}
@@ -103,12 +117,14 @@ def _repack(raw: np.ndarray, values: np.ndarray, qtype: Q, bits: int) -> Convert
     codes = np.rint((groups - bias[..., None]) / safe)
     codes = np.where(scale[..., None] == 0, 0, codes)
     codes = np.clip(codes, 0, (1 << bits) - 1).astype(np.uint8).reshape(rows, cols)
-    return Converted(mx.array(pack_codes(codes, bits)), _smallest_exact(scale),
-                     _smallest_exact(bias), bits)
+    return Converted(
+        mx.array(pack_codes(codes, bits)), _smallest_exact(scale), _smallest_exact(bias), bits
+    )
 
 
-def convert_tensor(raw: np.ndarray, qtype: Q, shape: tuple[int, ...], dtype: str,
-                   *, offset: float = 0.0) -> Converted:
+def convert_tensor(
+    raw: np.ndarray, qtype: Q, shape: tuple[int, ...], dtype: str, *, offset: float = 0.0
+) -> Converted:
     """Convert one tensor's file data (as ``GGUFReader`` maps it) per the import dtype.
 
     ``shape`` is row-major (numpy order). ``offset`` is added to float values (Gemma's
@@ -131,8 +147,9 @@ def convert_tensor(raw: np.ndarray, qtype: Q, shape: tuple[int, ...], dtype: str
         # was ~35x slower and flipped SmolLM2's greedy answer. They cost a few KB.
         return Converted(mx.array(values).astype(mx.float32 if len(shape) == 1 else mx.float16))
     if len(shape) != 2 or shape[1] % GROUP_SIZE:
-        raise GGUFImportError(f"a {qtype.name} tensor of shape {shape} cannot be kept "
-                              "quantized; only 2-D weights can")
+        raise GGUFImportError(
+            f"a {qtype.name} tensor of shape {shape} cannot be kept quantized; only 2-D weights can"
+        )
     if qtype in _AFFINE_BITS:
         return _repack(raw, values, qtype, _AFFINE_BITS[qtype])
     bits = _REQUANT_BITS[qtype]

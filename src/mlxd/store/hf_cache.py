@@ -65,8 +65,11 @@ def _snapshot(repo_dir: Path) -> tuple[str, Path] | None:
     if ref.is_file():
         candidates.append(snapshots / ref.read_text(encoding="utf-8").strip())
     if snapshots.is_dir():
-        candidates += sorted((p for p in snapshots.iterdir() if p.is_dir()),
-                             key=lambda p: p.stat().st_mtime, reverse=True)
+        candidates += sorted(
+            (p for p in snapshots.iterdir() if p.is_dir()),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
     for snap in candidates:
         if snap.is_dir() and _is_loadable(snap):
             return snap.name, snap
@@ -103,7 +106,7 @@ def list_cached_models(cache_dir: Path | None = None) -> list[CachedModel]:
         return []
     out = []
     for repo_dir in sorted(root.glob("models--*--*")):
-        org, _, name = repo_dir.name[len("models--"):].partition("--")
+        org, _, name = repo_dir.name[len("models--") :].partition("--")
         model = find_cached_model(f"{org}/{name}", root)
         if model is not None:
             out.append(model)

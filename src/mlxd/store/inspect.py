@@ -15,38 +15,117 @@ from pathlib import Path
 from typing import Any
 
 # Architectures (config.json "architectures") and model types that take images.
-_VISION_ARCHS = frozenset({
-    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-    "LlavaOnevisionForConditionalGeneration", "LlavaQwenForCausalLM",
-    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-    "Gemma3ForConditionalGeneration", "Gemma3nForConditionalGeneration",
-    "PaliGemmaForConditionalGeneration", "Idefics2ForConditionalGeneration",
-    "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
-    "MllamaForConditionalGeneration", "Mistral3ForConditionalGeneration",
-    "PixtralForConditionalGeneration", "Florence2ForConditionalGeneration",
-    "Phi3VForCausalLM", "Phi4MMForCausalLM", "InternVLChatModel", "MiniCPMV",
-    "AyaVisionForConditionalGeneration", "Glm4vForConditionalGeneration",
-    "KimiVLForConditionalGeneration", "DeepseekVLV2ForCausalLM", "MolmoForCausalLM",
-})
-_VISION_TYPES = frozenset({
-    "llava", "llava_next", "llava-qwen2", "llava_onevision", "qwen2_vl", "qwen2_5_vl",
-    "qwen3_vl", "qwen3_vl_moe", "gemma3", "gemma3n", "paligemma", "idefics2", "idefics3",
-    "smolvlm", "mllama", "mistral3", "pixtral", "florence2", "phi3_v", "internvl_chat",
-    "minicpmv", "aya_vision", "glm4v", "kimi_vl", "deepseek_vl_v2", "molmo",
-})
+_VISION_ARCHS = frozenset(
+    {
+        "LlavaForConditionalGeneration",
+        "LlavaNextForConditionalGeneration",
+        "LlavaOnevisionForConditionalGeneration",
+        "LlavaQwenForCausalLM",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Gemma3ForConditionalGeneration",
+        "Gemma3nForConditionalGeneration",
+        "PaliGemmaForConditionalGeneration",
+        "Idefics2ForConditionalGeneration",
+        "Idefics3ForConditionalGeneration",
+        "SmolVLMForConditionalGeneration",
+        "MllamaForConditionalGeneration",
+        "Mistral3ForConditionalGeneration",
+        "PixtralForConditionalGeneration",
+        "Florence2ForConditionalGeneration",
+        "Phi3VForCausalLM",
+        "Phi4MMForCausalLM",
+        "InternVLChatModel",
+        "MiniCPMV",
+        "AyaVisionForConditionalGeneration",
+        "Glm4vForConditionalGeneration",
+        "KimiVLForConditionalGeneration",
+        "DeepseekVLV2ForCausalLM",
+        "MolmoForCausalLM",
+    }
+)
+_VISION_TYPES = frozenset(
+    {
+        "llava",
+        "llava_next",
+        "llava-qwen2",
+        "llava_onevision",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "gemma3",
+        "gemma3n",
+        "paligemma",
+        "idefics2",
+        "idefics3",
+        "smolvlm",
+        "mllama",
+        "mistral3",
+        "pixtral",
+        "florence2",
+        "phi3_v",
+        "internvl_chat",
+        "minicpmv",
+        "aya_vision",
+        "glm4v",
+        "kimi_vl",
+        "deepseek_vl_v2",
+        "molmo",
+    }
+)
 # Encoders whose bare model (no task head) is an embedding model.
-_ENCODER_TYPES = frozenset({
-    "bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "nomic_bert", "modernbert",
-    "electra", "deberta", "deberta-v2", "camembert", "new", "gte", "jina_bert", "e5",
-})
+_ENCODER_TYPES = frozenset(
+    {
+        "bert",
+        "roberta",
+        "xlm-roberta",
+        "distilbert",
+        "mpnet",
+        "nomic_bert",
+        "modernbert",
+        "electra",
+        "deberta",
+        "deberta-v2",
+        "camembert",
+        "new",
+        "gte",
+        "jina_bert",
+        "e5",
+    }
+)
 # Text-to-speech architectures mlx-audio serves, as its checkpoints name them (config
 # model_type, or a part of the repository name where the config says only "qwen3"/"llama").
-TTS_ARCHS = ("soprano", "kokoro", "kitten", "outetts", "spark", "sesame", "csm", "marvis",
-             "orpheus", "dia", "bark", "qwen3_tts", "pocket_tts", "vibevoice", "voxcpm",
-             "chatterbox", "melotts", "indextts", "voxtral_tts", "echo_tts", "omnivoice")
-_SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json",
-                                "sentence_bert_config.json")
+TTS_ARCHS = (
+    "soprano",
+    "kokoro",
+    "kitten",
+    "outetts",
+    "spark",
+    "sesame",
+    "csm",
+    "marvis",
+    "orpheus",
+    "dia",
+    "bark",
+    "qwen3_tts",
+    "pocket_tts",
+    "vibevoice",
+    "voxcpm",
+    "chatterbox",
+    "melotts",
+    "indextts",
+    "voxtral_tts",
+    "echo_tts",
+    "omnivoice",
+)
+_SENTENCE_TRANSFORMERS_FILES = (
+    "modules.json",
+    "config_sentence_transformers.json",
+    "sentence_bert_config.json",
+)
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -69,8 +148,9 @@ def infer_kind(model_dir: Path, *, hint: str | None = None) -> str | None:
     archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
     model_type = str(cfg.get("model_type") or "")
     names = " ".join(
-        str(x) for x in (hint if hint is not None else model_dir.name,
-                         cfg.get("_name_or_path") or "") if x
+        str(x)
+        for x in (hint if hint is not None else model_dir.name, cfg.get("_name_or_path") or "")
+        if x
     ).lower()
     has_st = any((model_dir / f).is_file() for f in _SENTENCE_TRANSFORMERS_FILES)
 
@@ -88,15 +168,19 @@ def infer_kind(model_dir: Path, *, hint: str | None = None) -> str | None:
         return "reranker"
     if has_st or "embedding" in names or "-embed-" in names:
         return "embedding"
-    if ("vision_config" in cfg and isinstance(cfg["vision_config"], dict)) \
-            or model_type in _VISION_TYPES or any(a in _VISION_ARCHS for a in archs):
+    if (
+        ("vision_config" in cfg and isinstance(cfg["vision_config"], dict))
+        or model_type in _VISION_TYPES
+        or any(a in _VISION_ARCHS for a in archs)
+    ):
         # mlx-community text-only conversions of multimodal models drop vision_config
-        if model_type in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl") \
-                and "vision_config" not in cfg:
+        if (
+            model_type in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl")
+            and "vision_config" not in cfg
+        ):
             return "chat"
         return "vision"
-    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
-           for a in archs):
+    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
         return "chat"
     if any(a.endswith("Model") for a in archs):
         return "embedding"  # a bare base model (BertModel, XLMRobertaModel, Qwen3Model...)
@@ -127,8 +211,14 @@ def _mlx_lm_has(model_type: str) -> bool:
 
 def context_length(cfg: dict[str, Any]) -> int | None:
     for c in (cfg, cfg.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                    "max_sequence_length", "n_ctx"):
+        for key in (
+            "max_position_embeddings",
+            "n_positions",
+            "max_seq_len",
+            "seq_length",
+            "max_sequence_length",
+            "n_ctx",
+        ):
             v = c.get(key)
             if isinstance(v, int) and v > 0:
                 return v
@@ -178,8 +268,10 @@ def count_parameters(model_dir: Path, cfg: dict[str, Any] | None = None) -> int 
             for key, meta in header.items():
                 if key == "__metadata__" or not isinstance(meta, dict):
                     continue
-                if key.endswith((".scales", ".biases")) and key.rsplit(".", 1)[0] + ".weight" \
-                        in keys:
+                if (
+                    key.endswith((".scales", ".biases"))
+                    and key.rsplit(".", 1)[0] + ".weight" in keys
+                ):
                     continue
                 shape = meta.get("shape") or []
                 n = 1
@@ -210,10 +302,8 @@ def summarize(model_dir: Path) -> dict[str, Any]:
         "context_length": context_length(cfg),
         "quantization": quantization(cfg),
         "dtype": dtype if isinstance(dtype, str) else None,
-        "hidden_size": cfg.get("hidden_size") or (cfg.get("text_config") or {}).get(
-            "hidden_size"),
-        "vocab_size": cfg.get("vocab_size") or (cfg.get("text_config") or {}).get(
-            "vocab_size"),
+        "hidden_size": cfg.get("hidden_size") or (cfg.get("text_config") or {}).get("hidden_size"),
+        "vocab_size": cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size"),
     }
 
 
@@ -224,8 +314,7 @@ def human_size(n: int | float | None) -> str:
     n = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit in ("B", "KB", "MB") or n >= 100 \
-                else f"{n:.1f} {unit}"
+            return f"{n:.0f} {unit}" if unit in ("B", "KB", "MB") or n >= 100 else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
 
@@ -242,7 +331,7 @@ def human_count(n: int | None) -> str:
 
 
 def quant_label(manifest: dict[str, Any]) -> str:
-    """"4-bit", "8-bit (g32)", or the dtype when the weights are not quantized."""
+    """ "4-bit", "8-bit (g32)", or the dtype when the weights are not quantized."""
     q = manifest.get("quantization")
     if isinstance(q, dict) and q.get("bits"):
         label = f"{q['bits']}-bit"
@@ -250,5 +339,6 @@ def quant_label(manifest: dict[str, Any]) -> str:
             label += f" {q['mode']}"
         return label
     dtype = str(manifest.get("dtype") or "-")
-    return {"native": "gguf-native", "float32": "F32", "float16": "F16",
-            "bfloat16": "BF16"}.get(dtype, dtype)
+    return {"native": "gguf-native", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(
+        dtype, dtype
+    )

@@ -240,10 +240,12 @@ def _hash_files(d: Path, progress: ProgressFn | None) -> list[dict[str, Any]]:
                 now = time.monotonic()
                 if progress is not None and now - last > 0.1:
                     last = now
-                    progress({"status": "verifying sha256 digest", "total": total,
-                              "completed": done})
-        out.append({"name": f.relative_to(d).as_posix(), "size": f.stat().st_size,
-                    "sha256": h.hexdigest()})
+                    progress(
+                        {"status": "verifying sha256 digest", "total": total, "completed": done}
+                    )
+        out.append(
+            {"name": f.relative_to(d).as_posix(), "size": f.stat().st_size, "sha256": h.hexdigest()}
+        )
     if progress is not None:
         progress({"status": "verifying sha256 digest", "total": total, "completed": total})
     return out

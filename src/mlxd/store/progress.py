@@ -38,6 +38,7 @@ def human_bytes(n: float) -> str:
 
 def tee(*callbacks: ProgressFn) -> ProgressFn:
     """One callback that hands each event to all of ``callbacks`` in order."""
+
     def emit(event: dict) -> None:
         for cb in callbacks:
             cb(event)
@@ -54,8 +55,14 @@ class ProgressLog:
     Status-only events (steps in between) are logged as they come: there are few.
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, interval: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        what: str,
+        *,
+        interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger, self.what, self.interval, self.clock = logger, what, interval, clock
         self._key: tuple[str, str] | None = None
         self._start = self._last = 0.0
@@ -78,6 +85,12 @@ class ProgressLog:
         self._done = completed >= total
         elapsed = now - self._start
         rate = (completed - self._start_bytes) / elapsed if elapsed > 0 else 0.0
-        self.logger.info("%s: %s %s / %s (%.0f%%, %s/s)", self.what, status,
-                         human_bytes(completed), human_bytes(total), 100 * completed / total,
-                         human_bytes(rate))
+        self.logger.info(
+            "%s: %s %s / %s (%.0f%%, %s/s)",
+            self.what,
+            status,
+            human_bytes(completed),
+            human_bytes(total),
+            100 * completed / total,
+            human_bytes(rate),
+        )

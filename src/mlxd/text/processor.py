@@ -37,8 +37,9 @@ class SeqPlan:
     arm_after: tuple[int, ...] | None = None  # grammar waits for these tokens (think end)
 
 
-def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
-                   defaults: dict[str, Any] | None = None) -> Any:
+def load_tokenizer(
+    path: Path, *, trust_remote_code: bool = False, defaults: dict[str, Any] | None = None
+) -> Any:
     """mlx-lm's tokenizer wrapper for a model directory, as ``mlx_lm.load`` builds it, less
     the Python copies of the vocabulary that nothing reads (see the two helpers).
 
@@ -60,8 +61,12 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False,
     if eos is None:
         eos = (config.get("text_config") or {}).get("eos_token_id")
     try:
-        tok = _load(Path(path), {"trust_remote_code": trust_remote_code},
-                    eos_token_ids=eos, defaults=defaults)
+        tok = _load(
+            Path(path),
+            {"trust_remote_code": trust_remote_code},
+            eos_token_ids=eos,
+            defaults=defaults,
+        )
     except Exception as exc:  # noqa: BLE001 - ValueError, OSError, KeyError from transformers
         raise ModelLoadError(f"could not load the tokenizer of {path}: {exc}") from exc
     _drop_build_inputs(getattr(tok, "_tokenizer", tok))
@@ -79,8 +84,11 @@ def _render_arguments(tokenizer: Any) -> frozenset[str]:
         params = inspect.signature(type(hf).apply_chat_template).parameters
     except (AttributeError, TypeError, ValueError):
         return frozenset()
-    return frozenset(n for n, p in params.items()
-                     if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return frozenset(
+        n
+        for n, p in params.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    )
 
 
 def tokenizer_defaults(model: Any) -> dict[str, Any] | None:
@@ -115,13 +123,17 @@ def _drop_build_inputs(hf: Any) -> None:
 class TextProcessor:
     """Thread-safe helpers over one model's tokenizer."""
 
-    def __init__(self, name: str, tokenizer: Any, vocab_size: int,
-                 eos_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None = None
+    ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids if eos_token_ids is not None
-                                    else getattr(tokenizer, "eos_token_ids", []) or [])
+        self.eos_token_ids = sorted(
+            eos_token_ids
+            if eos_token_ids is not None
+            else getattr(tokenizer, "eos_token_ids", []) or []
+        )
         self.grammar = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
         self.tool_format: ToolFormat = tool_format(tokenizer)
         self._render_arguments = _render_arguments(tokenizer)
@@ -157,8 +169,9 @@ class TextProcessor:
         messages = req.messages or []
         kwargs = dict(req.template_kwargs or {})
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        if not self.tool_format.native and (tools or any(
-                m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
+        if not self.tool_format.native and (
+            tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        ):
             messages = fallback_messages(messages, tools)
         elif tools:
             kwargs["tools"] = tools
@@ -199,29 +212,48 @@ class TextProcessor:
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         fmt = self.tool_format if tools else None
         think = (tok.think_start, tok.think_end) if chat and tok.has_thinking else None
-        reasoning = think is not None and \
-            tok.rfind_think_start(tokens) > tok.rfind_think_end(tokens)
+        reasoning = think is not None and tok.rfind_think_start(tokens) > tok.rfind_think_end(
+            tokens
+        )
         splitter = None
         if think is not None or fmt is not None:
-            splitter = OutputSplitter(think=think, reasoning=reasoning, fmt=fmt, tools=tools,
-                                      parallel=req.parallel_tool_calls)
+            splitter = OutputSplitter(
+                think=think,
+                reasoning=reasoning,
+                fmt=fmt,
+                tools=tools,
+                parallel=req.parallel_tool_calls,
+            )
         names = [t.get("function", t).get("name") for t in tools or []]
         spec = None
         if fmt is not None and req.tool_choice in ("required", "function"):
             if req.tool_choice == "function":
                 if req.tool_name not in names:
-                    raise InvalidRequest(f"tool_choice names '{req.tool_name}', which is not "
-                                         "among the tools", param="tool_choice")
+                    raise InvalidRequest(
+                        f"tool_choice names '{req.tool_name}', which is not among the tools",
+                        param="tool_choice",
+                    )
                 names = [req.tool_name]
-            spec = GrammarSpec(tools=tools, names=names, tool_call=True,
-                               parallel=req.parallel_tool_calls and req.tool_choice == "required")
+            spec = GrammarSpec(
+                tools=tools,
+                names=names,
+                tool_call=True,
+                parallel=req.parallel_tool_calls and req.tool_choice == "required",
+            )
         elif req.constraint is not None:
             # tool_choice "auto" with a JSON answer: the answer follows the schema, or the
             # model calls tools
-            either = fmt is not None and fmt.json_body and \
-                req.constraint.kind in ("json_object", "json_schema")
-            spec = GrammarSpec(constraint=req.constraint, tools=tools if either else None,
-                               names=names if either else [], parallel=req.parallel_tool_calls)
+            either = (
+                fmt is not None
+                and fmt.json_body
+                and req.constraint.kind in ("json_object", "json_schema")
+            )
+            spec = GrammarSpec(
+                constraint=req.constraint,
+                tools=tools if either else None,
+                names=names if either else [],
+                parallel=req.parallel_tool_calls,
+            )
         arm = tuple(tok.think_end_tokens) if spec is not None and reasoning else None
         if splitter is None and spec is None:
             return None
@@ -236,21 +268,28 @@ class TextProcessor:
                 for t in spec.tools or []:
                     fn = t.get("function", t)
                     if fn.get("name") in spec.names:
-                        self.grammar.check(self.grammar.json_schema_grammar(
-                            fn.get("parameters") or {"type": "object"}, "tools"), "tools")
-            grammar = tool_call_grammar(self.grammar, fmt, spec.tools or [], spec.names,
-                                        spec.parallel)
+                        self.grammar.check(
+                            self.grammar.json_schema_grammar(
+                                fn.get("parameters") or {"type": "object"}, "tools"
+                            ),
+                            "tools",
+                        )
+            grammar = tool_call_grammar(
+                self.grammar, fmt, spec.tools or [], spec.names, spec.parallel
+            )
             return self.grammar.matcher(grammar, "tool_choice")
         c = spec.constraint
         if c is None:
-            raise InvalidRequest("a grammar needs a constraint or a tool call",
-                                 param="response_format")
+            raise InvalidRequest(
+                "a grammar needs a constraint or a tool call", param="response_format"
+            )
         grammar = self.grammar.from_constraint(c)
         if spec.tools is not None:
             schema = json.loads(c.spec) if c.kind == "json_schema" else {"type": "object"}
             if isinstance(schema, dict):
                 self.grammar.check(grammar)  # the schema alone must be supported
                 answer = "%json " + json.dumps({"x-guidance": JSON_OPTIONS, **schema})
-                grammar = tool_call_grammar(self.grammar, fmt, spec.tools, spec.names,
-                                            spec.parallel, answer=answer)
+                grammar = tool_call_grammar(
+                    self.grammar, fmt, spec.tools, spec.names, spec.parallel, answer=answer
+                )
         return self.grammar.matcher(grammar)

@@ -76,11 +76,12 @@ class GrammarCompiler:
 
                     try:
                         self._lltok = llguidance.hf.from_tokenizer(
-                            self._hf, n_vocab=self.vocab_size, eos_token=self.eos or None)
+                            self._hf, n_vocab=self.vocab_size, eos_token=self.eos or None
+                        )
                     except Exception as exc:  # noqa: BLE001 - slow tokenizers, odd vocabularies
                         raise InvalidRequest(
-                            f"structured output is not available for this model's tokenizer "
-                            f"({exc})") from exc
+                            f"structured output is not available for this model's tokenizer ({exc})"
+                        ) from exc
         return self._lltok
 
     # -- grammar sources ---------------------------------------------------------------------
@@ -89,8 +90,9 @@ class GrammarCompiler:
         import llguidance
 
         try:  # a bare true/false is a schema too: llguidance takes it as JSON text
-            source: str | dict[str, Any] = schema if isinstance(schema, dict) \
-                else json.dumps(schema)
+            source: str | dict[str, Any] = (
+                schema if isinstance(schema, dict) else json.dumps(schema)
+            )
             return llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise InvalidRequest(f"invalid JSON schema: {exc}", param=param) from exc
@@ -104,8 +106,9 @@ class GrammarCompiler:
             try:
                 schema = json.loads(c.spec)
             except ValueError as exc:
-                raise InvalidRequest(f"the JSON schema is not valid JSON: {exc}",
-                                     param="response_format") from exc
+                raise InvalidRequest(
+                    f"the JSON schema is not valid JSON: {exc}", param="response_format"
+                ) from exc
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequest("a JSON schema must be an object", param="response_format")
             return self.json_schema_grammar(schema)
@@ -164,12 +167,14 @@ class GrammarCompiler:
         if m is None:
             m = llguidance.LLMatcher(self.lltok, grammar, log_level=0, limits=_limits())
         if m.is_error():
-            raise InvalidRequest("this schema or grammar is not supported: "
-                                 f"{first_line(m.get_error())}", param=param)
+            raise InvalidRequest(
+                f"this schema or grammar is not supported: {first_line(m.get_error())}", param=param
+            )
         return m
 
 
 # -- tool calls as grammars ---------------------------------------------------------------------
+
 
 def _call_schema(tools: list[dict], names: Sequence[str]) -> dict:
     variants = []
@@ -178,18 +183,25 @@ def _call_schema(tools: list[dict], names: Sequence[str]) -> dict:
         if fn.get("name") not in names:
             continue
         params = fn.get("parameters") or {"type": "object"}
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-def tool_call_grammar(compiler: GrammarCompiler, fmt: Any, tools: list[dict],
-                      names: Sequence[str], parallel: bool,
-                      answer: str | None = None) -> str:
+def tool_call_grammar(
+    compiler: GrammarCompiler,
+    fmt: Any,
+    tools: list[dict],
+    names: Sequence[str],
+    parallel: bool,
+    answer: str | None = None,
+) -> str:
     """A Lark grammar for one call (or several, ``parallel``) of the functions ``names``.
 
     For families whose calls are JSON (``{"name", "arguments"}`` between the markers) the
@@ -204,8 +216,10 @@ def tool_call_grammar(compiler: GrammarCompiler, fmt: Any, tools: list[dict],
     if fmt.json_body:
         schema = json.dumps(_call_schema(tools, names), ensure_ascii=False)
         call = f'{start} "\\n" call_body "\\n" {end}'
-        body = f"call_body: %json {{ \"x-guidance\": {json.dumps(TOOL_JSON_OPTIONS)}, " \
-               f"\"anyOf\": [{schema}] }}\n"
+        body = (
+            f'call_body: %json {{ "x-guidance": {json.dumps(TOOL_JSON_OPTIONS)}, '
+            f'"anyOf": [{schema}] }}\n'
+        )
     elif fmt.name == "qwen3_coder":
         alts = " | ".join(json.dumps(n) for n in names)
         call = f'{start} "\\n<function=" ({alts}) ">" REST'
@@ -215,8 +229,11 @@ def tool_call_grammar(compiler: GrammarCompiler, fmt: Any, tools: list[dict],
         call = f"{start} REST"
         body = "REST: /(.|\\n)*/\n"
         parallel = False
-    calls = "tool_call (\"\\n\" tool_call)*" if parallel else "tool_call"
-    lark = f"start: {calls}\n" if answer is None else \
-        f"start: answer | calls\ncalls: {calls}\nanswer: {answer}\n"
+    calls = 'tool_call ("\\n" tool_call)*' if parallel else "tool_call"
+    lark = (
+        f"start: {calls}\n"
+        if answer is None
+        else f"start: answer | calls\ncalls: {calls}\nanswer: {answer}\n"
+    )
     lark += f"tool_call: {call}\n{body}"
     return llguidance.LLMatcher.grammar_from_lark(lark)

@@ -57,8 +57,9 @@ def tool_format(tokenizer: Any) -> ToolFormat:
     if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
         parser = tokenizer.tool_parser
         name = getattr(parser, "__module__", "").rsplit(".", 1)[-1] or "custom"
-        return ToolFormat(name, tokenizer.tool_call_start, tokenizer.tool_call_end or "",
-                          parser, native)
+        return ToolFormat(
+            name, tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser, native
+        )
     return ToolFormat("fallback", "<tool_call>", "</tool_call>", _parse_json_call, native)
 
 
@@ -88,8 +89,13 @@ def parse_calls(fmt: ToolFormat, text: str, tools: list[dict] | None) -> list[To
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
-        out.append(ToolCall(id=item.get("id") or new_call_id(), name=item["name"],
-                            arguments=_arguments_text(item.get("arguments"))))
+        out.append(
+            ToolCall(
+                id=item.get("id") or new_call_id(),
+                name=item["name"],
+                arguments=_arguments_text(item.get("arguments")),
+            )
+        )
     return out or None
 
 
@@ -104,9 +110,15 @@ class OutputSplitter:
     come back with a stray newline as its content.
     """
 
-    def __init__(self, *, think: tuple[str, str] | None = None, reasoning: bool = False,
-                 fmt: ToolFormat | None = None, tools: list[dict] | None = None,
-                 parallel: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        think: tuple[str, str] | None = None,
+        reasoning: bool = False,
+        fmt: ToolFormat | None = None,
+        tools: list[dict] | None = None,
+        parallel: bool = True,
+    ) -> None:
         self.think = think if think and think[0] and think[1] else None
         self.fmt = fmt
         self.tools = tools
@@ -153,7 +165,7 @@ class OutputSplitter:
                 self._buf = self._buf[cut:]
                 break
             self._emit(self._buf[:hit], content, reasoning)
-            self._buf = self._buf[hit + len(marker):]
+            self._buf = self._buf[hit + len(marker) :]
             was, parsed = self.state, []
             if was == "tool":
                 parsed = self._finish_call(content)
@@ -173,8 +185,13 @@ class OutputSplitter:
         reasoning: list[str] = []
         calls: list[ToolCall] = []
         fmt = self.fmt
-        if not (cut and fmt is not None and self.state == "content" and self._buf
-                and fmt.start.startswith(self._buf)):
+        if not (
+            cut
+            and fmt is not None
+            and self.state == "content"
+            and self._buf
+            and fmt.start.startswith(self._buf)
+        ):
             self._emit(self._buf, content, reasoning)
         self._buf = ""
         if self.state == "tool":
@@ -208,10 +225,11 @@ class OutputSplitter:
                 return
             # trailing whitespace waits: it is dropped if a call follows
             content.append(self._ws + body)
-            self._ws = text[len(body):]
+            self._ws = text[len(body) :]
 
-    def _finish_call(self, out: list[str], final: bool = False, drop: bool = False
-                     ) -> list[ToolCall]:
+    def _finish_call(
+        self, out: list[str], final: bool = False, drop: bool = False
+    ) -> list[ToolCall]:
         """Parse the collected call text; text that is no call goes to ``out`` (the answer),
         unless ``drop``."""
         raw, self._tool_text = self._tool_text, ""
@@ -289,13 +307,17 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
                         args = json.loads(args)
                     except ValueError:
                         pass
-                parts.append("<tool_call>\n" + json.dumps(
-                    {"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
-                    + "\n</tool_call>")
+                parts.append(
+                    "<tool_call>\n"
+                    + json.dumps({"name": fn.get("name"), "arguments": args}, ensure_ascii=False)
+                    + "\n</tool_call>"
+                )
             m["content"] = "\n".join(p for p in parts if p)
         elif m.get("role") == "tool":
-            m = {"role": "user",
-                 "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            m = {
+                "role": "user",
+                "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
+            }
         out.append(m)
     if tools:
         desc = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
