@@ -27,16 +27,23 @@ BLOCK = 32  # tokens per hashed block
 MAX_ENTRIES = 1 << 17  # block hashes remembered (least recently used out first)
 
 
-def block_hashes(model: str, tokens: Sequence[int], block: int = BLOCK,
-                 salt: str | None = None) -> list[int]:
+def block_hashes(
+    model: str, tokens: Sequence[int], block: int = BLOCK, salt: str | None = None
+) -> list[int]:
     """The chained hash of each whole block of ``tokens``, per model and cache salt (a
     partial last block: none)."""
     return chained_block_hashes(tokens, block, seed=model if salt is None else (model, salt))
 
 
 class PrefixRouter:
-    def __init__(self, *, slack: int, min_tokens: int = BLOCK, block: int = BLOCK,
-                 max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(
+        self,
+        *,
+        slack: int,
+        min_tokens: int = BLOCK,
+        block: int = BLOCK,
+        max_entries: int = MAX_ENTRIES,
+    ) -> None:
         self.slack = slack
         self.min_blocks = max(1, -(-min_tokens // block))  # shorter shared prefixes: no pull
         self.block = block
@@ -57,9 +64,14 @@ class PrefixRouter:
         """The core for a request: ``loads[i]`` is core i's requests in flight, None for a
         core that cannot serve now (at least one must). Remembers the choice."""
         least = self.least(loads)
+        least_load = loads[least] or 0  # least() picks a core that can serve
         preferred = self.preferred(hashes)
-        if preferred is not None and loads[preferred] is not None and \
-                loads[preferred] <= loads[least] + self.slack:  # type: ignore[operator]
+        preferred_load = loads[preferred] if preferred is not None else None
+        if (
+            preferred is not None
+            and preferred_load is not None
+            and (preferred_load <= least_load + self.slack)
+        ):
             pick = preferred
         else:
             pick = least
