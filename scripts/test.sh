@@ -28,6 +28,7 @@ command -v redis-server >/dev/null 2>&1 \
 
 export HF_HUB_OFFLINE=1
 .venv/bin/ruff check src tests scripts benchmarks
+.venv/bin/ruff format --check src tests scripts benchmarks
 
 # --fast: the contributor's tier (CONTRIBUTING.md): no `mlxd serve` subprocesses, no
 # browser, no campaign. Other arguments go to pytest as they are (a file, -k, -x...).
