@@ -141,6 +141,15 @@ class FrontEnds(Multiprocess):
         super().__init__(config, sockets)
         drain, self._drain_w = multiprocessing.get_context("spawn").Pipe(duplex=False)
         self.shared = FrontEndShared(config.workers, grace, drain)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_stop_signal)
+
+    def _on_stop_signal(self, sig: int, frame: object) -> None:
+        """uvicorn's handler (queue the signal for the loop), and the drain's start right
+        here: the front ends answer 503 "draining" from the signal on, not from the loop's
+        next turn."""
+        self.signal_queue.append(sig)
+        self._drain_w.close()  # idempotent; the loop's _drain closes it again
 
     def _spawn(self) -> FrontEndProcess:
         process = FrontEndProcess(self.config, self.sockets, self.shared)
