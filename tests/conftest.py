@@ -161,6 +161,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(pred, timeout: float = 60.0, every: float = 0.05) -> bool:
+    """Poll ``pred`` until it is true (True) or ``timeout`` seconds pass (False): a wait for a
+    state, generous so that a loaded machine only makes it slower, never fail."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(every)
+    return False
+
+
 def wait_healthy(url: str, proc, timeout: float, why) -> dict:
     """Poll ``url``/health until an ``mlxd serve`` subprocess answers 200 (its body);
     fails, with ``why()`` (its log, say) as the message, when it exits or time runs out."""

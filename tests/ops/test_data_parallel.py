@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import LiveServer, install_into_store, make_settings
+from conftest import LiveServer, install_into_store, make_settings, wait_until
 
 from mlxd.enginecore.protocol import Status
 
@@ -50,15 +49,6 @@ def _chat(srv, messages, **kw) -> dict:
     )
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _wait(pred, timeout=30.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_health_api_ps_and_mlxd_ps_show_every_core(dp, tmp_path):
@@ -136,7 +126,9 @@ def test_a_conversations_next_turn_goes_to_the_core_holding_its_prefix(dp):
     # each core keeps its prefix cache's disk tier in a folder of its own (two processes
     # must not bound and evict one folder's files each on its own count)
     root = dp.settings.engine.prefix_cache_dir
-    assert _wait(lambda: all(any((root / d).rglob("*.safetensors")) for d in ("cpu-0", "cpu-1")))
+    assert wait_until(
+        lambda: all(any((root / d).rglob("*.safetensors")) for d in ("cpu-0", "cpu-1"))
+    )
     assert not any(root.glob("*/*.safetensors"))  # nothing in a shared fingerprint folder
 
 
@@ -149,7 +141,7 @@ def test_a_cache_salt_routes_by_its_own_prefixes(dp):
     cores = {}
     for salt in ("a", "b"):
         # idle cores as the router sees them: a stale load must not decide the pick
-        assert _wait(lambda: [c.load for c in dp.runtime.cores.clients] == [0, 0])
+        assert wait_until(lambda: [c.load for c in dp.runtime.cores.clients] == [0, 0])
         before = _totals(dp)
         turn1 = _chat(dp, msgs, cache_salt=salt)
         assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -227,7 +219,7 @@ def test_a_killed_core_ends_only_its_streams_and_comes_back(dp):
     on_killed = dp.core(Status(), index=1).requests_in_flight
     assert 1 <= on_killed <= 5
     os.kill(pids[1], signal.SIGKILL)
-    assert _wait(lambda: dp.health()["engine_cores"][1]["state"] != "ok", 60)
+    assert wait_until(lambda: dp.health()["engine_cores"][1]["state"] != "ok", 60)
     r = httpx.get(dp.url + "/health")
     assert r.status_code == 200 and r.json()["status"] == "degraded"
     # the other core keeps serving new requests meanwhile
@@ -241,7 +233,7 @@ def test_a_killed_core_ends_only_its_streams_and_comes_back(dp):
         assert status == 200 and text.endswith("data: [DONE]")
         if kind == "error":
             assert "service_unavailable" in text
-    assert _wait(lambda: dp.health()["status"] == "ok", 60)
+    assert wait_until(lambda: dp.health()["status"] == "ok", 60)
     cores = dp.health()["engine_cores"]
     assert cores[0]["pid"] == pids[0] and cores[1]["pid"] not in (None, pids[1])
     assert [c["restarts"] for c in cores] == [0, 1] and cores[1]["models"] == ["tiny-llama"]

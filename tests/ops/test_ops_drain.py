@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import core_call, free_port, wait_healthy
+from conftest import core_call, free_port, wait_healthy, wait_until
 
 from mlxd.enginecore.protocol import Fault
 
@@ -58,15 +58,6 @@ def _stop(p: subprocess.Popen) -> None:
     if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
-
-
-def _wait(pred, timeout: float = 60.0) -> bool:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _clients_on(url: str, pids: set[int], per_pid: int) -> list[tuple[int, httpx.Client]]:
@@ -248,7 +239,7 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
             t = threading.Thread(target=_stream, args=(c, "openai", 200, {}, threading.Event()))
             t.start()
             threads.append(t)
-        assert _wait(
+        assert wait_until(
             lambda: (
                 (_gauge(url, "mlxd:num_requests_running"), _gauge(url, "mlxd:num_requests_waiting"))
                 == (2, 3)
@@ -257,7 +248,7 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
         os.kill(victim, signal.SIGKILL)
         for t in threads:
             t.join(60)
-        assert _wait(
+        assert wait_until(
             lambda: httpx.get(url + "/health", timeout=10).json()["requests_in_flight"] == 0, 20
         )
 
@@ -265,7 +256,7 @@ def test_a_killed_front_end_leaves_no_gauges_and_is_counted(tmp_path, tiny_llama
             h = httpx.get(url + "/health", timeout=10)
             return h.status_code == 200 and h.json()["front_ends"] == {"workers": 2, "restarts": 1}
 
-        assert _wait(replaced)
+        assert wait_until(replaced)
         assert victim not in _front_ends(url, 2)
         assert _gauge(url, "mlxd:num_requests_running") == 0
         assert _gauge(url, "mlxd:num_requests_waiting") == 0
@@ -297,7 +288,7 @@ def test_no_front_end_outlives_its_supervisor(tmp_path, tiny_llama):
         pids.add(httpx.get(url + "/health", timeout=10).json()["engine_core"]["pid"])
         os.kill(p.pid, signal.SIGKILL)
         p.wait(30)
-        assert _wait(lambda: all(_gone(pid) for pid in pids), 60), pids
+        assert wait_until(lambda: all(_gone(pid) for pid in pids), 60), pids
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=10)
     finally:

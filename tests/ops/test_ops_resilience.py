@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
-from conftest import LiveServer, install_into_store, make_settings
+from conftest import LiveServer, install_into_store, make_settings, wait_until
 
 from mlxd.enginecore.protocol import Fault, Loaded
 
@@ -26,15 +25,6 @@ def srv(tmp_path_factory, tiny_llama, tiny_qwen2):
     s = LiveServer(make_settings(home, tiny_llama)).start()
     yield s
     s.stop()
-
-
-def _wait(pred, timeout=15.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_oom_in_a_decode_step_is_503_and_the_next_request_succeeds(srv):
@@ -76,7 +66,7 @@ def test_oom_while_loading_is_503_and_the_next_load_succeeds(srv):
         r = c.post("/v1/chat/completions", json={**body, "keep_alive": "1s"})
         assert r.status_code == 200 and r.json()["model"] == "spare"
     # idle for its keep_alive: unloaded by the sweeper, counted as an eviction
-    assert _wait(
+    assert wait_until(
         lambda: _metric(srv, "mlxd:model_evictions_total", model="spare", reason="idle") == 1, 8
     )
     assert "spare" not in [m["name"] for m in srv.core(Loaded()).models]
@@ -128,7 +118,7 @@ def test_engine_core_death_under_load_is_survivable(start_server, tiny_llama, ho
         os.kill(pid, signal.SIGKILL)  # a real kill -9 from outside
     else:
         srv.fault(how)
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 60)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 60)
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and "retry" in r.json()["error"]["message"]
     assert r.headers["retry-after"]
@@ -138,7 +128,7 @@ def test_engine_core_death_under_load_is_survivable(start_server, tiny_llama, ho
     for kind, status, text in results:
         assert (kind, status) == ("error", 200), (kind, status, text[-300:])
         assert "service_unavailable" in text and text.endswith("data: [DONE]")
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 30)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, 30)
     h = srv.health()
     assert h["engine_core"]["pid"] != pid and h["worker_restarts"] == 1
     assert "tiny-llama" in [m["name"] for m in h["models"]]
@@ -173,7 +163,7 @@ def test_kv_caches_count_against_the_memory_budget_and_load_is_shed(start_server
         m = srv.health()["memory"]
         return m["models_bytes"] + m["caches_bytes"] > 1_200_000
 
-    assert _wait(over_budget, 15)
+    assert wait_until(over_budget, 15)
     h = srv.health()
     assert h["models"][0]["cache_memory_bytes"]["kv_cache"] == h["memory"]["caches_bytes"]
     r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "max_tokens": 2})
@@ -210,7 +200,7 @@ def test_loading_a_model_does_not_pause_the_others(start_server, tiny_llama):
     b = threading.Thread(target=ask_b)
     b.start()
     try:
-        assert _wait(lambda: srv.core(Fault("held_loads")).held_loads == 1, 60)
+        assert wait_until(lambda: srv.core(Fault("held_loads")).held_loads == 1, 60)
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: {")]
@@ -275,10 +265,10 @@ def test_health_code_and_status_agree_while_the_core_dies_and_returns(start_serv
     t = threading.Thread(target=poll)
     t.start()
     try:
-        assert _wait(lambda: len(answers) > 5, 30)
+        assert wait_until(lambda: len(answers) > 5, 30)
         os.kill(pid, signal.SIGKILL)
-        assert _wait(lambda: any(code == 503 for code, _ in answers), 30)
-        assert _wait(
+        assert wait_until(lambda: any(code == 503 for code, _ in answers), 30)
+        assert wait_until(
             lambda: (
                 srv.health()["engine_core"]["pid"] not in (None, pid) and answers[-1] == (200, "ok")
             ),

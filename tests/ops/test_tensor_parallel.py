@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from conftest import LiveServer, make_settings
+from conftest import LiveServer, make_settings, wait_until
 
 from mlxd.enginecore.protocol import Status
 
@@ -25,17 +24,8 @@ MODEL = "tiny-llama"
 PROMPTS = ["hello there", "the quick brown fox", "1 2 3 4 5 6 7", "a"]
 
 
-def _wait(pred, timeout=30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _ready(srv: LiveServer) -> LiveServer:
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
     return srv
 
 
@@ -304,9 +294,9 @@ def _kill_a_rank_and_see_the_group_restart(
     for t in threads:
         t.start()
     assert all(ev.wait(20) for ev in started)
-    assert _wait(lambda: srv.core(Status()).requests_in_flight == 5, 20)
+    assert wait_until(lambda: srv.core(Status()).requests_in_flight == 5, 20)
     os.kill(pids[rank], signal.SIGKILL)  # kill -9 of one rank, from outside
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 503, 60)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 60)
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.headers["retry-after"]
     for t in threads:
@@ -318,8 +308,8 @@ def _kill_a_rank_and_see_the_group_restart(
     assert whole[0].status_code == 503, whole[0].text
     assert whole[0].json()["error"]["code"] == "service_unavailable"
     # every rank of the old group is gone; a new group loaded the pinned model
-    assert _wait(lambda: not any(_alive(p) for p in pids), 10)
-    assert _wait(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
+    assert wait_until(lambda: not any(_alive(p) for p in pids), 10)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, 90)
     h = srv.health()
     new = h["engine_core"][key]["rank_pids"]
     assert not set(new) & set(pids) and h["worker_restarts"] == before["worker_restarts"] + 1
@@ -388,7 +378,7 @@ def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path,
     )
     pids: list[int] = []
     try:
-        assert _wait(lambda: p.poll() is None and _healthy(url), 90), p.poll()
+        assert wait_until(lambda: p.poll() is None and _healthy(url), 90), p.poll()
         assert "peer" in (bin_dir / "ssh.args").read_text()
         group = httpx.get(url + "/health").json()["engine_core"]["tensor_parallel"]
         pids = group["rank_pids"]
@@ -402,7 +392,7 @@ def test_mlxd_serve_over_a_hosts_file_and_sigterm_ends_every_rank(one, tmp_path,
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
     assert p.returncode in (0, -signal.SIGTERM), out[-2000:]
-    assert _wait(lambda: not any(_alive(x) for x in pids), 10)
+    assert wait_until(lambda: not any(_alive(x) for x in pids), 10)
 
 
 def _healthy(url: str) -> bool:

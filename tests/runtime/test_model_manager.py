@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import install_into_store
+from conftest import install_into_store, wait_until
 from fixtures.tiny_models import make_tiny_chat_model
 
 
@@ -18,15 +18,6 @@ def _loaded(srv) -> list[str]:
 def _chat(srv, model: str, **kw) -> httpx.Response:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
-
-
-def _wait(pred, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture()
@@ -65,7 +56,7 @@ def test_lazy_load_then_lru_eviction_within_the_kind_cap(start_server, tiny_llam
 def test_keep_alive_zero_minus_one_and_a_duration(start_server, tiny_llama, store_models):
     srv = start_server(tiny_llama)
     assert _chat(srv, "m1", keep_alive=0).status_code == 200
-    assert _wait(lambda: "m1" not in _loaded(srv), 60)  # unloaded as soon as it ended
+    assert wait_until(lambda: "m1" not in _loaded(srv), 60)  # unloaded as soon as it ended
     assert _chat(srv, "m2", keep_alive=-1).status_code == 200
     t0 = time.time()
     assert _chat(srv, "m3", keep_alive="5s").status_code == 200
@@ -74,7 +65,7 @@ def test_keep_alive_zero_minus_one_and_a_duration(start_server, tiny_llama, stor
     assert h["m2"]["expires_at"] is None  # forever
     expires = h["m3"]["expires_at"]
     assert t0 + 5 <= expires <= t1 + 5  # 5 s after its request ended
-    assert _wait(lambda: "m3" not in _loaded(srv), 60)
+    assert wait_until(lambda: "m3" not in _loaded(srv), 60)
     assert time.time() >= expires  # and not unloaded before then
     assert "m2" in _loaded(srv) and "tiny-llama" in _loaded(srv)
 
@@ -82,7 +73,7 @@ def test_keep_alive_zero_minus_one_and_a_duration(start_server, tiny_llama, stor
 def test_default_ttl_from_settings(start_server, tiny_llama, store_models):
     srv = start_server(tiny_llama, models={"keep_alive": "1s"})
     assert _chat(srv, "m1").status_code == 200
-    assert _wait(lambda: "m1" not in _loaded(srv), 60)
+    assert wait_until(lambda: "m1" not in _loaded(srv), 60)
     assert "tiny-llama" in _loaded(srv)  # pinned: the TTL never unloads it
 
 
@@ -121,7 +112,7 @@ def test_budget_refusal_is_503_and_too_large_is_507(start_server, tiny_llama, st
             assert "budget" in r2.json()["error"]["message"]
             assert r2.headers.get("retry-after")
     # once slow is idle it can be evicted to make room
-    assert _wait(lambda: srv.health()["requests_in_flight"] == 0, 60)
+    assert wait_until(lambda: srv.health()["requests_in_flight"] == 0, 60)
     assert _chat(srv, "m1").status_code == 200
     assert "slow" not in _loaded(srv)
 
