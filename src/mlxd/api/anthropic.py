@@ -18,11 +18,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from mlxd.api.anthropic_schemas import CountTokensRequest, MessagesRequest
+from mlxd.api.bodies import (
+    AnthropicResponse,
+    AnthropicUsage,
+    TextBlock,
+    ThinkingBlock,
+    TokenCountAnthropic,
+    ToolUseBlock,
+    json_body,
+)
 from mlxd.api.common import collect, runtime, submit_n
-from mlxd.api.docs import SSE, AnthropicResponse, TokenCountAnthropic, ok
+from mlxd.api.docs import SSE, ok
 from mlxd.api.errors import anthropic_error_body
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import sse_response, until_disconnect
@@ -66,26 +74,26 @@ def _stop_reason(finish: str | None, stop_sequence: str | None) -> str:
     return "end_turn"
 
 
+def _usage_body(u: Usage) -> AnthropicUsage:
+    return AnthropicUsage(
+        input_tokens=u.prompt_tokens - u.cached_tokens,
+        cache_creation_input_tokens=0,
+        cache_read_input_tokens=u.cached_tokens,
+        output_tokens=u.completion_tokens,
+    )
+
+
 def _usage(u: Usage) -> dict[str, int]:
-    return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": u.cached_tokens,
-        "output_tokens": u.completion_tokens,
-    }
+    """:func:`_usage_body` for a hand-framed streamed event."""
+    return _usage_body(u).model_dump(exclude_unset=True)
 
 
 def _tool_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def _tool_block(call: ToolCall) -> dict[str, Any]:
-    return {
-        "type": "tool_use",
-        "id": _tool_id(call),
-        "name": call.name,
-        "input": arguments_dict(call),
-    }
+def _tool_block(call: ToolCall) -> ToolUseBlock:
+    return ToolUseBlock(id=_tool_id(call), name=call.name, input=arguments_dict(call))
 
 
 @router.post(
@@ -103,23 +111,21 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     if body.stream:
         return sse_response(_stream(gen, mid), gen.close)
     res = await until_disconnect(request, collect(gen))
-    content: list[dict[str, Any]] = []
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
     if res.reasoning:
-        content.append({"type": "thinking", "thinking": res.reasoning, "signature": ""})
+        content.append(ThinkingBlock(thinking=res.reasoning, signature=""))
     if res.text or not res.tool_calls:
-        content.append({"type": "text", "text": res.text})
+        content.append(TextBlock(text=res.text))
     content.extend(_tool_block(c) for c in res.tool_calls)
-    return JSONResponse(
-        {
-            "id": mid,
-            "type": "message",
-            "role": "assistant",
-            "model": gen.model,
-            "content": content,
-            "stop_reason": _stop_reason(res.finish_reason, res.stop_sequence),
-            "stop_sequence": res.stop_sequence,
-            "usage": _usage(res.usage),
-        }
+    return json_body(
+        AnthropicResponse(
+            id=mid,
+            model=gen.model,
+            content=content,
+            stop_reason=_stop_reason(res.finish_reason, res.stop_sequence),
+            stop_sequence=res.stop_sequence,
+            usage=_usage_body(res.usage),
+        )
     )
 
 
@@ -234,7 +240,7 @@ async def _stream(gen: Generation, mid: str) -> AsyncIterator[str]:
 
 
 @router.post("/v1/messages/count_tokens", responses=ok(TokenCountAnthropic))
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     req = _request(body, request, SamplingParams())
     _, n = await until_disconnect(request, runtime(request).count_tokens(req))
-    return {"input_tokens": n}
+    return json_body(TokenCountAnthropic(input_tokens=n))

@@ -7,9 +7,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi import Request
 
+from mlxd.api import bodies
 from mlxd.api.streaming import until_disconnect
 from mlxd.core.types import GenerateRequest, TokenEvent, TokenLogprob, ToolCall, Usage
 from mlxd.frontend.generation import Generation
@@ -61,13 +63,19 @@ async def collect(gen: Generation) -> Collected:
     return out
 
 
-def usage_dict(u: Usage) -> dict:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
+def usage_body(u: Usage) -> bodies.Usage:
+    """OpenAI's usage object (prompt_tokens_details.cached_tokens: the prefix cache's hit)."""
+    return bodies.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.total_tokens,
+        prompt_tokens_details=bodies.PromptTokensDetails(cached_tokens=u.cached_tokens),
+    )
+
+
+def usage_dict(u: Usage) -> dict[str, Any]:
+    """:func:`usage_body` for a hand-framed streamed event."""
+    return usage_body(u).model_dump(mode="json", exclude_unset=True)
 
 
 # -- n > 1: several sequences for one request ----------------------------------------------------

@@ -1,8 +1,8 @@
-"""What the OpenAPI document says about responses: error shapes, streaming media types and
-the 200 bodies, so that generated clients and readers see what the server really sends.
+"""What the OpenAPI document says about responses: error shapes and streaming media types
+(the 200 bodies are api/bodies.py's models, which the routes also build), so that
+generated clients and readers see what the server really sends.
 
-The models here document; they do not serialise (each is given as ``responses={200:
-{"model": ...}}``, which FastAPI only publishes). Errors are documented per dialect, as
+Errors are documented per dialect, as
 api/errors.py renders them: OpenAI's object, Ollama's ``{"error": "..."}`` under /api/,
 Anthropic's shape under /v1/messages. Validation failures are 400, the app's behaviour,
 never FastAPI's 422 (a ``default`` response, the same error shape for any other status,
@@ -14,14 +14,9 @@ from __future__ import annotations
 from types import UnionType
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from mlxd.api.errors import is_anthropic_path
-
-
-class _Doc(BaseModel):
-    model_config = ConfigDict(extra="allow")  # responses may carry more than documented
-
 
 # -- errors --------------------------------------------------------------------------------------
 
@@ -123,153 +118,3 @@ def ok(
 StreamMedia = Literal["text/event-stream", "application/x-ndjson"]
 SSE: Final = "text/event-stream"
 NDJSON: Final = "application/x-ndjson"
-
-
-# -- 200 bodies ------------------------------------------------------------------------------------
-
-
-class Usage(_Doc):
-    prompt_tokens: int
-    completion_tokens: int = 0
-    total_tokens: int
-
-
-class ChatChoice(_Doc):
-    index: int
-    message: dict[str, Any] = Field(
-        description="role, content; reasoning_content and tool_calls when present."
-    )
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None
-
-
-class ChatCompletion(_Doc):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class CompletionChoice(_Doc):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None
-
-
-class Completion(_Doc):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class ModelCard(_Doc):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(_Doc):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class Embedding(_Doc):
-    object: Literal["embedding"]
-    index: int
-    embedding: list[float] | str = Field(description="floats, or base64 little-endian float32")
-
-
-class EmbeddingList(_Doc):
-    object: Literal["list"]
-    data: list[Embedding]
-    model: str
-    usage: Usage
-
-
-class RerankResult(_Doc):
-    index: int
-    relevance_score: float
-    document: dict[str, Any] | None = None
-    text_output: Literal["yes", "no"] | None = None
-
-
-class RerankResponse(_Doc):
-    id: str
-    model: str
-    results: list[RerankResult]
-    usage: Usage
-
-
-class TokenCount(_Doc):
-    index: int
-    tokens: int = Field(description="The number of tokens of input i.")
-    token_ids: list[int] | None = Field(None, description="With return_tokens.")
-
-
-class TokenizeResponse(_Doc):
-    object: Literal["list"]
-    model: str
-    data: list[TokenCount]
-    count: int = Field(description="Tokens of all inputs together.")
-    context_length: int | None
-    usage: Usage
-
-
-class GenerateResponse(_Doc):
-    text: str
-    model: str
-    finish_reason: str | None
-    usage: Usage
-
-
-class Health(_Doc):
-    status: Literal["ok", "degraded", "draining", "restarting", "unavailable"] = Field(
-        description="With API keys configured and no valid key, the only field."
-    )
-
-
-class AnthropicResponse(_Doc):
-    id: str
-    type: Literal["message"]
-    role: Literal["assistant"]
-    model: str
-    content: list[dict[str, Any]]
-    stop_reason: str | None
-    stop_sequence: str | None = None
-    usage: dict[str, int]
-
-
-class TokenCountAnthropic(_Doc):
-    input_tokens: int
-
-
-class OllamaGenerate(_Doc):
-    model: str
-    created_at: str
-    response: str
-    done: bool
-    done_reason: str | None = None
-    prompt_eval_count: int | None = None
-    eval_count: int | None = None
-
-
-class OllamaChat(_Doc):
-    model: str
-    created_at: str
-    message: dict[str, Any] = Field(description="role, content; thinking, tool_calls.")
-    done: bool
-    done_reason: str | None = None
-    prompt_eval_count: int | None = None
-    eval_count: int | None = None
-
-
-class OllamaEmbed(_Doc):
-    model: str
-    embeddings: list[list[float]]

@@ -19,11 +19,24 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from mlxd.api.bodies import (
+    Embedding,
+    EmbeddingList,
+    RerankMeta,
+    RerankResponse,
+    RerankResult,
+    RerankTokens,
+    RerankUnits,
+    RerankVersion,
+    TokenCount,
+    TokenizeResponse,
+    Usage,
+    json_body,
+)
 from mlxd.api.common import new_id, runtime
-from mlxd.api.docs import EmbeddingList, RerankResponse, TokenizeResponse, ok
+from mlxd.api.docs import ok
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import ChatCompletionRequest, ChatMessage
 from mlxd.api.streaming import until_disconnect
@@ -84,16 +97,12 @@ async def embeddings(request: Request, body: EmbeddingsBody) -> Response:
     res = await until_disconnect(request, runtime(request).embed(req))
     b64 = body.encoding_format == "base64"
     data = [
-        {"object": "embedding", "index": i, "embedding": f32_base64(v) if b64 else v.tolist()}
+        Embedding(index=i, embedding=f32_base64(v) if b64 else v.tolist())
         for i, v in enumerate(res.vectors)
     ]
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "model": res.model,
-            "usage": {"prompt_tokens": res.prompt_tokens, "total_tokens": res.prompt_tokens},
-        }
+    n = res.prompt_tokens
+    return json_body(
+        EmbeddingList(data=data, model=res.model, usage=Usage(prompt_tokens=n, total_tokens=n))
     )
 
 
@@ -141,7 +150,7 @@ class RerankBody(_Req):
         return out
 
 
-async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONResponse:
+async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> Response:
     texts = body.texts()
     req = RerankRequest(
         model=body.model,
@@ -159,27 +168,26 @@ async def _rerank(body: RerankBody, request: Request, cohere_v2: bool) -> JSONRe
     with_docs = body.return_documents if body.return_documents is not None else not cohere_v2
     results = []
     for i in order:
-        r: dict[str, Any] = {"index": i, "relevance_score": res.scores[i]}
+        r = RerankResult(index=i, relevance_score=res.scores[i])
         if with_docs:
             d = body.documents[i]
-            r["document"] = {"text": d} if isinstance(d, str) else d
+            r.document = {"text": d} if isinstance(d, str) else d
         if body.return_text:
-            r["text_output"] = "yes" if res.scores[i] >= body.decision_threshold else "no"
+            r.text_output = "yes" if res.scores[i] >= body.decision_threshold else "no"
         results.append(r)
     n = res.prompt_tokens
-    return JSONResponse(
-        {
-            "id": request.state.request_id or new_id("rerank"),
-            "object": "list",
-            "model": res.model,
-            "results": results,
-            "usage": {"prompt_tokens": n, "total_tokens": n},
-            "meta": {
-                "api_version": {"version": "2" if cohere_v2 else "1"},
-                "billed_units": {"search_units": 1, "input_tokens": n},
-                "tokens": {"input_tokens": n, "output_tokens": 0},
-            },
-        }
+    return json_body(
+        RerankResponse(
+            id=request.state.request_id or new_id("rerank"),
+            model=res.model,
+            results=results,
+            usage=Usage(prompt_tokens=n, total_tokens=n),
+            meta=RerankMeta(
+                api_version=RerankVersion(version="2" if cohere_v2 else "1"),
+                billed_units=RerankUnits(search_units=1, input_tokens=n),
+                tokens=RerankTokens(input_tokens=n, output_tokens=0),
+            ),
+        )
     )
 
 
@@ -242,20 +250,19 @@ async def tokenize(request: Request, body: TokenizeBody) -> Response:
     )
     data = []
     for i, ids in enumerate(res.tokens):
-        item: dict[str, Any] = {"index": i, "tokens": len(ids)}
+        item = TokenCount(index=i, tokens=len(ids))
         if body.return_tokens:
-            item["token_ids"] = ids
+            item.token_ids = ids
         if res.token_strings is not None:
-            item["token_strings"] = res.token_strings[i]
+            item.token_strings = res.token_strings[i]
         data.append(item)
     total = sum(len(t) for t in res.tokens)
-    return JSONResponse(
-        {
-            "object": "list",
-            "model": res.model,
-            "data": data,
-            "count": total,
-            "context_length": res.context_length,
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-        }
+    return json_body(
+        TokenizeResponse(
+            model=res.model,
+            data=data,
+            count=total,
+            context_length=res.context_length,
+            usage=Usage(prompt_tokens=total, total_tokens=total),
+        )
     )

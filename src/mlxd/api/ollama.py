@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
 from mlxd import __version__
+from mlxd.api.bodies import OllamaChat, OllamaGenerate, json_body
 from mlxd.api.common import runtime
-from mlxd.api.docs import NDJSON, OllamaChat, OllamaGenerate, ok, streamed
+from mlxd.api.docs import NDJSON, ok, streamed
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import (
@@ -366,7 +367,9 @@ async def _respond(
             }
         return out
 
-    return JSONResponse(await until_disconnect(request, collect()))
+    body = await until_disconnect(request, collect())
+    # the parts are shared with the stream: the whole body is checked against its model here
+    return json_body((OllamaGenerate if key == "response" else OllamaChat).model_validate(body))
 
 
 def _details(manifest: dict, config: dict | None = None) -> dict[str, Any]:

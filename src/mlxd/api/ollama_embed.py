@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
+from mlxd.api.bodies import OllamaEmbed, OllamaLegacyEmbedding, json_body
 from mlxd.api.common import runtime
-from mlxd.api.docs import OllamaEmbed, ok
+from mlxd.api.docs import ok
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import until_disconnect
 from mlxd.api.wire import KeepAlive, ModelName, WireModel
@@ -49,12 +50,12 @@ def _name(request: Request, model: str | None) -> str:
 
 
 @router.post("/embed", responses=ok(OllamaEmbed))
-async def embed(request: Request, body: EmbedBody) -> dict[str, Any]:
+async def embed(request: Request, body: EmbedBody) -> Response:
     rt = runtime(request)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
     if not inputs:
         entry = await rt.models.touch(_name(request, body.model), body.keep_alive)
-        return {"model": entry.name, "embeddings": []}
+        return json_body(OllamaEmbed(model=entry.name, embeddings=[]))
     req = EmbedRequest(
         model=_name(request, body.model),
         inputs=inputs,  # type: ignore[arg-type]
@@ -64,20 +65,22 @@ async def embed(request: Request, body: EmbedBody) -> dict[str, Any]:
         request_id=request.state.request_id,
     )
     res = await until_disconnect(request, rt.embed(req))
-    return {
-        "model": res.model,
-        "embeddings": res.vectors.tolist(),
-        **res.timings.durations_ns(),
-        "prompt_eval_count": res.prompt_tokens,
-    }
+    return json_body(
+        OllamaEmbed(
+            model=res.model,
+            embeddings=res.vectors.tolist(),
+            **res.timings.durations_ns(),
+            prompt_eval_count=res.prompt_tokens,
+        )
+    )
 
 
-@router.post("/embeddings")
-async def embeddings(request: Request, body: EmbeddingsBody) -> dict[str, Any]:
+@router.post("/embeddings", responses=ok(OllamaLegacyEmbedding))
+async def embeddings(request: Request, body: EmbeddingsBody) -> Response:
     rt = runtime(request)
     if not body.prompt:
         await rt.models.touch(_name(request, body.model), body.keep_alive)
-        return {"embedding": []}
+        return json_body(OllamaLegacyEmbedding(embedding=[]))
     req = EmbedRequest(
         model=_name(request, body.model),
         inputs=[body.prompt],
@@ -85,4 +88,4 @@ async def embeddings(request: Request, body: EmbeddingsBody) -> dict[str, Any]:
         request_id=request.state.request_id,
     )
     res = await until_disconnect(request, rt.embed(req))
-    return {"embedding": res.vectors[0].tolist()}
+    return json_body(OllamaLegacyEmbedding(embedding=res.vectors[0].tolist()))

@@ -9,8 +9,23 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request, Response
-from fastapi.responses import JSONResponse
 
+from mlxd.api.bodies import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    TokenLogprobOut,
+    ToolCallOut,
+    TopLogprobOut,
+    json_body,
+)
 from mlxd.api.common import (
     Collected,
     close_all,
@@ -21,9 +36,10 @@ from mlxd.api.common import (
     runtime,
     submit_n,
     total_usage,
+    usage_body,
     usage_dict,
 )
-from mlxd.api.docs import SSE, ChatCompletion, Completion, ModelCard, ModelList, ok
+from mlxd.api.docs import SSE, ok
 from mlxd.api.errors import error_payload
 from mlxd.api.routing import ApiRoute, RouteOptions
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -64,40 +80,45 @@ def _name(t: TokenLogprob | TopLogprob, ids: bool) -> str:
     return f"token_id:{t.token_id}" if ids else t.token
 
 
-def _chat_logprobs(items: list[TokenLogprob], ids: bool = False) -> dict:
-    return {
-        "content": [
-            {
-                "token": _name(lp, ids),
-                "logprob": finite_logprob(lp.logprob),
-                "bytes": list(lp.token.encode()),
-                "top_logprobs": [
-                    {
-                        "token": _name(t, ids),
-                        "logprob": finite_logprob(t.logprob),
-                        "bytes": list(t.token.encode()),
-                    }
+def _chat_logprobs(items: list[TokenLogprob], ids: bool = False) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            TokenLogprobOut(
+                token=_name(lp, ids),
+                logprob=finite_logprob(lp.logprob),
+                bytes=list(lp.token.encode()),
+                top_logprobs=[
+                    TopLogprobOut(
+                        token=_name(t, ids),
+                        logprob=finite_logprob(t.logprob),
+                        bytes=list(t.token.encode()),
+                    )
                     for t in lp.top
                 ],
-            }
+            )
             for lp in items
         ]
-    }
+    )
 
 
-def _completion_logprobs(items: list[TokenLogprob], offset: int = 0, ids: bool = False) -> dict:
+def _completion_logprobs(
+    items: list[TokenLogprob], offset: int = 0, ids: bool = False
+) -> CompletionLogprobs:
     offsets, pos = [], offset
     for lp in items:
         offsets.append(pos)
         pos += len(lp.token)
-    return {
-        "tokens": [_name(lp, ids) for lp in items],
-        "token_logprobs": [finite_logprob(lp.logprob) for lp in items],
-        "top_logprobs": [
-            {_name(t, ids): finite_logprob(t.logprob) for t in lp.top} for lp in items
-        ],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=[_name(lp, ids) for lp in items],
+        token_logprobs=[finite_logprob(lp.logprob) for lp in items],
+        top_logprobs=[{_name(t, ids): finite_logprob(t.logprob) for t in lp.top} for lp in items],
+        text_offset=offsets,
+    )
+
+
+def _dumped(model: ChatLogprobs | CompletionLogprobs | None) -> dict[str, Any] | None:
+    """A streamed chunk's logprobs (chunks are framed by hand: see _chat_stream)."""
+    return None if model is None else model.model_dump(mode="json")
 
 
 @router.post(
@@ -129,25 +150,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         results = await until_disconnect(request, collect_all(gens))
     finally:
         close_all(gens)()
-    return JSONResponse(
-        {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": gen.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": _chat_message(res),
-                    "logprobs": _chat_logprobs(res.logprobs, body.return_tokens_as_token_ids)
+    return json_body(
+        ChatCompletion(
+            id=cid,
+            created=created,
+            model=gen.model,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=_chat_message(res),
+                    logprobs=_chat_logprobs(res.logprobs, body.return_tokens_as_token_ids)
                     if gen.params.logprobs
                     else None,
-                    "finish_reason": res.finish_reason,
-                }
+                    finish_reason=res.finish_reason,
+                )
                 for i, res in enumerate(results)
             ],
-            "usage": usage_dict(total_usage(results)),
-        }
+            usage=usage_body(total_usage(results)),
+        )
     )
 
 
@@ -160,15 +180,15 @@ def _chat_extras(req: GenerateRequest, body: ChatCompletionRequest) -> None:
     req.user = body.user
 
 
-def _chat_message(res: Collected) -> dict[str, Any]:
-    msg: dict[str, Any] = {
-        "role": "assistant",
-        "content": res.text if (res.text or not res.tool_calls) else None,
-    }
+def _chat_message(res: Collected) -> AssistantMessage:
+    msg = AssistantMessage(content=res.text if (res.text or not res.tool_calls) else None)
     if res.reasoning:
-        msg["reasoning_content"] = res.reasoning
+        msg.reasoning_content = res.reasoning
     if res.tool_calls:
-        msg["tool_calls"] = openai_tool_calls(res.tool_calls)
+        msg.tool_calls = [
+            ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in res.tool_calls
+        ]
     return msg
 
 
@@ -199,7 +219,8 @@ async def _chat_stream(
             if ev.reasoning:
                 yield chunk({"reasoning_content": ev.reasoning}, index=i)
             if want_logprobs and (ev.text or ev.logprobs):
-                yield chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs, ids), index=i)
+                lp = _dumped(_chat_logprobs(ev.logprobs, ids))
+                yield chunk({"content": ev.text}, None, lp, index=i)
             elif ev.text:
                 yield (
                     head + json.dumps(ev.text) + tail
@@ -249,27 +270,24 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         results = await until_disconnect(request, collect_all(gens))
     finally:
         close_all(gens)()
-    return JSONResponse(
-        {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": gen.model,
-            "choices": [
-                {
-                    "index": i,
-                    "text": res.text,
-                    "logprobs": _completion_logprobs(
-                        res.logprobs, ids=body.return_tokens_as_token_ids
-                    )
+    return json_body(
+        Completion(
+            id=cid,
+            created=created,
+            model=gen.model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=res.text,
+                    logprobs=_completion_logprobs(res.logprobs, ids=body.return_tokens_as_token_ids)
                     if gen.params.logprobs
                     else None,
-                    "finish_reason": res.finish_reason,
-                }
+                    finish_reason=res.finish_reason,
+                )
                 for i, res in enumerate(results)
             ],
-            "usage": usage_dict(total_usage(results)),
-        }
+            usage=usage_body(total_usage(results)),
+        )
     )
 
 
@@ -286,7 +304,7 @@ async def _completion_stream(
             if ev.text or ev.logprobs or ev.finish_reason is not None:
                 lp = None
                 if gen.params.logprobs:
-                    lp = _completion_logprobs(ev.logprobs, offsets[i], ids)
+                    lp = _dumped(_completion_logprobs(ev.logprobs, offsets[i], ids))
                 offsets[i] += len(ev.text)
                 choice = {
                     "index": i,
@@ -305,13 +323,13 @@ async def _completion_stream(
     yield sse("[DONE]")
 
 
-def _model_card(rt: Runtime, name: str, loaded: dict[str, LoadedModel]) -> dict[str, Any]:
+def _model_card(rt: Runtime, name: str, loaded: dict[str, LoadedModel]) -> ModelCard:
     lm = loaded.get(name)
     created = int(lm.loaded_at) if lm else 0
     manifest = rt.models.store.manifest(name) if not lm else None
     if manifest and manifest.get("created"):
         created = _parse_ts(manifest["created"])
-    return {"id": name, "object": "model", "created": created, "owned_by": "mlxd"}
+    return ModelCard(id=name, created=created, owned_by="mlxd")
 
 
 def _parse_ts(ts: str) -> int:
@@ -325,12 +343,12 @@ def _parse_ts(ts: str) -> int:
 
 @router.get("/v1/models", responses=ok(ModelList))
 @router.get("/models", **ALIAS)
-async def list_models(request: Request) -> dict[str, Any]:
+async def list_models(request: Request) -> Response:
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     names = list(loaded)
     names += [m["name"] for m in rt.models.installed() if m["name"] not in names]
-    return {"object": "list", "data": [_model_card(rt, n, loaded) for n in names]}
+    return json_body(ModelList(data=[_model_card(rt, n, loaded) for n in names]))
 
 
 @router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
@@ -340,10 +358,10 @@ async def get_model(
     model_id: Annotated[
         str, Path(description="A model name as /v1/models lists it; may contain '/' (org/name).")
     ],
-) -> dict[str, Any]:
+) -> Response:
     rt = runtime(request)
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}
     if model_id not in set(loaded) | installed:
         raise ModelNotFound(f"The model '{model_id}' does not exist", param="model")
-    return _model_card(rt, model_id, loaded)
+    return json_body(_model_card(rt, model_id, loaded))

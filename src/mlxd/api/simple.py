@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict
 
 from mlxd import __version__
-from mlxd.api.common import collect, runtime, usage_dict
-from mlxd.api.docs import SSE, GenerateResponse, Health, ok
+from mlxd.api.bodies import GenerateResponse, Health, json_body
+from mlxd.api.common import collect, runtime, usage_body, usage_dict
+from mlxd.api.docs import SSE, ok
 from mlxd.api.errors import error_payload
 from mlxd.api.routing import ApiRoute
 from mlxd.api.schemas import GenerateBody
@@ -58,7 +59,7 @@ async def _has_chat_template(request: Request, model: str) -> bool:
         GenerateResponse, (SSE, '{"text"} events, the last with finish_reason, then [DONE]')
     ),
 )
-async def generate(body: GenerateBody, request: Request) -> Response | dict[str, Any]:
+async def generate(body: GenerateBody, request: Request) -> Response:
     # the model's files are read only when the request leaves the choice to the model
     decided = body.raw or body.chat is not None
     chat = body.templated(decided or await _has_chat_template(request, body.model))
@@ -75,12 +76,14 @@ async def generate(body: GenerateBody, request: Request) -> Response | dict[str,
     if body.stream:
         return sse_response(_stream(gen), gen.close)
     res = await until_disconnect(request, collect(gen))
-    return {
-        "text": res.text,
-        "model": gen.model,
-        "finish_reason": res.finish_reason,
-        "usage": usage_dict(res.usage),
-    }
+    return json_body(
+        GenerateResponse(
+            text=res.text,
+            model=gen.model,
+            finish_reason=res.finish_reason,
+            usage=usage_body(res.usage),
+        )
+    )
 
 
 async def _stream(gen: Generation) -> AsyncIterator[str]:
