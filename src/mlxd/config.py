@@ -398,6 +398,16 @@ class DistributedSettings(_Section):
     )
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+EFFORT_BUDGETS: dict[ReasoningEffort, int | None] = {
+    "none": 0,
+    "minimal": 256,
+    "low": 1024,
+    "medium": 8192,
+    "high": None,
+}
+
+
 class EngineSettings(_Section):
     devices: str | None = Field(
         None,
@@ -622,6 +632,21 @@ class EngineSettings(_Section):
             "for a while (plain decoding), then tries again."
         ),
     )
+    reasoning_effort_budgets: dict[ReasoningEffort, Annotated[int, Field(ge=0)] | None] = Field(
+        default_factory=lambda: dict(EFFORT_BUDGETS),
+        description=(
+            "The reasoning budget (tokens) a thinking model gets for each reasoning effort a "
+            "request names (OpenAI reasoning_effort / reasoning.effort, Ollama think levels); "
+            "null: unbounded. 'none' also turns thinking off in templates that can "
+            "(enable_thinking). A request's own thinking_token_budget wins. Efforts left "
+            "out keep their defaults."
+        ),
+    )
+
+    @field_validator("reasoning_effort_budgets")
+    @classmethod
+    def _efforts(cls, v: dict[ReasoningEffort, int | None]) -> dict[ReasoningEffort, int | None]:
+        return {**EFFORT_BUDGETS, **v}
 
     @field_validator("kv_bits")
     @classmethod

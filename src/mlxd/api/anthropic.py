@@ -58,6 +58,7 @@ def _request(
     choice, parallel = body.choice(tools)
     apply_tools(req, tools, choice, parallel)
     req.template_kwargs = body.template_kwargs()
+    req.thinking_budget = body.thinking_budget()
     req.constraint = openai_response_format(
         (body.output_config or {}).get("format"), param="output_config.format"
     )

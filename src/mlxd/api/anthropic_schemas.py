@@ -158,6 +158,28 @@ class MessagesBase(_Req):
             return None
         return {"enable_thinking": self.thinking.get("type") == "enabled"}
 
+    def thinking_budget(self) -> int | None:
+        """``thinking.budget_tokens`` when thinking is enabled; 0 when it is disabled (a
+        template that opens a thinking part anyway gets it closed at once)."""
+        if not self.thinking:
+            return None
+        kind = self.thinking.get("type")
+        if kind == "disabled":
+            return 0
+        if kind != "enabled":
+            raise InvalidRequest(
+                "thinking.type must be 'enabled' or 'disabled'", param="thinking.type"
+            )
+        n = self.thinking.get("budget_tokens")
+        if n is None:
+            return None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidRequest(
+                "thinking.budget_tokens must be a whole number >= 0",
+                param="thinking.budget_tokens",
+            )
+        return n
+
 
 class MessagesRequest(MessagesBase):
     max_tokens: MaxTokens

@@ -58,11 +58,18 @@ class PromptTokensDetails(Body):
     cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
 
 
+class CompletionTokensDetails(Body):
+    reasoning_tokens: int = Field(description="Completion tokens of the reasoning part.")
+
+
 class Usage(Body):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="A thinking model's reasoning tokens."
+    )
 
 
 class FunctionCall(Body):

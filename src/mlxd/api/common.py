@@ -70,6 +70,9 @@ def usage_body(u: Usage) -> bodies.Usage:
         completion_tokens=u.completion_tokens,
         total_tokens=u.total_tokens,
         prompt_tokens_details=bodies.PromptTokensDetails(cached_tokens=u.cached_tokens),
+        completion_tokens_details=None
+        if u.reasoning_tokens is None
+        else bodies.CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens),
     )
 
 
@@ -165,4 +168,7 @@ def total_usage(results: list[Collected]) -> Usage:
         prompt_tokens=first.prompt_tokens,
         cached_tokens=first.cached_tokens,
         completion_tokens=sum(r.usage.completion_tokens for r in results),
+        reasoning_tokens=None
+        if first.reasoning_tokens is None
+        else sum(r.usage.reasoning_tokens or 0 for r in results),
     )

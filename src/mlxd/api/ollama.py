@@ -21,6 +21,7 @@ from mlxd import __version__
 from mlxd.api.bodies import OllamaChat, OllamaGenerate, json_body
 from mlxd.api.common import runtime
 from mlxd.api.docs import NDJSON, ok, streamed
+from mlxd.api.reasoning import apply_reasoning
 from mlxd.api.routing import ApiRoute
 from mlxd.api.streaming import DisconnectAwareStream, until_disconnect
 from mlxd.api.tooling import (
@@ -154,7 +155,9 @@ class ChatMessage(_Body):
 class ChatBody(_GenBase):
     messages: list[ChatMessage] = Field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
-    think: bool | None = None
+    think: bool | Literal["low", "medium", "high"] | None = Field(
+        None, description="Thinking on or off, or a level (engine.reasoning_effort_budgets)."
+    )
 
 
 class ModelBody(_Body):
@@ -303,8 +306,11 @@ async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
     req.constraint = body.constraint()
     tools = openai_tools(body.tools)
     apply_tools(req, tools, ("auto", None), None)
-    if body.think is not None:
+    if isinstance(body.think, bool):
         req.template_kwargs = {"enable_thinking": body.think}
+    elif body.think is not None:
+        req.template_kwargs = {"enable_thinking": True}
+        apply_reasoning(req, runtime(request).settings, effort=body.think)
     gen = await until_disconnect(request, runtime(request).submit(req))
 
     def part(text: str, thinking: str = "", calls: list | None = None) -> dict:

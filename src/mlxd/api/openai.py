@@ -41,6 +41,7 @@ from mlxd.api.common import (
 )
 from mlxd.api.docs import SSE, ok
 from mlxd.api.errors import error_payload
+from mlxd.api.reasoning import apply_reasoning
 from mlxd.api.routing import ApiRoute, RouteOptions
 from mlxd.api.schemas import ChatCompletionRequest, CompletionRequest
 from mlxd.api.streaming import sse, sse_response, until_disconnect
@@ -138,6 +139,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         cache_salt=body.cache_salt,
     )
     _chat_extras(req, body)
+    apply_reasoning(
+        req, runtime(request).settings, body.thinking_token_budget, body.reasoning_effort
+    )
     gens = await submit_n(request, req, body.n)
     gen = gens[0]
     cid, created = new_id("chatcmpl"), now()

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from mlxd.api.common import Collected, collect, submit_n
+from mlxd.api.common import Collected, collect, runtime, submit_n
 from mlxd.api.docs import SSE, streamed
 from mlxd.api.owner import Principal, principal
 from mlxd.api.routing import ApiRoute, RouteOptions
@@ -41,6 +41,7 @@ from mlxd.api.tooling import (
     openai_tool_choice,
 )
 from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.config import EFFORT_BUDGETS
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
@@ -350,7 +351,14 @@ class _Turn:
         self.req.constraint = openai_response_format(fmt, param="text.format")
         effort = (body.reasoning or {}).get("effort")
         if effort is not None:
+            if effort not in EFFORT_BUDGETS:
+                raise InvalidRequest(
+                    f"reasoning.effort must be one of {', '.join(EFFORT_BUDGETS)}",
+                    param="reasoning.effort",
+                )
             self.req.template_kwargs = {"enable_thinking": effort not in ("none", "minimal")}
+            budgets = runtime(request).settings.engine.reasoning_effort_budgets
+            self.req.thinking_budget = budgets.get(effort)
 
     def response(
         self,

@@ -23,6 +23,7 @@ from mlxd.api.wire import (
     WireModel,
     is_token_ids,
 )
+from mlxd.config import ReasoningEffort
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import AudioInput, ImageInput, SamplingParams
 
@@ -175,6 +176,15 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: extra chat-template variables (enable_thinking...)."
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="A thinking model's reasoning budget (engine.reasoning_effort_budgets)."
+    )
+    thinking_token_budget: int | None = Field(
+        None,
+        ge=0,
+        description="vLLM's: reasoning tokens before the thinking part is closed (wins over "
+        "reasoning_effort).",
     )
 
     def to_sampling(self) -> SamplingParams:

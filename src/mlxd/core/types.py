@@ -50,6 +50,18 @@ ToolChoice = Literal["auto", "none", "required", "function"]
 
 
 @dataclass(frozen=True)
+class ThinkSpec:
+    """A thinking model's reasoning markers for one request (text/thinking.py): the
+    tokenizer's think-start and think-end ids, whether the prompt already opened the part,
+    and the request's reasoning budget in tokens (None: unbounded)."""
+
+    start: list[int]
+    end: list[int]
+    open: bool = False
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class GrammarSpec:
     """What a request's grammar is made of, as a front end sends it to the engine core,
     which compiles it (llguidance lives only there: text/processor.py's
@@ -119,6 +131,7 @@ class GenerateRequest:
     images: list[ImageInput] | None = None  # only vision models accept them
     audio: list[AudioInput] | None = None  # only vision models with an audio tower
     cache_salt: str | None = None  # vLLM's: only requests with equal salts share cached KV
+    thinking_budget: int | None = None  # reasoning tokens before the part is closed
 
 
 @dataclass
@@ -141,6 +154,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (no prefill)
+    reasoning_tokens: int | None = None  # of completion_tokens; None: not a thinking model
 
     @property
     def total_tokens(self) -> int:

@@ -343,6 +343,7 @@ class EngineCore:
                 params,
                 grammar=grammar,
                 arm_after=tuple(m.arm_after) if m.arm_after else None,
+                think=m.think,
             )
             seq.cache_salt = m.cache_salt
         except BaseException as exc:

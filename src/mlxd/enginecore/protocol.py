@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 
-from mlxd.core.types import GrammarSpec
+from mlxd.core.types import GrammarSpec, ThinkSpec
 
 
 def core_address(run_dir: str | Path) -> str:
@@ -99,6 +99,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     vision: VisionInput | None = None
     tools: bool = False  # only for errors' wording in the vision adapter
     cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
+    think: ThinkSpec | None = None  # a thinking model's markers and the reasoning budget
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from mlxd.core.types import SamplingParams
+from mlxd.core.types import SamplingParams, ThinkSpec
 
 
 @runtime_checkable
@@ -59,6 +59,7 @@ class Sequence:
     params: SamplingParams
     grammar: Any = None  # an llguidance matcher (text models)
     arm_after: tuple[int, ...] | None = None
+    think: ThinkSpec | None = None  # a thinking model's markers and the request's budget
     handle: Any = None
     uid: int = -1
     generated: int = 0
@@ -115,9 +116,14 @@ class DecodeEngine(abc.ABC):
         *,
         grammar: Any = None,
         arm_after: tuple[int, ...] | None = None,
+        think: ThinkSpec | None = None,
     ) -> Sequence:
         return Sequence(
-            prompt_tokens=prompt_tokens, params=params, grammar=grammar, arm_after=arm_after
+            prompt_tokens=prompt_tokens,
+            params=params,
+            grammar=grammar,
+            arm_after=arm_after,
+            think=think,
         )
 
     @abc.abstractmethod

@@ -45,6 +45,7 @@ from mlxd.engines.sampling import build_logits_processors, build_sampler, sampli
 from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
+from mlxd.engines.think_budget import ThinkBudgetProcessor
 from mlxd.observability import metrics
 from mlxd.text.processor import TextProcessor
 
@@ -492,6 +493,9 @@ class LLMEngine(DecodeEngine):
         if seq.grammar is not None:
             # last, so that nothing after it can lift the grammar's mask
             processors.append(GrammarProcessor(seq.grammar, self.eos_token_ids, seq.arm_after))
+        if seq.think is not None and seq.think.budget is not None:
+            # after the grammar: a reasoning part at its budget closes whatever else allows
+            processors.append(ThinkBudgetProcessor(seq.think))
         return [GuardedProcessors(seq, processors, self.eos_token_ids)] if processors else []
 
     def stats(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten
 
 from mlxd.core.errors import InvalidRequest, MlxdError, ModelLoadError
 from mlxd.core.render import check_template_kwargs
-from mlxd.core.types import SamplingParams
+from mlxd.core.types import SamplingParams, ThinkSpec
 from mlxd.engines.backend import apply_dtype
 from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
 from mlxd.engines.options import VisionEngineOptions
@@ -369,6 +369,7 @@ class VisionEngine(DecodeEngine):
         *,
         grammar: Any = None,
         arm_after: tuple[int, ...] | None = None,
+        think: ThinkSpec | None = None,  # vision prompts carry no reasoning plan
     ) -> VisionSequence:
         if not isinstance(prompt_tokens, VisionPrompt):
             prompt_tokens = VisionPrompt(list(prompt_tokens))

@@ -18,6 +18,7 @@ from mlxd.core.types import FinishReason, TokenEvent, TokenLogprob, TopLogprob, 
 from mlxd.enginecore import protocol as p
 from mlxd.observability.metrics import GenerationObserver
 from mlxd.text.stops import StopMatcher
+from mlxd.text.thinking import ThinkTracker
 
 # OpenAI's and vLLM's stand-in for a log-probability of -inf: JSON has no infinities.
 LOGPROB_FLOOR = -9999.0
@@ -54,6 +55,8 @@ class Generation:
         self._released = False
         self._done = False
         self._generated = 0
+        think = plan.think if plan is not None else None
+        self._think = ThinkTracker(think) if think is not None else None  # reasoning tokens
         self._detok = processor.detokenizer
         self._stops = StopMatcher(params.stop)
         now = time.perf_counter()
@@ -141,6 +144,8 @@ class Generation:
                 detok.finalize()
             else:
                 detok.add_token(tok)
+                if self._think is not None:
+                    self._think.observe(tok)
                 if last and finish == "length":
                     detok.finalize()
         if not out.token_ids and finish is not None:
@@ -175,6 +180,7 @@ class Generation:
                 prompt_tokens=len(self.prompt_tokens),
                 completion_tokens=self._generated,
                 cached_tokens=out.cached_tokens,
+                reasoning_tokens=self._think.reasoning_tokens if self._think else None,
             )
         return event
 

@@ -357,6 +357,7 @@ class Runtime:
             sampling=p.sampling_to_wire(params),
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
+            think=plan.think if plan is not None else None,
             vision=vision,
             cache_salt=self._cache_salt(req),
         )

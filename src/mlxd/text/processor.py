@@ -17,7 +17,7 @@ from typing import Any
 
 from mlxd.core.errors import InvalidRequest, ModelLoadError
 from mlxd.core.render import check_template_kwargs
-from mlxd.core.types import GenerateRequest, GrammarSpec
+from mlxd.core.types import GenerateRequest, GrammarSpec, ThinkSpec
 from mlxd.text.structured import JSON_OPTIONS, GrammarCompiler, tool_call_grammar
 from mlxd.text.tool_calls import (
     OutputSplitter,
@@ -35,6 +35,7 @@ class SeqPlan:
     splitter: OutputSplitter | None = None  # answer / reasoning / tool calls (front end)
     grammar: GrammarSpec | None = None  # compiled by the engine core (matcher)
     arm_after: tuple[int, ...] | None = None  # grammar waits for these tokens (think end)
+    think: ThinkSpec | None = None  # a thinking model's markers and the reasoning budget
 
 
 def load_tokenizer(
@@ -255,9 +256,17 @@ class TextProcessor:
                 parallel=req.parallel_tool_calls,
             )
         arm = tuple(tok.think_end_tokens) if spec is not None and reasoning else None
+        thinks = None
+        if think is not None:
+            thinks = ThinkSpec(
+                start=list(tok.think_start_tokens),
+                end=list(tok.think_end_tokens),
+                open=reasoning,
+                budget=req.thinking_budget,
+            )
         if splitter is None and spec is None:
             return None
-        return SeqPlan(splitter=splitter, grammar=spec, arm_after=arm)
+        return SeqPlan(splitter=splitter, grammar=spec, arm_after=arm, think=thinks)
 
     def matcher(self, spec: GrammarSpec) -> Any:
         """The engine core's side of :meth:`prepare`: the request's grammar compiled into a
