@@ -3,43 +3,14 @@ models.options.<name>.adapter_path on others, loaded through mlx-lm's own adapte
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
-import mlx.core as mx
-import numpy as np
 import pytest
 from conftest import make_settings
-from mlx.utils import tree_flatten
+from fixtures.lora import make_lora_adapter
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "temperature": 0}
-
-
-def make_lora_adapter(model_dir: Path, out: Path, *, rank: int = 4, seed: int = 0) -> Path:
-    """An adapter as mlx-lm's trainer saves one (adapter_config.json + adapters.safetensors),
-    with non-zero random ``lora_b`` so the adapted model really answers differently."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-    from mlx_lm.utils import load
-
-    model, _ = load(str(model_dir))
-    params = {"rank": rank, "scale": 20.0, "dropout": 0.0}
-    num_layers = len(model.layers)
-    model.freeze()  # as mlx-lm's trainer does: only the LoRA matrices are trainable
-    linear_to_lora_layers(model, num_layers, params)
-    rng = np.random.default_rng(seed)
-    weights = {
-        k: mx.array(rng.normal(size=v.shape).astype(np.float32) * 0.5)
-        if k.endswith("lora_b")
-        else v
-        for k, v in tree_flatten(model.trainable_parameters())
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
-    (out / "adapter_config.json").write_text(
-        json.dumps({"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params})
-    )
-    return out
 
 
 @pytest.fixture(scope="module")

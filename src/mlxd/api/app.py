@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import audio, encoders, metrics, ollama, ollama_embed, openai, simple
+from mlxd.api import audio, encoders, lora, metrics, ollama, ollama_embed, openai, simple
 from mlxd.api.anthropic import router as anthropic_router
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
@@ -55,6 +55,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(ollama_embed.router)  # /api/embed, /api/embeddings
     app.include_router(audio.uploads)  # /v1/audio/transcriptions, /v1/audio/translations
     app.include_router(audio.router)  # /v1/audio/speech
+    app.include_router(lora.router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.include_router(metrics.router)
     if settings.server.ui:
         from mlxd.api.ui import install_ui

@@ -149,6 +149,8 @@ class ModelCard(Body):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str | None = Field(None, description="A LoRA adapter's directory.")
+    parent: str | None = Field(None, description="A LoRA adapter's base model.")
 
 
 class ModelList(Body):

@@ -55,6 +55,7 @@ from mlxd.api.tooling import (
 from mlxd.core.errors import MlxdError, ModelNotFound
 from mlxd.core.render import check_template_kwargs
 from mlxd.core.types import GenerateRequest, TokenLogprob, TopLogprob
+from mlxd.frontend.adapters import AdapterEntry
 from mlxd.frontend.generation import Generation
 from mlxd.frontend.models import LoadedModel
 from mlxd.frontend.runtime import Runtime
@@ -352,7 +353,14 @@ async def list_models(request: Request) -> Response:
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     names = list(loaded)
     names += [m["name"] for m in rt.models.installed() if m["name"] not in names]
-    return json_body(ModelList(data=[_model_card(rt, n, loaded) for n in names]))
+    cards = [_model_card(rt, n, loaded) for n in names]
+    cards += [_adapter_card(a) for a in rt.adapters.all()]
+    return json_body(ModelList(data=cards))
+
+
+def _adapter_card(a: AdapterEntry) -> ModelCard:
+    """A LoRA adapter as vLLM lists one: ``root`` its directory, ``parent`` its base."""
+    return ModelCard(id=a.name, created=a.created, owned_by="mlxd", root=a.path, parent=a.base)
 
 
 @router.get("/v1/models/{model_id:path}", responses=ok(ModelCard))
@@ -364,6 +372,9 @@ async def get_model(
     ],
 ) -> Response:
     rt = runtime(request)
+    adapter = rt.adapters.resolve(model_id)
+    if adapter is not None and adapter.name == model_id:
+        return json_body(_adapter_card(adapter))
     loaded = {lm.name: lm for lm in await rt.models.loaded()}
     installed = {m["name"] for m in rt.models.installed()}
     if model_id not in set(loaded) | installed:

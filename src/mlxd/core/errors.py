@@ -142,3 +142,11 @@ class PayloadTooLarge(MlxdError):
     status = 413
     code = "request_too_large"
     type = "invalid_request_error"
+
+
+class Forbidden(MlxdError):
+    """A valid key that may not do this (an admin key's route)."""
+
+    status = 403
+    code = "forbidden"
+    type = "permission_error"

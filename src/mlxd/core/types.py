@@ -132,6 +132,7 @@ class GenerateRequest:
     audio: list[AudioInput] | None = None  # only vision models with an audio tower
     cache_salt: str | None = None  # vLLM's: only requests with equal salts share cached KV
     thinking_budget: int | None = None  # reasoning tokens before the part is closed
+    adapter: tuple[str, str] | None = None  # a LoRA adapter's name and directory
 
 
 @dataclass

@@ -7,6 +7,7 @@ request's type to it. Errors travel back as :class:`~.protocol.WireError`.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mlxd.core.devices import DEVICE_ENV
-from mlxd.core.errors import ModelNotFound
+from mlxd.core.errors import InvalidRequest, ModelNotFound
 from mlxd.core.types import EmbedRequest, RerankRequest
 from mlxd.enginecore import group
 from mlxd.enginecore import protocol as p
@@ -93,6 +94,30 @@ async def touch(core: Any, req: p.Touch) -> p.ModelInfo:
 async def unload(core: Any, req: p.Unload) -> p.Unloaded:
     result = await core.models.unload(req.model)
     return p.Unloaded(result["unloaded"], result["deferred"], memory())
+
+
+async def load_lora(core: Any, req: p.LoadLora) -> p.Done:
+    entry = await core.models.touch(req.model, None)
+    engine = entry.engine
+    if not hasattr(engine, "load_adapter"):
+        raise InvalidRequest(
+            f"model '{entry.name}' takes no LoRA adapters per request (a {engine.kind} model)",
+            param="base_model",
+        )
+    await asyncio.wrap_future(
+        core.models.worker.call(lambda: engine.load_adapter(req.name, req.path))
+    )
+    return p.Done()
+
+
+async def unload_lora(core: Any, req: p.UnloadLora) -> p.Done:
+    for entry in core.models.loaded():
+        engine = entry.engine
+        if hasattr(engine, "unload_adapter"):
+            await asyncio.wrap_future(
+                core.models.worker.call(lambda e=engine: e.unload_adapter(req.name))
+            )
+    return p.Done()
 
 
 async def loaded(core: Any, req: p.Loaded) -> p.LoadedModels:
@@ -343,6 +368,8 @@ def _patch_step(engine: Any, kind: str, seconds: float, message: str) -> None:
 
 # Each call's handler, by its request's type (every member of protocol.CallRequest).
 HANDLERS: dict[type[p.Request], Callable[[Any, Any], Awaitable[p.CallResult]]] = {
+    p.LoadLora: load_lora,
+    p.UnloadLora: unload_lora,
     p.Touch: touch,
     p.Unload: unload,
     p.Loaded: loaded,

@@ -346,6 +346,14 @@ class EngineCore:
                 think=m.think,
             )
             seq.cache_salt = m.cache_salt
+            if m.adapter:
+                if engine.kind != "chat":
+                    raise InvalidRequest(
+                        f"model '{engine.name}' takes no LoRA adapters per request (a "
+                        f"{engine.kind} model)",
+                        param="model",
+                    )
+                seq.adapter = (m.adapter[0], m.adapter[1])
         except BaseException as exc:
             self._inflight -= 1
             if lease is not None:

@@ -100,6 +100,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     tools: bool = False  # only for errors' wording in the vision adapter
     cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
     think: ThinkSpec | None = None  # a thinking model's markers and the reasoning budget
+    adapter: list[str] | None = None  # a LoRA adapter's [name, directory] (engines/lora.py)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -454,9 +455,26 @@ class Fault(Request[Faulted], tag="fault"):
     value: bool = True
 
 
+class LoadLora(Request[Done], tag="lora_load"):
+    """Load (or reload) LoRA adapter ``name`` from ``path`` onto ``model`` now, so that an
+    adapter that does not fit the model is a 400 when it is registered."""
+
+    model: str
+    name: str
+    path: str
+
+
+class UnloadLora(Request[Done], tag="lora_unload"):
+    """Drop LoRA adapter ``name`` from every loaded model (a 400 while requests use it)."""
+
+    name: str
+
+
 # tagged unions: the first element of a call's array names its struct
 CallRequest = (
-    Touch
+    LoadLora
+    | UnloadLora
+    | Touch
     | Unload
     | Loaded
     | Forget

@@ -60,6 +60,7 @@ class Sequence:
     grammar: Any = None  # an llguidance matcher (text models)
     arm_after: tuple[int, ...] | None = None
     think: ThinkSpec | None = None  # a thinking model's markers and the request's budget
+    adapter: tuple[str, str] | None = None  # a LoRA adapter's name and directory
     handle: Any = None
     uid: int = -1
     generated: int = 0

@@ -37,6 +37,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.grammar_mask import GrammarProcessor
+from mlxd.engines.lora import RowAdapters, read_adapter
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
@@ -138,6 +139,7 @@ class LLMEngine(DecodeEngine):
             self._warm_phases: Iterator[list[Sequence]] | None = None
             self._warm_live: list[Sequence] = []
             self.speculator: Speculator | None = None
+            self.adapters: RowAdapters | None = None  # LoRA adapters per request
             self.speculative_off_reason: str | None = None
             if o.speculative != "off" and sharded:
                 # the followers replay plain batch steps only (engines/tensor_parallel.py)
@@ -334,6 +336,8 @@ class LLMEngine(DecodeEngine):
         newcomer whose prefix the disk tier holds (longer than what memory holds) waits for
         its read first."""
         seq.t_added = time.monotonic()
+        if seq.adapter is not None:
+            self.load_adapter(*seq.adapter, replace=False)
         disk = self.disk
         if disk is not None and len(seq.prompt_tokens) > disk.min_tokens:
             in_memory = self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt)
@@ -465,6 +469,8 @@ class LLMEngine(DecodeEngine):
             seq.uid = uid
             seq.t_scheduled = now
             self._seqs[uid] = seq
+            if seq.adapter is not None and self.adapters is not None:
+                self.adapters.admit(uid, seq.adapter[0])
             if self.speculator is not None:
                 self._register_speculation(seq, bool(processors))
         return failed
@@ -502,6 +508,11 @@ class LLMEngine(DecodeEngine):
         prefix: dict[str, Any] = self.prefix_cache.stats()
         prefix["disk"] = self.disk.stats() if self.disk is not None else None
         out: dict[str, Any] = {"prefix_cache": prefix}
+        if self.adapters is not None:
+            out["lora_adapters"] = [
+                {"name": a.name, "path": str(a.path), "rank": a.rank, "bytes": a.nbytes}
+                for a in self.adapters.adapters.values()
+            ]
         step_stats = getattr(self._gen, "step_stats", None)
         if step_stats is not None:
             out["step_budget"] = step_stats.as_dict()
@@ -514,6 +525,32 @@ class LLMEngine(DecodeEngine):
     def _forget(self, uid: int) -> None:
         if self.speculator is not None:
             self.speculator.forget(uid)
+        if self.adapters is not None:
+            self.adapters.release(uid)
+
+    # -- LoRA adapters per request (engines/lora.py) ---------------------------------------
+    def load_adapter(self, name: str, path: str, replace: bool = True) -> None:
+        """Load adapter ``name`` from ``path`` (kept when already loaded from there and
+        ``replace`` is false); a 400 when it is unusable or in use."""
+        if self.adapters is None:
+            self.adapters = RowAdapters(self.model, self._adapter_busy)
+        have = self.adapters.adapters.get(name)
+        if have is not None and not replace and have.path == Path(path).expanduser():
+            return
+        self.adapters.load(read_adapter(name, Path(path)))
+
+    def unload_adapter(self, name: str) -> bool:
+        """Drop adapter ``name``; False when it was not loaded; a 400 while in use."""
+        if self.adapters is None or name not in self.adapters.adapters:
+            return False
+        self.adapters.unload(name)
+        return True
+
+    def _adapter_busy(self, name: str) -> bool:
+        return any(
+            s.adapter is not None and s.adapter[0] == name and not s.finished
+            for s in self._sequences()
+        )
 
     def _report_speculation(self) -> None:
         """Metrics: the speculation counters' growth since the last report."""
@@ -535,7 +572,10 @@ class LLMEngine(DecodeEngine):
             kv = int(self._gen.prompt_cache_nbytes) if self._gen is not None else 0
         except Exception:  # noqa: BLE001 - the batch changed under the reading: next time
             pass
-        return {"kv_cache": kv, "prefix_cache": self.prefix_cache.nbytes}
+        out = {"kv_cache": kv, "prefix_cache": self.prefix_cache.nbytes}
+        if self.adapters is not None:
+            out["lora_adapters"] = self.adapters.nbytes
+        return out
 
     def shrink(self) -> int:
         """Give back what can go without failing anyone: the prefix cache (device thread)."""

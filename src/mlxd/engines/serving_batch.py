@@ -56,6 +56,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
+from mlxd.engines.lora import set_rows
 from mlxd.engines.prompt_end import last_logits
 
 CACHE_KEEP_BYTES = 1 << 30
@@ -124,6 +125,7 @@ class ServingPromptBatch(PromptProcessingBatch):
             return None
         for held, new in zip(self.tokens, tokens, strict=True):
             held += new  # what the KV cache will hold, as mlx-lm keeps it
+        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
         lengths = [len(t) for t in tokens]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
@@ -200,6 +202,10 @@ class ServingGenerationBatch(GenerationBatch):
         elif finished_now:
             self._quiet(finished_now)
         return responses
+
+    def _step(self) -> Any:
+        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
+        return super()._step()
 
     def _quiet(self, rows: list[int]) -> None:
         """Rows just finished and held: they run no logits processors (a grammar past its

@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxd.engines.lora import set_rows
 from mlxd.engines.serving_batch import ServingBatchGenerator
 from mlxd.engines.speculative import Speculator, verify_greedy, verify_sampled
 
@@ -61,6 +62,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     speculator: Speculator | None = None
     fed_tokens = 0  # tokens the last step fed the model, for the serving batch's budget
+
+    def _step(self) -> Any:
+        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
+        return super()._step()
 
     def next(self) -> list[GenerationBatch.Response]:
         spec = self.speculator
@@ -123,6 +128,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._current_tokens = self._next_tokens
         self._current_logprobs = self._next_logprobs
 
+        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
         logits = self.model(inputs, cache=self.prompt_cache)  # [n, k+1, V]
         token_context = []
         if any(self.logits_processors):

@@ -49,6 +49,7 @@ from mlxd.core.types import (
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.supervisor import supervisors_for
 from mlxd.frontend import health, prompts
+from mlxd.frontend.adapters import AdapterEntry, AdapterRegistry
 from mlxd.frontend.catalog import ModelCatalogOps
 from mlxd.frontend.client import CoreClient
 from mlxd.frontend.cores import CorePool
@@ -78,6 +79,7 @@ class Runtime:
         # with --api-workers N: their supervisor's shared counts (workers.py)
         self.front_ends = front_ends
         self.catalog = ModelCatalog.from_settings(settings)
+        self.adapters = AdapterRegistry(settings.models_dir)
         # this process supervises the cores, or (core_dirs given) another process does
         self.supervisors = supervisors_for(settings) if core_dirs is None else []
         e = settings.engine
@@ -311,6 +313,10 @@ class Runtime:
         output. The returned Generation must be iterated or closed (that frees its slot)."""
         self.check_serving()
         prompts.check_limits(self.settings, req)
+        adapter = self.adapters.resolve(req.model)
+        if adapter is not None:  # the base model decodes it, with the adapter on its rows
+            req.model = adapter.base
+            req.adapter = (adapter.name, adapter.path)
         name = self.catalog.resolve(req.model)
         note(model=name)
         if req.images or req.audio:
@@ -358,6 +364,7 @@ class Runtime:
             grammar=plan.grammar if plan is not None else None,
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
             think=plan.think if plan is not None else None,
+            adapter=list(req.adapter) if req.adapter else None,
             vision=vision,
             cache_salt=self._cache_salt(req),
         )
@@ -378,7 +385,21 @@ class Runtime:
         if self.settings.security.prefix_cache_isolation == "per_key":
             principal = (current() or {}).get("principal")
             owner = getattr(principal, "owner", None) or ""
-        return cache_salt(owner, req.cache_salt)
+        salt = cache_salt(owner, req.cache_salt)
+        if req.adapter is not None:  # KV computed with an adapter is that adapter's alone
+            salt = f"{salt or ''}\x1flora:{req.adapter[0]}"
+        return salt
+
+    async def load_adapter(self, entry: AdapterEntry) -> None:
+        """Load a LoRA adapter onto its base model in every core (a 400 when it does not
+        fit), then register it for every front end (frontend/adapters.py)."""
+        await self.cores.values_all(p.LoadLora(entry.base, entry.name, entry.path))
+        self.adapters.add(entry)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Drop a LoRA adapter from every core (a 400 while requests use it), then forget it."""
+        await self.cores.values_all(p.UnloadLora(name))
+        self.adapters.remove(name)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         gen = await self.submit(req)
