@@ -345,6 +345,7 @@ class EngineCore:
                 arm_after=tuple(m.arm_after) if m.arm_after else None,
             )
             seq.cache_salt = m.cache_salt
+            seq.priority, seq.tenant, seq.weight = m.priority, m.tenant, m.weight
         except BaseException as exc:
             self._inflight -= 1
             if lease is not None:

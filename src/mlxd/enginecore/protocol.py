@@ -99,6 +99,9 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     vision: VisionInput | None = None
     tools: bool = False  # only for errors' wording in the vision adapter
     cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
+    priority: int = 0  # lower runs first (core/types.py DEFAULT_PRIORITY)
+    tenant: str = ""  # who shares the engine fairly with whom: the API key's owner id
+    weight: float = 1.0  # the tenant's share among tenants waiting at one priority
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
