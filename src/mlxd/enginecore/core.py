@@ -81,7 +81,8 @@ class FrontendChannel:
                 so.error = p.error_to_wire(ev.error)
                 so.finish_reason = "error"
             if so.finish_reason is not None:
-                so.cached_tokens = seq.cached_tokens
+                first = getattr(seq, "cached_first", None)  # a preempted row's first hit
+                so.cached_tokens = seq.cached_tokens if first is None else first
                 finished.append(rid)
             outs.append(so)
         core = self.core

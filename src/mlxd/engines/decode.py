@@ -71,6 +71,7 @@ class Sequence:
     arrival: int = 0  # admission order (engines/scheduler.py); kept across a preemption
     output: list[int] = field(default_factory=list)  # the tokens emitted so far
     folded: int = 0  # of ``output``, how many a preemption moved into ``prompt_tokens``
+    cached_first: int | None = None  # a resumed row: its first admission's cached_tokens
     t_added: float = 0.0
     t_scheduled: float = 0.0  # when it joined the batch (monotonic)
     error: Exception | None = None  # its own processors failed: it ends alone, with this

@@ -501,6 +501,8 @@ class LLMEngine(DecodeEngine):
             if cache and tokens is not None:
                 # reused: the row comes back for it, also into a full cache
                 self.prefix_cache.insert(list(tokens), cache, reused=True, salt=seq.cache_salt)
+        if seq.cached_first is None:  # usage reports the client's prompt, not the resumption's
+            seq.cached_first = seq.cached_tokens
         seq.prompt_tokens = [*seq.prompt_tokens, *seq.output[seq.folded :]]
         seq.folded = len(seq.output)
         seq.uid = -1
