@@ -42,6 +42,7 @@ class Streams:
         self.srv, self.key = srv, key
         self.started: list[str] = []
         self.texts: dict[str, str] = {}
+        self.usage: dict[str, dict] = {}
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self.threads: list[threading.Thread] = []
@@ -70,6 +71,10 @@ class Streams:
                     if not line.startswith("data: {"):
                         continue
                     chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        self.usage[tag] = chunk["usage"]
+                    if not chunk["choices"]:
+                        continue
                     with self._lock:
                         if tag not in self.started:
                             self.started.append(tag)
@@ -148,7 +153,13 @@ def test_a_preempted_stream_completes_with_its_own_text(start_server, long_llama
     priority-0 request ends first, and the preempted stream then completes with exactly
     the greedy text it produces alone (it resumed from the prefix cache)."""
     srv = start_server(long_llama, engine={"max_num_seqs": 1})
-    body = _body(long_llama, "a long story", 300, priority=10)
+    body = _body(
+        long_llama,
+        "a long story",
+        300,
+        priority=10,
+        stream_options={"include_usage": True},
+    )
     alone = Streams(srv)
     alone.start("alone", body)
     alone.join()
@@ -166,6 +177,12 @@ def test_a_preempted_stream_completes_with_its_own_text(start_server, long_llama
     assert _queue(srv, "long-llama")["preemptions"] >= 1
     assert low.texts["low"] == alone.texts["alone"]
     assert len(alone.texts["alone"]) > 0
+    # usage counts the client's prompt and output, not the resumption's longer prompt
+    used, once = low.usage["low"], alone.usage["alone"]
+    assert used["prompt_tokens"] == once["prompt_tokens"]
+    assert used["completion_tokens"] == once["completion_tokens"] == 300
+    cached = (used.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert cached <= used["prompt_tokens"]
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'mlxd:preemptions_total{model="long-llama"}' in metrics
 
