@@ -27,6 +27,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from mlxd.core.types import DEFAULT_PRIORITY, PRIORITY_MAX, PRIORITY_MIN
 from mlxd.hostnames import host_pattern, origin_entry
 
 DEFAULT_CHAT_MODEL = "smollm2-135m-instruct"
@@ -939,27 +940,61 @@ class ApiKey(_Section):
         "way. In MLXD_API_KEYS and the key file: the word 'admin' after the key, separated "
         "by whitespace ('name:key admin' or 'key admin').",
     )
+    priority: int = Field(
+        DEFAULT_PRIORITY,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
+        description="The default priority of this key's requests (lower runs first); a "
+        "request may ask for a larger number, a smaller one only with an admin key. In the "
+        "key file: 'priority=N' after the key.",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="This key's share of the engine when keys compete at one priority: "
+        "service is compared divided by the weight. In the key file: 'weight=X'.",
+    )
 
 
 def parse_key_item(item: Any) -> Any:
     """``"name:key"`` or ``"key"`` (from MLXD_API_KEYS or a key file) -> ApiKey fields.
 
-    Either may end in whitespace and the word ``admin`` (``"alice:sk-1 admin"``): an admin
-    key. A key sent as a Bearer token holds no whitespace, so the flag is never confused with
-    a key, also one that holds ':'; any other text after whitespace stays part of the key,
-    as it always was."""
+    Either may end in whitespace-separated attributes: the word ``admin`` (an admin key),
+    ``priority=N`` and ``weight=X`` (``"alice:sk-1 admin priority=5 weight=2"``). A key sent
+    as a Bearer token holds no whitespace, so attributes are never confused with a key, also
+    one that holds ':'; trailing text that is not all attributes stays part of the key, as it
+    always was. A ``priority=``/``weight=`` word with a bad value is a ValueError: such a line
+    is a typo, never a key."""
     if not isinstance(item, str):
         return item
     item = item.strip()
     words = item.split()
-    admin = len(words) == 2 and words[1] == "admin"
-    if admin:
+    extra: dict[str, Any] = {}
+    if len(words) > 1 and all(_key_attribute(w, {}) for w in words[1:]):
+        for w in words[1:]:
+            _key_attribute(w, extra)
         item = words[0]
-    extra = {"admin": True} if admin else {}
     name, sep, key = item.partition(":")
     if sep and key and name and all(c.isalnum() or c in "-_." for c in name):
         return {"name": name, "key": key, **extra}
     return {"key": item, **extra}
+
+
+def _key_attribute(word: str, into: dict[str, Any]) -> bool:
+    """Whether ``word`` is a key attribute (``admin``, ``priority=N``, ``weight=X``); its
+    value goes into ``into``."""
+    if word == "admin":
+        into["admin"] = True
+        return True
+    attr, sep, value = word.partition("=")
+    if not sep or attr not in ("priority", "weight"):
+        return False
+    try:
+        into[attr] = int(value) if attr == "priority" else float(value)
+    except ValueError:
+        raise ValueError(f"{attr}={value!r}: not a number") from None
+    return True
 
 
 RATE_LIMIT_STORE_SCHEMES = ("redis://", "rediss://", "unix://")

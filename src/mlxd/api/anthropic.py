@@ -106,7 +106,7 @@ def _tool_block(call: ToolCall) -> ToolUseBlock:
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
     req = _request(body, request, body.sampling())
-    req.user, req.cache_salt = body.user, body.cache_salt
+    req.user, req.cache_salt, req.priority = body.user, body.cache_salt, body.priority
     (gen,) = await submit_n(request, req, 1)
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

@@ -9,7 +9,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from mlxd.api.tooling import check_call, function_tool, tool_names
-from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.api.wire import (
+    CacheSalt,
+    KeepAlive,
+    MaxTokens,
+    ModelName,
+    Priority,
+    Temperature,
+    TopP,
+    WireModel,
+)
 from mlxd.core.errors import InvalidRequest
 from mlxd.core.types import ImageInput, SamplingParams
 
@@ -190,6 +199,7 @@ class MessagesRequest(MessagesBase):
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
     cache_salt: CacheSalt = None
+    priority: Priority | None = None  # vLLM's, as on the OpenAI routes
 
     def sampling(self) -> SamplingParams:
         stops = tuple(s for s in (self.stop_sequences or []) if s)

@@ -37,6 +37,7 @@ from mlxd.api.wire import (
     MinP,
     ModelName,
     Penalty,
+    Priority,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -91,6 +92,7 @@ class _GenBase(_Body):
     format: Any = None
     keep_alive: KeepAlive = None
     cache_salt: CacheSalt = None  # vLLM's, as on the OpenAI routes (Ollama has none)
+    priority: Priority | None = None  # top level, like keep_alive: not a model option
 
     def constraint(self) -> OutputConstraint | None:
         """``format``: "json" (any JSON object) or a JSON schema, enforced while decoding."""
@@ -262,7 +264,7 @@ async def generate(body: GenerateBody, request: Request) -> Response | dict[str,
             model=body.model, sampling=params, messages=msgs, images=images or None
         )
     req.keep_alive, req.request_id = body.keep_alive, request.state.request_id
-    req.cache_salt = body.cache_salt
+    req.cache_salt, req.priority = body.cache_salt, body.priority
     req.constraint = body.constraint()
     gen = await until_disconnect(request, runtime(request).submit(req))
 
@@ -302,6 +304,7 @@ async def chat(body: ChatBody, request: Request) -> Response | dict[str, Any]:
         request_id=request.state.request_id,
         images=images or None,
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
     req.constraint = body.constraint()
     tools = openai_tools(body.tools)

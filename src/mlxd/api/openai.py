@@ -138,6 +138,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         images=body.images(),
         audio=body.audio(),
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
     _chat_extras(req, body)
     apply_reasoning(
@@ -259,6 +260,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
     req.user = body.user
     gens = await submit_n(request, req, body.n)

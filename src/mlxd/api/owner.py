@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from mlxd.core.types import DEFAULT_PRIORITY
+
 LOCAL_OWNER = "local"
 
 
@@ -33,6 +35,8 @@ class Principal:
     owner: str
     admin: bool = False
     name: str | None = None
+    priority: int = DEFAULT_PRIORITY  # the default of its requests (lower runs first)
+    weight: float = 1.0  # its share of an engine among keys waiting at one priority
 
     def owns(self, owner: str | None) -> bool:
         """May read, continue or delete an object stored by ``owner``."""

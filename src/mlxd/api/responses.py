@@ -40,7 +40,16 @@ from mlxd.api.tooling import (
     openai_response_format,
     openai_tool_choice,
 )
-from mlxd.api.wire import CacheSalt, KeepAlive, MaxTokens, ModelName, Temperature, TopP, WireModel
+from mlxd.api.wire import (
+    CacheSalt,
+    KeepAlive,
+    MaxTokens,
+    ModelName,
+    Priority,
+    Temperature,
+    TopP,
+    WireModel,
+)
 from mlxd.config import EFFORT_BUDGETS
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
@@ -78,6 +87,7 @@ class ResponsesRequest(WireModel):
     reasoning: dict[str, Any] | None = None
     keep_alive: KeepAlive = None
     cache_salt: CacheSalt = None
+    priority: Priority | None = None
 
     def function_tools(self) -> list[dict] | None:
         if not self.tools:
@@ -340,6 +350,7 @@ class _Turn:
             keep_alive=body.keep_alive,
             user=body.user,
             cache_salt=body.cache_salt,
+            priority=body.priority,
         )
         # images of this turn only (earlier turns' images are not resent to the model)
         self.req.images = images or None

@@ -16,6 +16,7 @@ from mlxd.api.wire import (
     MinP,
     ModelName,
     Penalty,
+    Priority,
     RepetitionPenalty,
     Seed,
     Temperature,
@@ -63,6 +64,7 @@ class SamplingFields(_Req):
         None, description="mlxd extension, Ollama semantics: how long the model stays loaded."
     )
     cache_salt: CacheSalt = None
+    priority: Priority | None = None
     return_tokens_as_token_ids: bool = Field(
         False,
         description=(
@@ -315,6 +317,7 @@ class GenerateBody(_Req):
     )
     keep_alive: KeepAlive = None
     cache_salt: CacheSalt = None
+    priority: Priority | None = None
 
     def templated(self, model_has_template: bool) -> bool:
         """Whether the prompt goes through the chat template.

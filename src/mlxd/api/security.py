@@ -60,12 +60,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fastapi import HTTPException
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.api.errors import anthropic_error, is_anthropic_path, ollama_error, openai_error
 from mlxd.api.owner import LOCAL_OPERATOR, Principal, owner_id
 from mlxd.api.ratelimit import RateLimits, StoreUnavailable, make_limits
-from mlxd.config import ConfigError, Settings, parse_key_item
+from mlxd.config import ApiKey, ConfigError, Settings, parse_key_item
+from mlxd.core.types import DEFAULT_PRIORITY
 from mlxd.ui import is_public_ui_path
 
 log = logging.getLogger(__name__)
@@ -86,27 +88,42 @@ class KeyEntry:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     admin: bool = False
+    priority: int = DEFAULT_PRIORITY
+    weight: float = 1.0
     digest: bytes = field(init=False, repr=False)
     principal: Principal = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # compared as fixed-length digests: not even the key's length leaks through timing
         self.digest = hashlib.sha256(self.secret).digest()
-        self.principal = Principal(owner_id(self.digest), self.admin, self.name)
+        self.principal = Principal(
+            owner_id(self.digest), self.admin, self.name, self.priority, self.weight
+        )
 
 
 def _parse_lines(text: str, prefix: str) -> list[KeyEntry]:
+    """Keys, one a line; a line whose attributes are wrong (``priority=x``, a weight of 0)
+    is a ConfigError that names its line number, never the line (it holds a secret)."""
     out: list[KeyEntry] = []
-    for line in text.splitlines():
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        item = parse_key_item(line)
+        try:
+            item = parse_key_item(line)
+            fields = ApiKey.model_validate(item)
+        except ValidationError as exc:
+            reason = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"{prefix} key line {n}: {reason}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{prefix} key line {n}: {exc}") from None
         out.append(
             KeyEntry(
-                item.get("name") or f"{prefix}-{len(out) + 1}",
-                item["key"].encode(),
-                admin=item.get("admin", False),
+                fields.name or f"{prefix}-{len(out) + 1}",
+                fields.key.encode(),
+                admin=fields.admin,
+                priority=fields.priority,
+                weight=fields.weight,
             )
         )
     return out
@@ -127,6 +144,8 @@ class KeyRing:
                     k.requests_per_minute,
                     k.tokens_per_minute,
                     k.admin,
+                    k.priority,
+                    k.weight,
                 )
             )
         self._static += _parse_lines(env.get(ENV_KEYS, "").replace(",", "\n"), "env")
@@ -153,6 +172,11 @@ class KeyRing:
                 if sig == self._file_sig and not force:
                     return
                 keys = _parse_lines(self._file.read_text(), "file")
+            except ConfigError as exc:
+                if force:
+                    raise  # at start: the server refuses to start on a wrong key file
+                log.error("%s (keeping the keys read before)", exc)
+                return
             except OSError as exc:
                 log.error(
                     "cannot read security.api_key_file %s: %s (keeping the keys read before)",
@@ -161,8 +185,8 @@ class KeyRing:
                 )
                 return
             self._file_sig = sig
-            if self._file_keys and [(k.secret, k.admin) for k in keys] != [
-                (k.secret, k.admin) for k in self._file_keys
+            if self._file_keys and [(k.secret, k.principal) for k in keys] != [
+                (k.secret, k.principal) for k in self._file_keys
             ]:
                 log.info("API key file %s changed: %d key(s)", self._file, len(keys))
             self._file_keys = keys

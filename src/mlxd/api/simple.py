@@ -71,6 +71,7 @@ async def generate(body: GenerateBody, request: Request) -> Response:
         request_id=request.state.request_id,
         keep_alive=body.keep_alive,
         cache_salt=body.cache_salt,
+        priority=body.priority,
     )
     gen = await until_disconnect(request, runtime(request).submit(req))
     if body.stream:

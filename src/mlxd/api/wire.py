@@ -33,6 +33,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeIs
 
+from mlxd.core.types import PRIORITY_MAX, PRIORITY_MIN
+
 # OpenAI documents ``seed`` as a (signed) 64-bit integer; MLX takes its uint64 image
 # (engines/sampling.py), so every accepted seed is a valid PRNG key.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -118,6 +120,15 @@ RepetitionPenalty = Annotated[
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence / frequency, as OpenAI
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
+Priority = Annotated[
+    int,
+    Field(
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
+        description="vLLM extension: lower runs first (default: the API key's, else 0). "
+        "A key that is not admin may only ask for its own priority or a larger number.",
+    ),
+]
 KeepAlive = str | int | float | None  # Ollama semantics: "5m", seconds, 0 unloads, <0 forever
 CacheSalt = (
     Annotated[

@@ -12,6 +12,13 @@ FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
 # (a temperature of 1e-300 gives inf and NaN probabilities), and the result is argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
 
+# Request priorities (vLLM's field): lower runs first. A key's own priority is the default of
+# its requests; batch work (the Batch API's rows) runs at BATCH_PRIORITY, behind interactive.
+DEFAULT_PRIORITY = 0
+BATCH_PRIORITY = 100
+PRIORITY_MIN = -1000
+PRIORITY_MAX = 1000
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -133,6 +140,7 @@ class GenerateRequest:
     cache_salt: str | None = None  # vLLM's: only requests with equal salts share cached KV
     thinking_budget: int | None = None  # reasoning tokens before the part is closed
     adapter: tuple[str, str] | None = None  # a LoRA adapter's name and directory
+    priority: int | None = None  # lower runs first; None: the API key's (DEFAULT_PRIORITY)
 
 
 @dataclass

@@ -81,7 +81,8 @@ class FrontendChannel:
                 so.error = p.error_to_wire(ev.error)
                 so.finish_reason = "error"
             if so.finish_reason is not None:
-                so.cached_tokens = seq.cached_tokens
+                first = getattr(seq, "cached_first", None)  # a preempted row's first hit
+                so.cached_tokens = seq.cached_tokens if first is None else first
                 finished.append(rid)
             outs.append(so)
         core = self.core
@@ -354,6 +355,7 @@ class EngineCore:
                         param="model",
                     )
                 seq.adapter = (m.adapter[0], m.adapter[1])
+            seq.priority, seq.tenant, seq.weight = m.priority, m.tenant, m.weight
         except BaseException as exc:
             self._inflight -= 1
             if lease is not None:

@@ -101,6 +101,9 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
     think: ThinkSpec | None = None  # a thinking model's markers and the reasoning budget
     adapter: list[str] | None = None  # a LoRA adapter's [name, directory] (engines/lora.py)
+    priority: int = 0  # lower runs first (core/types.py DEFAULT_PRIORITY)
+    tenant: str = ""  # who shares the engine fairly with whom: the API key's owner id
+    weight: float = 1.0  # the tenant's share among tenants waiting at one priority
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

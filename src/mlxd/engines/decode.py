@@ -67,6 +67,13 @@ class Sequence:
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     cache_salt: str | None = None  # the prefix-cache partition it reads and fills
+    priority: int = 0  # lower runs first (engines/scheduler.py)
+    tenant: str = ""  # the API key's owner id: who shares the engine fairly with whom
+    weight: float = 1.0  # the tenant's share among tenants waiting at one priority
+    arrival: int = 0  # admission order (engines/scheduler.py); kept across a preemption
+    output: list[int] = field(default_factory=list)  # the tokens emitted so far
+    folded: int = 0  # of ``output``, how many a preemption moved into ``prompt_tokens``
+    cached_first: int | None = None  # a resumed row: its first admission's cached_tokens
     t_added: float = 0.0
     t_scheduled: float = 0.0  # when it joined the batch (monotonic)
     error: Exception | None = None  # its own processors failed: it ends alone, with this
@@ -154,6 +161,7 @@ class DecodeEngine(abc.ABC):
     ) -> StepOutput:
         if token is not None:
             seq.generated += 1
+            seq.output.append(token)
         out = StepOutput(token, finish)
         if seq.generated == 1 and seq.t_scheduled and seq.t_added:
             out.queued_s = max(seq.t_scheduled - seq.t_added, 0.0)

@@ -43,6 +43,7 @@ from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
 from mlxd.engines.prompt_end import supports_prompt_end
 from mlxd.engines.sampling import build_logits_processors, build_sampler, sampling_probs
+from mlxd.engines.scheduler import FairScheduler, queue_by_priority
 from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
@@ -123,6 +124,7 @@ class LLMEngine(DecodeEngine):
             self._gen: Any = None  # built by bind(), on the device thread
             self._seqs: dict[int, Sequence] = {}
             self._pending: list[Sequence] = []
+            self.scheduler = FairScheduler()  # who gets a free slot (engines/scheduler.py)
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
             self.prefix_cache = PrefixCache(o.prefix_cache_bytes, o.prefix_cache_min_tokens)
             self.disk: DiskPrefixCache | None = None
@@ -338,6 +340,7 @@ class LLMEngine(DecodeEngine):
         seq.t_added = time.monotonic()
         if seq.adapter is not None:
             self.load_adapter(*seq.adapter, replace=False)
+        self.scheduler.arrive(seq)
         disk = self.disk
         if disk is not None and len(seq.prompt_tokens) > disk.min_tokens:
             in_memory = self.prefix_cache.peek(seq.prompt_tokens, seq.cache_salt)
@@ -395,10 +398,12 @@ class LLMEngine(DecodeEngine):
         if len(pending) >= self.options.prefill_batch_size:
             return 0.0
         hold = min(0.025, 2 * self._step_ema)
+        # a preempted row queues again with a new t_added: the list is not in t_added order
+        first = min(s.t_added for s in pending)
         if self.num_running:
-            return pending[0].t_added + hold
+            return first + hold
         if self._clean_groups:
-            return min(pending[-1].t_added + min(BURST_GAP_S, hold), pending[0].t_added + hold)
+            return min(max(s.t_added for s in pending) + min(BURST_GAP_S, hold), first + hold)
         return 0.0
 
     def _admit(self) -> list[tuple[Sequence, StepOutput]]:
@@ -425,6 +430,12 @@ class LLMEngine(DecodeEngine):
         0.96-1.05x, TTFT 4.1-5.5 s against 3.8-4.6 s), so there mlx-lm groups them itself
         (``clean_prefill_groups``) and an idle batch takes newcomers at once.
 
+        Newcomers go to mlx-lm only while a slot (``max_num_seqs``) is free, so that they
+        wait here, where :class:`FairScheduler` orders them (priority, then each key's fair
+        share), rather than first come, first served in mlx-lm's queue; a newcomer of a
+        strictly better priority than a running row takes that row's slot
+        (:meth:`_preempt`).
+
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
         """
@@ -432,10 +443,19 @@ class LLMEngine(DecodeEngine):
         self._poll_loads()
         if not self._pending:
             return failed
+        free = self.options.max_num_seqs - len(self._seqs)
+        for victim in self.scheduler.victims(
+            self._pending, [s for s in self._seqs.values() if _preemptible(s)], free
+        ):
+            self._preempt(victim)
+            free += 1
         room = self._gen.clean_group_room() if self._clean_groups else len(self._pending)
-        if room == 0 or time.monotonic() < self._admit_at():
+        room = min(room, free)
+        if room <= 0 or time.monotonic() < self._admit_at():
             return failed
-        batch, self._pending = self._pending[:room], self._pending[room:]
+        batch = self.scheduler.pick(self._pending, room)
+        chosen = {id(s) for s in batch}
+        self._pending = [s for s in self._pending if id(s) not in chosen]
         ready: list[tuple[Sequence, Any, Any, list]] = []
         for seq in batch:
             try:
@@ -453,7 +473,7 @@ class LLMEngine(DecodeEngine):
         try:
             uids = self._gen.insert(
                 [s.prompt_tokens[s.cached_tokens :] for s, _, _, _ in ready],
-                max_tokens=[s.params.max_tokens for s, _, _, _ in ready],
+                max_tokens=[_tokens_left(s) for s, _, _, _ in ready],
                 caches=caches if any(c is not None for c in caches) else None,
                 all_tokens=[list(s.prompt_tokens[: s.cached_tokens]) for s, _, _, _ in ready],
                 samplers=[sm for _, sm, _, _ in ready],
@@ -467,13 +487,36 @@ class LLMEngine(DecodeEngine):
         now = time.monotonic()
         for (seq, _, _, processors), uid in zip(ready, uids, strict=True):
             seq.uid = uid
-            seq.t_scheduled = now
+            if not seq.t_scheduled:  # a resumed row's queue time is its first wait's
+                seq.t_scheduled = now
+            self.scheduler.charge(seq.tenant, len(seq.prompt_tokens) - seq.cached_tokens, now)
             self._seqs[uid] = seq
             if seq.adapter is not None and self.adapters is not None:
                 self.adapters.admit(uid, seq.adapter[0])
             if self.speculator is not None:
                 self._register_speculation(seq, bool(processors))
         return failed
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Give ``seq``'s slot to a better priority: its KV goes to the prefix cache, and it
+        queues again with its output so far appended to its prompt, so that it resumes
+        from the cache where it stopped; its client sees one stream, a pause at most."""
+        del self._seqs[seq.uid]
+        self._forget(seq.uid)
+        caches = self._gen.remove([seq.uid], return_prompt_caches=self.prefix_cache.enabled)
+        for cache, tokens in (caches or {}).values():
+            if cache and tokens is not None:
+                # reused: the row comes back for it, also into a full cache
+                self.prefix_cache.insert(list(tokens), cache, reused=True, salt=seq.cache_salt)
+        if seq.cached_first is None:  # usage reports the client's prompt, not the resumption's
+            seq.cached_first = seq.cached_tokens
+        seq.prompt_tokens = [*seq.prompt_tokens, *seq.output[seq.folded :]]
+        seq.folded = len(seq.output)
+        seq.uid = -1
+        seq.t_added = time.monotonic()
+        self.scheduler.preemptions += 1
+        metrics.preempted(self.name)
+        self._pending.append(seq)
 
     def _register_speculation(self, seq: Sequence, has_processors: bool) -> None:
         """Rows with logits processors or a seed decode plainly (speculator.register says
@@ -507,7 +550,13 @@ class LLMEngine(DecodeEngine):
     def stats(self) -> dict[str, Any]:
         prefix: dict[str, Any] = self.prefix_cache.stats()
         prefix["disk"] = self.disk.stats() if self.disk is not None else None
-        out: dict[str, Any] = {"prefix_cache": prefix}
+        out: dict[str, Any] = {
+            "prefix_cache": prefix,
+            "queue": {
+                "by_priority": queue_by_priority([*self._pending, *(s for s, _ in self._loading)]),
+                "preemptions": self.scheduler.preemptions,
+            },
+        }
         if self.adapters is not None:
             out["lora_adapters"] = [
                 {"name": a.name, "path": str(a.path), "rank": a.rank, "bytes": a.nbytes}
@@ -679,6 +728,7 @@ class LLMEngine(DecodeEngine):
                     self._gen.remove([r.uid])
                 continue
             out.append((seq, self._emit(seq, r.token, finish, r.logprobs)))
+            self.scheduler.charge(seq.tenant, 1)
             if finish is not None:
                 del self._seqs[r.uid]
                 seq.finished = True
@@ -857,6 +907,25 @@ class LLMEngine(DecodeEngine):
         mx.clear_cache()
         if self.tp_id:
             tensor_parallel.publish(("close", self.tp_id))
+
+
+def _preemptible(seq: Sequence) -> bool:
+    """Whether a running row can stop and resume with the same output: not one with a
+    grammar (its matcher's state is not replayed), a reasoning budget (its count would
+    restart) nor a seeded sampler (its random stream would restart), nor one that already
+    failed."""
+    return (
+        seq.grammar is None
+        and (seq.think is None or seq.think.budget is None)
+        and seq.params.seed is None
+        and seq.error is None
+    )
+
+
+def _tokens_left(seq: Sequence) -> int | None:
+    """The tokens ``seq`` may still generate (a resumed row has generated some)."""
+    cap = seq.params.max_tokens
+    return cap if cap is None or cap <= 0 else max(cap - seq.folded, 1)
 
 
 def compiles_per_shape() -> bool:

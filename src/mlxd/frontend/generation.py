@@ -62,6 +62,8 @@ class Generation:
         now = time.perf_counter()
         self.t_submitted = self.t_acquired = self.t_accepted = self.t_first = self.t_done = now
         self.queue_seconds: float | None = None  # arrival -> first scheduled in a batch
+        self.priority = add.priority
+        self.key_name: str | None = None  # the API key's name, for metrics (never the key)
         self._obs: GenerationObserver | None = None
 
     async def start(self) -> None:

@@ -37,6 +37,7 @@ from mlxd.core.errors import (
 from mlxd.core.render import Renderer
 from mlxd.core.slots import provisional
 from mlxd.core.types import (
+    DEFAULT_PRIORITY,
     EmbedRequest,
     EmbedResult,
     GenerateRequest,
@@ -323,6 +324,7 @@ class Runtime:
             prompts.check_images(self.settings, name, self._known_kind(name), req)
         if req.user:
             note(user=req.user)
+        req.priority = request_priority(req.priority)
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         self._admitted += 1
@@ -344,6 +346,7 @@ class Runtime:
         if kind != "chat":
             prompts.check_text_only_features(name, req)
         proc = await self.processor(info)
+        principal = (current() or {}).get("principal")
         vision = None
         if kind == "vision" or req.images or req.audio:
             vision = await prompts.vision_input(self.settings, name, kind, req, info.sample_rate)
@@ -367,12 +370,16 @@ class Runtime:
             adapter=list(req.adapter) if req.adapter else None,
             vision=vision,
             cache_salt=self._cache_salt(req),
+            priority=DEFAULT_PRIORITY if req.priority is None else req.priority,
+            tenant=getattr(principal, "owner", None) or "",
+            weight=float(getattr(principal, "weight", 1.0)),
         )
         core = self.cores.pick(name, tokens, add.cache_salt)
         gen = Generation(
             self, core, name, proc, tokens if vision is None else None, params, plan, add
         )
         gen.t_submitted, gen.t_acquired = t0, t_acquired
+        gen.key_name = getattr(principal, "name", None)
         await gen.start()
         return gen
 
@@ -491,3 +498,21 @@ class Runtime:
         )
         note(model=r.model)
         return TokenizeResult(r.model, r.kind, r.tokens, r.context_length, r.token_strings)
+
+
+def request_priority(asked: int | None) -> int:
+    """The priority a request runs at: what it asks for, else its API key's (the principal
+    the security middleware put in the request's state; none: DEFAULT_PRIORITY). Only an
+    admin key (or the open API's local operator) may ask for a better one than its key's:
+    else any key could jump its own queue."""
+    principal = (current() or {}).get("principal")
+    own = getattr(principal, "priority", DEFAULT_PRIORITY)
+    if asked is None:
+        return own
+    if asked < own and not getattr(principal, "admin", False):
+        raise InvalidRequest(
+            f"priority {asked} is better than this API key's ({own}); "
+            "only an admin key may ask for a smaller number",
+            param="priority",
+        )
+    return asked

@@ -54,6 +54,7 @@ CORE_FAMILIES = frozenset(
         "mlxd:prefix_cache_disk_read_bytes",
         "mlxd:prefix_cache_disk_written_bytes",
         "mlxd:prefix_cache_disk_evictions",
+        "mlxd:preemptions",
     }
 )
 
@@ -194,6 +195,20 @@ request_queue_time = Histogram(
     "Time from arrival until the request joins a batch.",
     ["model"],
     buckets=_LATENCY,
+    registry=REGISTRY,
+)
+request_queue_time_by_priority = Histogram(
+    "mlxd:request_queue_time_by_priority_seconds",
+    "Time from arrival until the request joins a batch, by priority and API key name "
+    "(empty without keys).",
+    ["model", "priority", "key"],
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+preemptions_total = Counter(
+    "mlxd:preemptions",
+    "Running requests that gave their slot to a better priority (and resumed later).",
+    ["model"],
     registry=REGISTRY,
 )
 prompt_tokens_total = Counter(
@@ -404,6 +419,10 @@ def spec_decode_events(
         spec_decode_tokens_per_step.labels(model).set(totals["tokens_per_step"])
 
 
+def preempted(model: str) -> None:
+    preemptions_total.labels(model).inc()
+
+
 def model_loaded(name: str, kind: str, size: int, seconds: float) -> None:
     models_loaded.labels(kind).inc()
     model_memory_bytes.labels(name).set(size)
@@ -450,9 +469,11 @@ class GenerationObserver:
             num_requests_waiting.labels(g.model).dec()
             num_requests_running.labels(g.model).inc()
             queued = getattr(g, "queue_seconds", None)  # arrival -> first scheduled in a batch
-            request_queue_time.labels(g.model).observe(
-                max(queued if queued is not None else g.t_acquired - g.t_submitted, 0.0)
-            )
+            waited = max(queued if queued is not None else g.t_acquired - g.t_submitted, 0.0)
+            request_queue_time.labels(g.model).observe(waited)
+            request_queue_time_by_priority.labels(
+                g.model, str(getattr(g, "priority", 0)), getattr(g, "key_name", None) or ""
+            ).observe(waited)
             self._ttft.observe(max(now - g.t_submitted, 0.0))
             prompt_tokens_total.labels(g.model).inc(len(g.prompt_tokens))
         elif n_tokens:

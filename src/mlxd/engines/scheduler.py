@@ -1,0 +1,101 @@
+"""Who gets the next free slot of a decode engine: priorities, then fair shares by key.
+
+A waiting sequence with the best (smallest) priority goes first. Among equal priorities,
+the tenant (the API key's owner id, api/owner.py) with the least service received goes
+first: prompt tokens prefilled plus tokens decoded, decaying with a half-life of
+:data:`HALF_LIFE_S` and divided by the key's weight. Within one tenant, first come, first
+served; with no keys configured every caller is one tenant, so the order is FIFO within
+a priority.
+
+A waiting sequence with a strictly better priority than a running one may take that row's
+slot (:meth:`FairScheduler.victims`): the engine moves the row's KV to the prefix cache and
+queues it again with its output appended to its prompt, so it resumes where it stopped.
+Fairness never preempts (a row that was admitted keeps its slot until it ends): that would
+trade throughput for thrash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+from typing import Any
+
+# Service received decays by half over this many seconds: a key that flooded the server a
+# few minutes ago is not held back for it now.
+HALF_LIFE_S = 60.0
+
+
+class FairScheduler:
+    """The order of an engine's waiting sequences (their ``priority``, ``tenant``,
+    ``weight`` and ``arrival``, engines/decode.py's Sequence)."""
+
+    def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
+        self.half_life_s = half_life_s
+        self._service: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, as of when)
+        self._arrivals = itertools.count(1)
+        self.preemptions = 0
+
+    def arrive(self, seq: Any) -> None:
+        """Number ``seq`` in admission order (once: a preempted row keeps its place)."""
+        if not seq.arrival:
+            seq.arrival = next(self._arrivals)
+
+    def service(self, tenant: str, now: float | None = None) -> float:
+        """The tenant's decayed service (tokens), not yet divided by its weight."""
+        got = self._service.get(tenant)
+        if got is None:
+            return 0.0
+        value, at = got
+        now = time.monotonic() if now is None else now
+        return value * 0.5 ** (max(now - at, 0.0) / self.half_life_s)
+
+    def charge(self, tenant: str, tokens: int, now: float | None = None) -> None:
+        """``tokens`` more service for ``tenant`` (prefilled or decoded)."""
+        if tokens <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self._service[tenant] = (self.service(tenant, now) + tokens, now)
+        if len(self._service) > 4096:  # long-gone tenants: what decayed to nothing goes
+            self._service = {t: v for t, v in self._service.items() if self.service(t, now) >= 1.0}
+
+    def pick(self, waiting: list[Any], n: int) -> list[Any]:
+        """The ``n`` waiting sequences that go next, in order. Each pick counts its prompt
+        toward its tenant's share of this round, so one round does not hand every slot to
+        the tenant that was behind."""
+        if n <= 0 or not waiting:
+            return []
+        if n >= len(waiting):  # every one goes now
+            return sorted(waiting, key=lambda s: (s.priority, s.arrival))
+        now = time.monotonic()
+        share = {s.tenant: self.service(s.tenant, now) for s in waiting}
+        left = sorted(waiting, key=lambda s: (s.priority, s.arrival))
+        out: list[Any] = []
+        while left and len(out) < n:
+            best = min(
+                left, key=lambda s: (s.priority, share[s.tenant] / max(s.weight, 1e-9), s.arrival)
+            )
+            left.remove(best)
+            out.append(best)
+            share[best.tenant] += len(best.prompt_tokens)
+        return out
+
+    def victims(self, waiting: list[Any], running: list[Any], free: int) -> list[Any]:
+        """Running rows to preempt so that waiting sequences of a strictly better priority
+        run now: one per such sequence beyond the ``free`` slots, the worst priority
+        first, the latest arrival among equals."""
+        if not waiting or not running:
+            return []
+        better = sorted(s.priority for s in waiting)
+        worst = sorted(running, key=lambda s: (s.priority, s.arrival), reverse=True)
+        out: list[Any] = []
+        for prio in better[max(free, 0) :]:
+            if not worst or prio >= worst[0].priority:
+                break
+            out.append(worst.pop(0))
+        return out
+
+
+def queue_by_priority(waiting: list[Any]) -> dict[str, int]:
+    """Waiting sequences counted by priority, for /health (keys are strings: JSON's)."""
+    return {str(k): v for k, v in sorted(Counter(s.priority for s in waiting).items())}
