@@ -10,9 +10,8 @@ from fastapi import FastAPI, Request, Response
 from mlxd import __version__
 from mlxd.api import audio, encoders, metrics, ollama, ollama_embed, openai, simple
 from mlxd.api.anthropic import router as anthropic_router
-from mlxd.api.batch_runner import BatchRunner
-from mlxd.api.batches import open_db
 from mlxd.api.batches import router as batches_router
+from mlxd.api.batches import start_runner
 from mlxd.api.batches import uploads as file_uploads
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
@@ -32,12 +31,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         await rt.start()
         if sampler is not None:
             sampler.start()
-        runner = app.state.batch_runner = BatchRunner(app, open_db(app))
-        runner.start()
+        runner = start_runner(app)  # Batch API jobs (api/batch_runner.py)
         try:
             yield
         finally:
-            await runner.stop()
+            if runner is not None:
+                await runner.stop()
             if sampler is not None:
                 await sampler.stop()
             await rt.stop()

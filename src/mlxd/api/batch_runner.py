@@ -58,7 +58,7 @@ def _line_error(custom_id: str | None, code: str, message: str) -> dict[str, Any
 
 def parse_lines(
     raw: bytes, endpoint: str
-) -> tuple[list[tuple[int, str | None, str | None, Any]], list[dict]]:
+) -> tuple[list[tuple[int, str | None, str | None, Any]], list[dict[str, Any]]]:
     """A batch file's lines as (line number, custom_id, request JSON or None, error result or
     None), and the errors that fail the file as a whole (OpenAI's ``errors.data``)."""
     try:
@@ -67,7 +67,7 @@ def parse_lines(
         return [], [{"code": "invalid_file", "message": "the file is not UTF-8 text"}]
     out: list[tuple[int, str | None, str | None, Any]] = []
     seen: dict[str, int] = {}
-    fatal: list[dict] = []
+    fatal: list[dict[str, Any]] = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -150,6 +150,9 @@ class BatchRunner:
         if self.held:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.db.drop_lease, self.holder)
+        if getattr(self.app.state, "batch_db", None) is self.db:
+            self.app.state.batch_db = None  # opened again if the app starts again
+        await asyncio.to_thread(self.db.close)
 
     async def _loop(self) -> None:
         while True:
@@ -163,7 +166,7 @@ class BatchRunner:
                         if bid not in self._jobs:
                             task = asyncio.create_task(self._run(bid))
                             self._jobs[bid] = task
-                            task.add_done_callback(lambda _, b=bid: self._jobs.pop(b, None))
+                            task.add_done_callback(self._forget)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a locked or failing database: try next tick
@@ -171,6 +174,11 @@ class BatchRunner:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        for bid, t in list(self._jobs.items()):
+            if t is task:
+                del self._jobs[bid]
 
     # -- capacity ----------------------------------------------------------------------------
     def _cap(self) -> int:
@@ -218,7 +226,9 @@ class BatchRunner:
         path = self.db.file_path(job["input_file_id"])
         meta = await asyncio.to_thread(self.db.get_file, owner, job["input_file_id"])
         if meta is None or not path.is_file():
-            fatal = [{"code": "file_not_found", "message": "the input file was deleted"}]
+            fatal: list[dict[str, Any]] = [
+                {"code": "file_not_found", "message": "the input file was deleted"}
+            ]
             lines: list = []
         else:
             raw = await asyncio.to_thread(path.read_bytes)

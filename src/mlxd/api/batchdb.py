@@ -71,8 +71,8 @@ class BatchDB:
 
     def __init__(self, home: Path) -> None:
         self.home = home
-        self.files_dir = home / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.files_dir = home / "files"  # made by the first upload
+        home.mkdir(parents=True, exist_ok=True)
         self.path = home / "mlxd.sqlite3"
         # one connection, used from worker threads one at a time
         self._conn = sqlite3.connect(
@@ -117,6 +117,7 @@ class BatchDB:
 
     # -- files -----------------------------------------------------------------------------
     def file_path(self, file_id: str) -> Path:
+        self.files_dir.mkdir(parents=True, exist_ok=True)
         return self.files_dir / file_id
 
     def add_file(self, file_id: str, owner: str, purpose: str, filename: str, size: int) -> dict:
@@ -305,7 +306,7 @@ class BatchDB:
             "WHERE batch_id = ? ORDER BY line",
             (batch_id,),
         )
-        return [tuple(r) for r in rows]  # type: ignore[misc]
+        return [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
     def finish_job(
         self, batch_id: str, files: list[tuple[str, str, str, int]], owner: str, changes: dict

@@ -11,6 +11,8 @@ and an error file of its own.
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,13 +21,15 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import Field, field_validator
 
+from mlxd.api.batch_runner import BatchRunner
 from mlxd.api.batchdb import BatchDB, new_id
 from mlxd.api.owner import principal
 from mlxd.api.routing import ApiRoute, UploadRoute
 from mlxd.api.wire import WireModel
 from mlxd.config import mlxd_home
-from mlxd.core.errors import InvalidRequest, MlxdError, PayloadTooLarge
+from mlxd.core.errors import InvalidRequest, MlxdError, PayloadTooLarge, Unavailable
 
+log = logging.getLogger(__name__)
 uploads = APIRouter(route_class=UploadRoute)
 router = APIRouter(route_class=ApiRoute)
 
@@ -52,11 +56,27 @@ class Conflict(MlxdError):
 
 
 def open_db(app: Any) -> BatchDB:
-    """The app's database (opened on first use, in ``$MLXD_HOME``)."""
+    """The app's database (opened on first use, in ``$MLXD_HOME``); 503 when it cannot be
+    opened (a home that is not writable), which leaves every other route serving."""
     db: BatchDB | None = getattr(app.state, "batch_db", None)
     if db is None:
-        db = app.state.batch_db = BatchDB(mlxd_home())
+        try:
+            db = app.state.batch_db = BatchDB(mlxd_home())
+        except (OSError, sqlite3.Error) as exc:
+            log.error("the Batch API's database cannot be opened: %s", exc)
+            raise Unavailable(f"the batch database cannot be opened: {exc}") from exc
     return db
+
+
+def start_runner(app: Any) -> BatchRunner | None:
+    """The jobs' runner of this front end, started; None without a database."""
+    try:
+        runner = BatchRunner(app, open_db(app))
+    except Unavailable:
+        return None
+    app.state.batch_runner = runner
+    runner.start()
+    return runner
 
 
 def batch_db(request: Request) -> BatchDB:
