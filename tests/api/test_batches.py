@@ -252,6 +252,27 @@ def test_embeddings_batch(alice):
     assert done.error_file_id is None
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body", "kind"),
+    [
+        ("/v1/completions", {"prompt": "Once upon", "max_tokens": 3}, "text_completion"),
+        ("/v1/responses", {"input": "Say hi", "max_output_tokens": 3}, "response"),
+    ],
+)
+def test_completions_and_responses_batches(alice, endpoint, body, kind):
+    lines = [
+        {"custom_id": f"x-{i}", "method": "POST", "url": endpoint, "body": body} for i in range(2)
+    ]
+    b = alice.batches.create(
+        input_file_id=_upload(alice, lines).id, endpoint=endpoint, completion_window="24h"
+    )
+    done = _wait_done(alice, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    out = _lines(alice, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == ["x-0", "x-1"]
+    assert all(x["response"]["body"]["object"] == kind for x in out)
+
+
 def test_cancel(alice):
     lines = [_chat_line(f"k-{i}", f"count to {i}", max_tokens=32) for i in range(300)]
     b = alice.batches.create(
@@ -317,11 +338,13 @@ def test_a_file_invalid_as_a_whole_fails_the_batch(alice):
 # -- a crash mid-batch -----------------------------------------------------------------------
 
 
-def _serve(model: Path, port: int, home: Path, tmp: Path, log: Path) -> subprocess.Popen:
+def _serve(
+    model: Path, port: int, home: Path, tmp: Path, log: Path, *extra: str
+) -> subprocess.Popen:
     env = {**os.environ, "MLXD_HOME": str(home), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)}
     env["MLXD_BATCH__MAX_CONCURRENT"] = "2"  # a few lines at a time: the kill lands mid-way
     return subprocess.Popen(
-        [sys.executable, "-m", "mlxd", "serve", "--model", str(model), "--port", str(port)],
+        [sys.executable, "-m", "mlxd", "serve", "--model", str(model), "--port", str(port), *extra],
         env=env,
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
@@ -372,3 +395,41 @@ def test_a_killed_server_resumes_its_batch(tmp_path, long_llama, request):
     assert done.request_counts.completed == 20 and done.request_counts.failed == 0
     ids = [x["custom_id"] for x in _lines(client, done.output_file_id)]
     assert sorted(ids) == [f"r-{i:02d}" for i in range(20)]
+
+
+@pytest.mark.slow
+def test_one_front_end_runs_the_jobs(tmp_path, tiny_llama, request):
+    """With --api-workers 2 both front ends take files and batches, one runs them: each
+    request of the batch is answered once."""
+    home = tmp_path / "home"
+    tmp = Path(tempfile.mkdtemp(prefix="mlxd-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    log = tmp_path / "serve.log"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = _serve(tiny_llama, port, home, tmp, log, "--api-workers", "2")
+
+    def kill() -> None:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+    request.addfinalizer(kill)
+    wait_healthy(url, p, 120, lambda: log.read_text(errors="replace")[-3000:])
+    ids = []
+    for n in range(4):  # new connections: both front ends take some
+        with _client(url, "unused") as client:
+            lines = [_chat_line(f"w{n}-{i}", max_tokens=3) for i in range(10)]
+            ids.append(
+                client.batches.create(
+                    input_file_id=_upload(client, lines).id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                ).id
+            )
+    client = _client(url, "unused")
+    for n, bid in enumerate(ids):
+        done = _wait_done(client, bid)
+        assert done.status == "completed" and done.request_counts.completed == 10, done
+        got = sorted(x["custom_id"] for x in _lines(client, done.output_file_id))
+        assert got == sorted(f"w{n}-{i}" for i in range(10))

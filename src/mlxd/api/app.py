@@ -8,11 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import audio, encoders, metrics, ollama, ollama_embed, openai, simple
+from mlxd.api import audio, batches, encoders, metrics, ollama, ollama_embed, openai, simple
 from mlxd.api.anthropic import router as anthropic_router
-from mlxd.api.batches import router as batches_router
-from mlxd.api.batches import start_runner
-from mlxd.api.batches import uploads as file_uploads
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
 from mlxd.api.responses import router as responses_router
@@ -31,7 +28,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         await rt.start()
         if sampler is not None:
             sampler.start()
-        runner = start_runner(app)  # Batch API jobs (api/batch_runner.py)
+        runner = batches.start_runner(app)  # Batch API jobs (api/batch_runner.py)
         try:
             yield
         finally:
@@ -61,8 +58,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(ollama_embed.router)  # /api/embed, /api/embeddings
     app.include_router(audio.uploads)  # /v1/audio/transcriptions, /v1/audio/translations
     app.include_router(audio.router)  # /v1/audio/speech
-    app.include_router(file_uploads)  # /v1/files (multipart)
-    app.include_router(batches_router)  # /v1/files/*, /v1/batches
+    batches.install(app)  # /v1/files, /v1/batches
     app.include_router(metrics.router)
     if settings.server.ui:
         from mlxd.api.ui import install_ui

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -45,6 +46,39 @@ class _ActingFor:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.app({**scope, ACTING_FOR: self.who}, receive, send)
+
+
+@dataclass
+class Interactive:
+    """The interactive requests in flight in this front end."""
+
+    count: int = 0
+
+
+class InteractiveGauge:
+    """Counts the interactive requests in flight (POSTs not sent by a batch, other than
+    uploads and batch calls) from the moment they arrive, before their template renders:
+    the signal a batch yields to."""
+
+    def __init__(self, app: ASGIApp, interactive: Interactive) -> None:
+        self.app = app
+        self.gauge = interactive
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        counted = (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and ACTING_FOR not in scope
+            and not scope["path"].startswith(("/v1/files", "/v1/batches"))
+        )
+        if not counted:
+            await self.app(scope, receive, send)
+            return
+        self.gauge.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gauge.count -= 1
 
 
 def _line_error(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
@@ -124,8 +158,9 @@ def _file_id(batch_id: str, kind: str) -> str:
 class BatchRunner:
     """The jobs' task in one front end; idle unless it holds the lease."""
 
-    def __init__(self, app: Any, db: BatchDB) -> None:
+    def __init__(self, app: Any, db: BatchDB, gauge: Interactive | None = None) -> None:
         self.app = app
+        self.gauge = gauge
         self.db = db
         self.settings = app.state.settings
         self.holder = holder_id()
@@ -193,8 +228,10 @@ class BatchRunner:
         rt = self.app.state.runtime
         if rt.draining:
             return False
-        load = max(rt.inflight, sum(c.core_load for c in rt.cores.clients))
-        interactive = load - self._gen_inflight
+        interactive = self.gauge.count if self.gauge is not None else 0
+        if rt.front_ends is not None:  # --api-workers N: the others' requests, per heartbeat
+            load = sum(c.core_load for c in rt.cores.clients)
+            interactive = max(interactive, load - self._gen_inflight)
         limit = self._cap() if interactive <= 0 else 1
         return self._inflight < limit
 

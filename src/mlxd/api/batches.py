@@ -21,7 +21,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import Field, field_validator
 
-from mlxd.api.batch_runner import BatchRunner
+from mlxd.api.batch_runner import BatchRunner, Interactive, InteractiveGauge
 from mlxd.api.batchdb import BatchDB, new_id
 from mlxd.api.owner import principal
 from mlxd.api.routing import ApiRoute, UploadRoute
@@ -68,10 +68,18 @@ def open_db(app: Any) -> BatchDB:
     return db
 
 
+def install(app: Any) -> None:
+    """The routes, and the gauge of interactive requests the runner yields to."""
+    app.include_router(uploads)
+    app.include_router(router)
+    app.state.interactive = Interactive()
+    app.add_middleware(InteractiveGauge, interactive=app.state.interactive)
+
+
 def start_runner(app: Any) -> BatchRunner | None:
     """The jobs' runner of this front end, started; None without a database."""
     try:
-        runner = BatchRunner(app, open_db(app))
+        runner = BatchRunner(app, open_db(app), getattr(app.state, "interactive", None))
     except Unavailable:
         return None
     app.state.batch_runner = runner
