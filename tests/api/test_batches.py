@@ -273,6 +273,39 @@ def test_completions_and_responses_batches(alice, endpoint, body, kind):
     assert all(x["response"]["body"]["object"] == kind for x in out)
 
 
+def test_interactive_requests_preempt_batch_lines_which_run_again(alice, srv):
+    """Lines stopped for interactive requests are sent again: every line still answers
+    once, none fails."""
+    lines = [_chat_line(f"p-{i}", f"tell story {i}", max_tokens=24) for i in range(40)]
+    b = alice.batches.create(
+        input_file_id=_upload(alice, lines).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    assert wait_until(lambda: alice.batches.retrieve(b.id).request_counts.completed >= 1, 120)
+    for i in range(5):
+        r = alice.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=3
+        )
+        assert r.usage.completion_tokens == 3
+    done = _wait_done(alice, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 40, done
+    assert done.error_file_id is None
+    ids = [x["custom_id"] for x in _lines(alice, done.output_file_id)]
+    assert sorted(ids) == sorted(f"p-{i}" for i in range(40))
+    scrape = httpx.get(
+        srv.url + "/metrics", headers={"Authorization": f"Bearer {ALICE}"}, timeout=30
+    ).text
+    stopped = [
+        line
+        for line in scrape.splitlines()
+        if line.startswith("mlxd:http_requests_total")
+        and 'route="/v1/chat/completions"' in line
+        and 'status="499"' in line
+    ]
+    assert stopped, "no line was stopped for the interactive requests"
+
+
 def test_cancel(alice):
     lines = [_chat_line(f"k-{i}", f"count to {i}", max_tokens=32) for i in range(300)]
     b = alice.batches.create(
@@ -333,6 +366,24 @@ def test_a_file_invalid_as_a_whole_fails_the_batch(alice):
     )
     done = _wait_done(alice, b.id)
     assert done.status == "failed" and done.errors.data[0].code == "empty_file"
+
+
+def test_one_lease_holder_at_a_time(tmp_path):
+    """The runner's lease (api/batchdb.py): held by one process at a time, renewable by its
+    holder, taken over once it expires or is dropped."""
+    from mlxd.api.batchdb import BatchDB
+
+    a, b = BatchDB(tmp_path), BatchDB(tmp_path)  # two front ends, one home
+    try:
+        assert a.take_lease("a", ttl=60) and a.take_lease("a", ttl=60)
+        assert not b.take_lease("b", ttl=60)
+        a.drop_lease("a")
+        assert b.take_lease("b", ttl=0.2) and not a.take_lease("a", ttl=60)
+        assert wait_until(lambda: a.take_lease("a", ttl=60), 30)  # b stopped renewing
+        assert not b.take_lease("b", ttl=60)
+    finally:
+        a.close()
+        b.close()
 
 
 # -- a crash mid-batch -----------------------------------------------------------------------

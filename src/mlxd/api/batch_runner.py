@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.api.batchdb import BatchDB, holder_id, new_id
 from mlxd.api.owner import LOCAL_OPERATOR, LOCAL_OWNER, Principal
@@ -38,6 +40,13 @@ RETRY_CODES = frozenset({"queue_full", "service_unavailable", "shutting_down"})
 ACTING_FOR = "mlxd.acting_for"
 
 
+# Set by a line's task around its request: setting the event makes the request's client
+# "leave" (the route ends it as for a client that disconnects, 499).
+_STOP: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar(
+    "mlxd_batch_line_stop", default=None
+)
+
+
 class _ActingFor:
     """The app, called with the ASGI scope marked as acting for ``who``."""
 
@@ -45,14 +54,36 @@ class _ActingFor:
         self.app, self.who = app, who
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.app({**scope, ACTING_FOR: self.who}, receive, send)
+        stop = _STOP.get()
+        body_done = False
+
+        async def leave_on_stop() -> Message:
+            nonlocal body_done
+            if not body_done or stop is None:
+                message = await receive()
+                body_done = not message.get("more_body", False)
+                return message
+            got = asyncio.ensure_future(receive())
+            halt = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({got, halt}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                halt.cancel()
+            if got.done():
+                return got.result()
+            got.cancel()
+            return {"type": "http.disconnect"}
+
+        await self.app({**scope, ACTING_FOR: self.who}, leave_on_stop, send)
 
 
 @dataclass
 class Interactive:
-    """The interactive requests in flight in this front end."""
+    """The interactive requests in flight in this front end; ``on_arrival`` is called as
+    each one comes in."""
 
     count: int = 0
+    on_arrival: Callable[[], None] | None = None
 
 
 class InteractiveGauge:
@@ -75,6 +106,8 @@ class InteractiveGauge:
             await self.app(scope, receive, send)
             return
         self.gauge.count += 1
+        if self.gauge.on_arrival is not None:
+            self.gauge.on_arrival()
         try:
             await self.app(scope, receive, send)
         finally:
@@ -169,6 +202,9 @@ class BatchRunner:
         self._jobs: dict[str, asyncio.Task] = {}
         self._inflight = 0  # this runner's lines in flight
         self._gen_inflight = 0  # of those, generations (they count in the runtime's load)
+        self._stops: set[asyncio.Event] = set()  # one per generation line whose request runs
+        if gauge is not None:
+            gauge.on_arrival = self.preempt
         self.held = False
 
     def start(self) -> None:
@@ -209,6 +245,12 @@ class BatchRunner:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), TICK_S)
+
+    def preempt(self) -> None:
+        """An interactive request arrived: the lines whose requests run now stop (their
+        sequences leave the engine's batch) and go back to their queue."""
+        for stop in self._stops:
+            stop.set()
 
     def _forget(self, task: asyncio.Task) -> None:
         for bid, t in list(self._jobs.items()):
@@ -329,7 +371,11 @@ class BatchRunner:
         n, cid, body = line
         if gen:
             self._gen_inflight += 1
+        stop = asyncio.Event()
         try:
+            if gen:
+                self._stops.add(stop)
+            token = _STOP.set(stop)
             try:
                 r = await client.post(
                     job["endpoint"], content=body, headers={"content-type": "application/json"}
@@ -337,6 +383,12 @@ class BatchRunner:
             except Exception as exc:  # noqa: BLE001 - the route crashed: this line fails
                 result = _line_error(cid, "internal_error", f"{type(exc).__name__}: {exc}")
                 await asyncio.to_thread(self.db.finish_line, job["id"], n, False, result)
+                return
+            finally:
+                _STOP.reset(token)
+                self._stops.discard(stop)
+            if stop.is_set() and r.status_code == 499:
+                queue.append(line)  # preempted: sent again later, nothing recorded
                 return
             try:
                 payload: Any = r.json()
