@@ -749,7 +749,8 @@ class BatchSettings(_Section):
         ge=1,
         description=(
             "Requests of Batch API jobs in flight at once, over all jobs; unset: a quarter "
-            "of the engine cores' batch slots. While interactive requests run, one at most."
+            "of the engine cores' batch slots. While interactive requests run, one at most "
+            "(an interactive request's arrival stops those in flight; they run again later)."
         ),
     )
 

@@ -7,8 +7,10 @@ ASGI scope, which only an in-process caller can set; api/security.py), so it mee
 validation, templates and errors as over HTTP. A line's result is recorded once, with its
 count, in one transaction (api/batchdb.py); a restart runs what was still pending.
 
-Batch lines have the lowest priority: at most ``batch.max_concurrent`` in flight, and one
-while interactive requests run, so an interactive request never queues behind a batch.
+Batch lines have the lowest priority: at most ``batch.max_concurrent`` in flight; an
+interactive request's arrival stops the generation lines in flight (the route ends each as
+for a client that left, 499; nothing is recorded; they are sent again later), none starts
+for a second after it, and then one at most while interactive requests run.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 10.0
 TICK_S = 2.0
+GRACE_S = 1.0  # after an interactive request arrives, no batch line starts for this long
 MAX_LINES = 50_000
 # Answers that mean "not now": the line stays pending and is sent again.
 RETRY_CODES = frozenset({"queue_full", "service_unavailable", "shutting_down"})
@@ -83,6 +86,7 @@ class Interactive:
     each one comes in."""
 
     count: int = 0
+    last_arrival: float = 0.0  # time.monotonic()
     on_arrival: Callable[[], None] | None = None
 
 
@@ -106,6 +110,7 @@ class InteractiveGauge:
             await self.app(scope, receive, send)
             return
         self.gauge.count += 1
+        self.gauge.last_arrival = time.monotonic()
         if self.gauge.on_arrival is not None:
             self.gauge.on_arrival()
         try:
@@ -274,8 +279,12 @@ class BatchRunner:
         if rt.front_ends is not None:  # --api-workers N: the others' requests, per heartbeat
             load = sum(c.core_load for c in rt.cores.clients)
             interactive = max(interactive, load - self._gen_inflight)
-        limit = self._cap() if interactive <= 0 else 1
-        return self._inflight < limit
+        if interactive <= 0:
+            return self._inflight < self._cap()
+        # none beside a request that just came (its prefill), then one: a long stream
+        # must not stop the batch
+        fresh = self.gauge is not None and time.monotonic() - self.gauge.last_arrival < GRACE_S
+        return not fresh and self._inflight < 1
 
     async def _slot(self) -> None:
         while not self._room():
