@@ -41,6 +41,8 @@ MAX_LINES = 50_000
 # Answers that mean "not now": the line stays pending and is sent again.
 RETRY_CODES = frozenset({"queue_full", "service_unavailable", "shutting_down"})
 ACTING_FOR = "mlxd.acting_for"
+# POSTs that run no model: uploads, batch calls, the model store's long operations
+NOT_INTERACTIVE = ("/v1/files", "/v1/batches", "/api/pull", "/api/push", "/api/create")
 
 
 # Set by a line's task around its request: setting the event makes the request's client
@@ -92,8 +94,8 @@ class Interactive:
 
 class InteractiveGauge:
     """Counts the interactive requests in flight (POSTs not sent by a batch, other than
-    uploads and batch calls) from the moment they arrive, before their template renders:
-    the signal a batch yields to."""
+    those of ``NOT_INTERACTIVE``) from the moment they arrive, before their template
+    renders: the signal a batch yields to."""
 
     def __init__(self, app: ASGIApp, interactive: Interactive) -> None:
         self.app = app
@@ -104,7 +106,7 @@ class InteractiveGauge:
             scope["type"] == "http"
             and scope["method"] == "POST"
             and ACTING_FOR not in scope
-            and not scope["path"].startswith(("/v1/files", "/v1/batches"))
+            and not scope["path"].startswith(NOT_INTERACTIVE)
         )
         if not counted:
             await self.app(scope, receive, send)
