@@ -745,7 +745,8 @@ def rank_hosts(
 
 
 class BatchSettings(_Section):
-    """Dynamic batching of embedding and rerank inputs across callers."""
+    """Dynamic batching of embedding and rerank inputs across callers, and the Batch API's
+    jobs (``/v1/files``, ``/v1/batches``)."""
 
     max_batch_size: int = Field(
         32, ge=1, description="Inputs (texts, query-document pairs) in one encoder batch."
@@ -763,6 +764,20 @@ class BatchSettings(_Section):
     )
     max_inputs_per_request: int = Field(
         2048, ge=1, description="Inputs or documents one request may carry; more: 413."
+    )
+    max_file_bytes: int = Field(
+        200 * 1024 * 1024,
+        ge=1,
+        description="Largest file /v1/files takes (a batch's input); a larger upload: 413.",
+    )
+    max_concurrent: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Requests of Batch API jobs in flight at once, over all jobs; unset: a quarter "
+            "of the engine cores' batch slots. While interactive requests run, one at most "
+            "(an interactive request's arrival stops those in flight; they run again later)."
+        ),
     )
 
 

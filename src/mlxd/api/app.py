@@ -8,7 +8,17 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import audio, encoders, lora, metrics, ollama, ollama_embed, openai, simple
+from mlxd.api import (
+    audio,
+    batches,
+    encoders,
+    lora,
+    metrics,
+    ollama,
+    ollama_embed,
+    openai,
+    simple,
+)
 from mlxd.api.anthropic import router as anthropic_router
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
@@ -28,9 +38,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         await rt.start()
         if sampler is not None:
             sampler.start()
+        runner = batches.start_runner(app)  # Batch API jobs (api/batch_runner.py)
         try:
             yield
         finally:
+            if runner is not None:
+                await runner.stop()
             if sampler is not None:
                 await sampler.stop()
             await rt.stop()
@@ -56,6 +69,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(audio.uploads)  # /v1/audio/transcriptions, /v1/audio/translations
     app.include_router(audio.router)  # /v1/audio/speech
     app.include_router(lora.router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    batches.install(app)  # /v1/files, /v1/batches
     app.include_router(metrics.router)
     if settings.server.ui:
         from mlxd.api.ui import install_ui

@@ -262,16 +262,22 @@ class _BodyTooLarge(HTTPException):
 
     code = "request_too_large"
 
-    def __init__(self, limit: int, upload: bool = False) -> None:
-        super().__init__(413, _too_large_message(limit, upload))
+    def __init__(self, limit: int, path: str = "") -> None:
+        super().__init__(413, _too_large_message(limit, path))
 
 
 # Routes that take file uploads (multipart): their body limit is audio.max_upload_bytes.
 UPLOAD_PATHS = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 
 
-def _too_large_message(limit: int, upload: bool = False) -> str:
-    setting = "audio.max_upload_bytes" if upload else "security.max_body_bytes"
+def _too_large_message(limit: int, path: str = "") -> str:
+    setting = (
+        "audio.max_upload_bytes"
+        if path in UPLOAD_PATHS
+        else "batch.max_file_bytes"
+        if path == "/v1/files"
+        else "security.max_body_bytes"
+    )
     return f"request body larger than {limit} bytes ({setting})"
 
 
@@ -346,6 +352,11 @@ class SecurityMiddleware:
             return
         path = scope["path"]
         state = scope.setdefault("state", {})
+        acting = scope.get("mlxd.acting_for")  # set only in-process (api/batch_runner.py)
+        if isinstance(acting, Principal):
+            state["principal"] = acting
+            await self.app(scope, receive, send)
+            return
         quota: Quota | None = None
         public = path in self.public or (
             self.ui_public and scope["method"] in ("GET", "HEAD") and is_public_ui_path(path)
@@ -417,6 +428,8 @@ class SecurityMiddleware:
                     return
 
         max_body = self.max_upload if path in UPLOAD_PATHS else self.max_body
+        if path == "/v1/files":  # its own limit, checked exactly as the file is stored
+            max_body = self.settings.batch.max_file_bytes + 256 * 1024
         for k, v in scope.get("headers", ()):
             if k == b"content-length":
                 try:
@@ -436,7 +449,7 @@ class SecurityMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > max_body:
-                    raise _BodyTooLarge(max_body, path in UPLOAD_PATHS)
+                    raise _BodyTooLarge(max_body, path)
             return message
 
         started = False
@@ -464,6 +477,6 @@ class SecurityMiddleware:
             receive,
             send,
             413,
-            _too_large_message(limit, scope["path"] in UPLOAD_PATHS),
+            _too_large_message(limit, scope["path"]),
             code="request_too_large",
         )
