@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
 from mlxd import __version__
-from mlxd.api import audio, encoders, metrics, ollama, ollama_embed, openai, simple
+from mlxd.api import audio, encoders, metrics, ollama, ollama_embed, openai, simple, usage
 from mlxd.api.anthropic import router as anthropic_router
 from mlxd.api.errors import install_error_handlers
 from mlxd.api.middleware import install_middleware
@@ -16,29 +18,39 @@ from mlxd.api.responses import router as responses_router
 from mlxd.api.streaming import ClientGone
 from mlxd.config import Settings
 from mlxd.frontend.runtime import Runtime
+from mlxd.observability import tracing
+from mlxd.observability.usage import UsageStore
 
 
 def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     rt = runtime or Runtime(settings)
 
     sampler = None
+    flushing: Any = None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        traced = tracing.setup(settings.observability.otlp_traces_endpoint, "api", __version__)
         await rt.start()
         if sampler is not None:
             sampler.start()
         try:
-            yield
+            async with flushing() if flushing is not None else contextlib.nullcontext():
+                yield
         finally:
             if sampler is not None:
                 await sampler.stop()
             await rt.stop()
             await app.state.rate_limits.aclose()
+            if traced:
+                await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="mlxd", version=__version__, lifespan=lifespan)
     app.state.runtime = rt
     app.state.settings = settings
+    if settings.usage.enabled:  # the path now: a test's later MLXD_HOME must not move it
+        store = UsageStore(settings.home / "mlxd.sqlite3", settings.usage.retention_days)
+        flushing = usage.install_usage(app, store, settings.usage.flush_interval_s)
     install_error_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -56,6 +68,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
     app.include_router(audio.uploads)  # /v1/audio/transcriptions, /v1/audio/translations
     app.include_router(audio.router)  # /v1/audio/speech
     app.include_router(metrics.router)
+    app.include_router(usage.router)  # /v1/usage
     if settings.server.ui:
         from mlxd.api.ui import install_ui
 

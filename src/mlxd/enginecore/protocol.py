@@ -99,6 +99,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     vision: VisionInput | None = None
     tools: bool = False  # only for errors' wording in the vision adapter
     cache_salt: str | None = None  # the prefix-cache partition (core/blocks.py cache_salt)
+    traceparent: str | None = None  # W3C: the front end's request span, parent of the core's
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

@@ -55,7 +55,7 @@ from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
-from mlxd.observability.context import add_usage, current, note
+from mlxd.observability.context import add_usage, current, note, note_first
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,7 @@ class Runtime:
             prompts.check_images(self.settings, name, self._known_kind(name), req)
         if req.user:
             note(user=req.user)
+        note_first(max_tokens=req.sampling.max_tokens, temperature=req.sampling.temperature)
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         self._admitted += 1
@@ -359,6 +360,7 @@ class Runtime:
             arm_after=list(plan.arm_after) if plan is not None and plan.arm_after else None,
             vision=vision,
             cache_salt=self._cache_salt(req),
+            traceparent=(current() or {}).get("traceparent"),
         )
         core = self.cores.pick(name, tokens, add.cache_salt)
         gen = Generation(
