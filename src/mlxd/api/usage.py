@@ -11,23 +11,56 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
+from mlxd.api.docs import error_model, ok
 from mlxd.api.owner import LOCAL_OPERATOR, principal
+from mlxd.api.routing import ApiRoute
 from mlxd.api.security import is_loopback
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.observability.usage import UsageStore
 
 log = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 DEFAULT_SPAN_S = 7 * 86400
+MAX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: SQLite's integers and datetime both hold it
+
+
+class UsageRow(BaseModel):
+    start: int
+    key: str | None = None
+    model: str | None = None
+    requests: int
+    errors: int
+    input_tokens: int
+    output_tokens: int
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage"]
+    start: int
+    end: int
+    bucket: Literal["hour", "day"]
+    group_by: list[str]
+    data: list[UsageRow]
+
+
+_REFUSALS = {
+    400: {"model": error_model("/v1/usage"), "description": "A bad start, end or group_by."},
+    403: {
+        "model": error_model("/v1/usage"),
+        "description": "Not an admin key (or, without keys, not a loopback caller).",
+    },
+}
 
 
 class PermissionDenied(MlxdError):
@@ -40,20 +73,23 @@ def parse_time(value: str | None, param: str, default: float) -> float:
     """Unix seconds, or an ISO 8601 date or time (UTC unless it names its offset)."""
     if value is None or value == "":
         return default
+    bad = InvalidRequest(
+        f"'{param}' must be Unix seconds or an ISO 8601 date or time, got '{value[:64]}'",
+        param=param,
+    )
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise InvalidRequest(
-            f"'{param}' must be Unix seconds or an ISO 8601 date or time, got '{value}'",
-            param=param,
-        ) from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.timezone.utc)
-    return t.timestamp()
+        try:
+            t = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            raise bad from None
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=dt.timezone.utc)
+        seconds = t.timestamp()
+    if not math.isfinite(seconds) or abs(seconds) > MAX_SECONDS:
+        raise bad
+    return seconds
 
 
 def _check_admin(request: Request) -> None:
@@ -68,7 +104,7 @@ def _check_admin(request: Request) -> None:
         )
 
 
-@router.get("/v1/usage")
+@router.get("/v1/usage", responses={**ok(UsageReport), **_REFUSALS})
 async def get_usage(
     request: Request,
     start: str | None = Query(None, description="Unix seconds or ISO 8601; default 7 days ago"),
