@@ -54,7 +54,7 @@ class UsageReport(BaseModel):
     data: list[UsageRow]
 
 
-_REFUSALS = {
+_REFUSALS: dict[int | str, Any] = {
     400: {"model": error_model("/v1/usage"), "description": "A bad start, end or group_by."},
     403: {
         "model": error_model("/v1/usage"),
