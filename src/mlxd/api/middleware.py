@@ -226,7 +226,7 @@ class AccessMiddleware:
         key = state.get("key_name") or ""
         tokens_in, tokens_out = state.get("prompt_tokens", 0), state.get("completion_tokens", 0)
         error = status >= 400
-        model = state.get("model") or "" if not error or tokens_in or tokens_out else ""
+        model = "" if error and not (tokens_in or tokens_out) else state.get("model") or ""
         metrics.key_requests_total.labels(key, model).inc()
         if error:
             metrics.key_errors_total.labels(key, model).inc()
