@@ -120,6 +120,7 @@ _TIER_FILES = {
         "ops/test_ratelimit_redis.py",
         "ops/test_faults_store.py",
         "ops/test_tracing.py",
+        "ops/test_usage.py",
         "store/test_hub_pull.py",
         # servers started, killed and restarted per test, or real weights
         "ops/test_ops_resilience.py",

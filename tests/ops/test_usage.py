@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-from conftest import LiveServer, make_settings
+from conftest import LiveServer, free_port, make_settings, wait_healthy, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlxd.observability.usage import UsageStore
@@ -235,3 +236,55 @@ def test_retention_prunes_old_hours(tmp_path) -> None:
         assert all(r["start"] % day == 0 for r in days)
     finally:
         store.close()
+
+
+def test_several_front_ends_add_into_the_same_rows(tmp_path, tiny_llama) -> None:
+    """`--api-workers 2`: each front end writes its own counts into the shared rows (an
+    upsert that adds); the totals reach what was sent, whichever front end answered."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        MLXD_API_KEYS=f"alice:{ALICE} admin,bob:{BOB}",
+        MLXD_USAGE__FLUSH_INTERVAL_S="0.2",
+        HF_HUB_OFFLINE="1",
+    )
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxd", "serve", "--model", str(tiny_llama)]
+            + ["--port", str(port), "--api-workers", "2"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, 180, lambda: log.read_text()[-3000:])
+        for _ in range(6):  # new connections: the kernel spreads them over the workers
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                headers=_auth(BOB),
+                json={
+                    "model": "default",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+
+        def bob() -> dict:
+            r = httpx.get(
+                url + "/v1/usage", headers=_auth(ALICE), params={"group_by": "key"}, timeout=30
+            )
+            assert r.status_code == 200, r.text
+            return _by_key(r.json()["data"]).get("bob", {})
+
+        assert wait_until(lambda: bob().get("requests") == 6, timeout=60), bob()
+        assert bob()["output_tokens"] == 12
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
