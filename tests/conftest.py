@@ -105,7 +105,7 @@ from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
 # Whole files by their path below tests/; a single slow test in a fast file carries
 # @pytest.mark.slow itself. A campaign also runs serial: it loads the machine on purpose.
 _TIER_FILES = {
-    "browser": {"ui/test_ui_browser.py"},
+    "browser": {"ui/test_ui_browser.py", "ui/test_ui_usage.py"},
     "campaign": {"ops/test_fuzz.py", "ops/test_soak.py"},
     "slow": {
         # `mlxd serve`, `mlxd start` or the CLI as subprocesses
@@ -119,6 +119,8 @@ _TIER_FILES = {
         "ops/test_data_parallel.py",
         "ops/test_ratelimit_redis.py",
         "ops/test_faults_store.py",
+        "ops/test_tracing.py",
+        "ops/test_usage.py",
         "store/test_hub_pull.py",
         # servers started, killed and restarted per test, or real weights
         "ops/test_ops_resilience.py",

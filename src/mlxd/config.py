@@ -1162,6 +1162,29 @@ class MetricsSettings(_Section):
     )
 
 
+class ObservabilitySettings(_Section):
+    """OpenTelemetry traces (the ``otel`` extra)."""
+
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="Export OpenTelemetry traces over OTLP/HTTP to this URL (the full "
+        "http://collector:4318/v1/traces). Unset: no tracing, nothing of the SDK loaded. "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT sets it too.",
+    )
+
+
+class UsageSettings(_Section):
+    """Tokens, requests and errors per API key name and model, kept in $MLXD_HOME/mlxd.sqlite3."""
+
+    enabled: bool = Field(True, description="Record usage per key and model (GET /v1/usage).")
+    retention_days: int = Field(
+        90, ge=1, description="Hourly usage rows older than this many days are deleted."
+    )
+    flush_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="Write the usage counted in memory this often."
+    )
+
+
 class Settings(BaseSettings):
     """The effective configuration of one mlxd process."""
 
@@ -1182,6 +1205,8 @@ class Settings(BaseSettings):
     batch: BatchSettings = Field(default_factory=BatchSettings)
     vision: VisionSettings = Field(default_factory=VisionSettings)
     audio: AudioSettings = Field(default_factory=AudioSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
 
     @model_validator(mode="after")
     def _model_kv_combinations(self) -> Settings:
@@ -1223,7 +1248,11 @@ class Settings(BaseSettings):
 
 # Short environment names people expect from other servers, comma-separated lists.
 FLAT_ENV = {"MLXD_PRELOAD": ("models", "preload")}
-FLAT_SCALAR_ENV = {"MLXD_BLAS": ("backend", "blas")}
+FLAT_SCALAR_ENV = {
+    "MLXD_BLAS": ("backend", "blas"),
+    # OpenTelemetry's own name for the traces endpoint
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": ("observability", "otlp_traces_endpoint"),
+}
 FLAT_SCALAR_ENV.update(
     {  # the issue's MLXD_BATCH_* names for the batch: section
         f"MLXD_BATCH_{k.upper()}": ("batch", k)

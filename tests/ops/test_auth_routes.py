@@ -91,7 +91,8 @@ def keyed(request, tmp_path_factory, tiny_llama) -> Iterator[tuple[LiveServer, b
         make_settings(
             home,
             tiny_llama,
-            security={"api_keys": [{"key": KEY, "name": "t"}]},
+            # an admin key: past the door it may use every route (/v1/usage is for admins)
+            security={"api_keys": [{"key": KEY, "name": "t", "admin": True}]},
             metrics={"require_key": require_key},
         )
     ).start()

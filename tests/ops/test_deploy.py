@@ -129,6 +129,35 @@ def test_compose_file_validates_against_the_compose_spec_schema():
     assert len(list(validator.iter_errors(broken))) == 2
 
 
+def test_compose_tracing_layer_sends_the_replicas_spans_to_its_collector(monkeypatch):
+    """tracing.yaml, layered on compose.yaml: valid Compose, every replica's endpoint is the
+    Collector's OTLP/HTTP receiver (which mlxd reads from the variable), and the Collector
+    passes traces on to Jaeger, which the layer runs."""
+    from mlxd.config import Settings
+
+    layer = yaml.safe_load((COMPOSE / "tracing.yaml").read_text())
+    schema = json.loads((FIXTURES / "compose-spec.schema.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    assert [e.message for e in validator.iter_errors(layer)] == []
+    replicas = [
+        n for n, s in _compose()["services"].items() if s.get("command", [None])[0] == "serve"
+    ]
+    assert sorted(replicas) == ["mlxd-a", "mlxd-b"]
+    collector = yaml.safe_load((COMPOSE / "otel-collector.yaml").read_text())
+    port = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    for name in replicas:
+        endpoint = layer["services"][name]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+        assert endpoint == f"http://otel-collector:{port}/v1/traces"
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", endpoint)
+        assert Settings().observability.otlp_traces_endpoint == endpoint
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"]
+    assert collector["exporters"]["otlp/jaeger"]["endpoint"].split(":")[0] in layer["services"]
+    mount = layer["services"]["otel-collector"]["volumes"][0]
+    assert mount.startswith("./otel-collector.yaml:")
+    assert "otel" in (ROOT / "deploy" / "Dockerfile").read_text().split("ARG EXTRAS=")[1].split()[0]
+
+
 def test_compose_runs_two_replicas_behind_an_sse_friendly_proxy_sharing_redis():
     from mlxd.config import Settings
 

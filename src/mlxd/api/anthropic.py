@@ -38,6 +38,7 @@ from mlxd.api.tooling import apply_tools, arguments_dict, openai_response_format
 from mlxd.core.errors import MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, ToolCall, Usage
 from mlxd.frontend.generation import Generation
+from mlxd.observability.context import note_first
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -109,6 +110,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     req.user, req.cache_salt, req.priority = body.user, body.cache_salt, body.priority
     (gen,) = await submit_n(request, req, 1)
     mid = "msg_" + uuid.uuid4().hex[:24]
+    note_first(response_id=mid)
     if body.stream:
         return sse_response(_stream(gen, mid), gen.close)
     res = await until_disconnect(request, collect(gen))

@@ -16,6 +16,7 @@ from mlxd.api.streaming import until_disconnect
 from mlxd.core.types import GenerateRequest, TokenEvent, TokenLogprob, ToolCall, Usage
 from mlxd.frontend.generation import Generation
 from mlxd.frontend.runtime import Runtime
+from mlxd.observability.context import note_first
 
 
 def runtime(request: Request) -> Runtime:
@@ -23,7 +24,9 @@ def runtime(request: Request) -> Runtime:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+    note_first(response_id=rid)  # the request's first id is its response's (traces)
+    return rid
 
 
 def now() -> int:

@@ -28,15 +28,32 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.core.errors import ShuttingDown
-from mlxd.observability import context, metrics
+from mlxd.observability import context, metrics, tracing
 from mlxd.observability.history import RequestLog
 from mlxd.observability.logs import log_value
+from mlxd.observability.usage import UsageStore
 from mlxd.ui import is_ui_route
 
 log = logging.getLogger("mlxd.access")
 
 # Answered even while draining: load balancers and scrapers must see the truth.
 _DRAIN_EXEMPT = frozenset({"/health", "/metrics"})
+
+# GenAI semantic conventions' gen_ai.operation.name of the model routes, by route template
+GENAI_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/messages": "chat",
+    "/v1/responses": "chat",
+    "/api/chat": "chat",
+    "/v1/completions": "text_completion",
+    "/completions": "text_completion",
+    "/api/generate": "text_completion",
+    "/v1/embeddings": "embeddings",
+    "/embeddings": "embeddings",
+    "/api/embed": "embeddings",
+    "/api/embeddings": "embeddings",
+}
 
 
 @dataclass
@@ -90,11 +107,13 @@ class AccessMiddleware:
         lifecycle: Lifecycle | None = None,
         router: Any = None,
         recent: RequestLog | None = None,
+        usage: UsageStore | None = None,
     ) -> None:
         self.app = app
         self.lifecycle = lifecycle or Lifecycle()
         self.router = router
         self.recent = recent  # the web UI's request list (the UI's own requests left out)
+        self.usage = usage  # usage per key name and model (None: usage.enabled false)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,6 +129,10 @@ class AccessMiddleware:
         state["request_id"] = rid
         t0 = time.perf_counter()
         status = 0
+        span = None
+        if tracing.enabled() and scope["path"] not in _DRAIN_EXEMPT:
+            span = self._start_span(scope)
+            state["traceparent"] = tracing.traceparent_of(span)
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -140,13 +163,31 @@ class AccessMiddleware:
         finally:
             context.unbind(token)
             lc.inflight -= 1
-            self._record(scope, state, status or 500, time.perf_counter() - t0, rid)
+            self._record(scope, state, status or 500, time.perf_counter() - t0, rid, span)
 
-    def _record(self, scope: Scope, state: dict, status: int, seconds: float, rid: str) -> None:
+    @staticmethod
+    def _start_span(scope: Scope) -> Any:
+        parent = None
+        for k, v in scope.get("headers", []):
+            if k == b"traceparent":
+                parent = v.decode("latin-1")
+                break
+        method = scope["method"]
+        attributes = {"http.request.method": method, "url.path": scope["path"]}
+        return tracing.start_server_span(f"{method} {scope['path']}", parent, attributes)
+
+    def _record(
+        self, scope: Scope, state: dict, status: int, seconds: float, rid: str, span: Any = None
+    ) -> None:
         method = scope["method"]
         route = route_template(self.router, scope)
         metrics.http_requests_total.labels(method, route, str(status)).inc()
         metrics.http_request_duration.labels(method, route).observe(seconds)
+        operation = GENAI_OPERATIONS.get(route)
+        if operation is not None or state.get("model"):
+            self._count_usage(state, status)
+        if span is not None:
+            _end_span(span, state, method, route, operation, status, rid)
         fields: dict[str, Any] = {
             "request_id": rid,
             "method": method,
@@ -176,6 +217,58 @@ class AccessMiddleware:
         if self.recent is not None and not is_ui_route(route):
             who = state.get("principal")
             self.recent.add(fields, line, who.owner if who is not None else None)
+
+    def _count_usage(self, state: dict, status: int) -> None:
+        """A model request's tokens, and whether it failed, under its key name and model.
+
+        A failed request that used no tokens counts under the model "": the name it asked
+        for may be anything, and a label per made-up name would grow without bound."""
+        key = state.get("key_name") or ""
+        tokens_in, tokens_out = state.get("prompt_tokens", 0), state.get("completion_tokens", 0)
+        error = status >= 400
+        model = "" if error and not (tokens_in or tokens_out) else state.get("model") or ""
+        metrics.key_requests_total.labels(key, model).inc()
+        if error:
+            metrics.key_errors_total.labels(key, model).inc()
+        if tokens_in:
+            metrics.key_tokens_total.labels(key, model, "input").inc(tokens_in)
+        if tokens_out:
+            metrics.key_tokens_total.labels(key, model, "output").inc(tokens_out)
+        if self.usage is not None:
+            self.usage.record(key, model, tokens_in, tokens_out, error)
+
+
+def _end_span(
+    span: Any, state: dict, method: str, route: str, operation: str | None, status: int, rid: str
+) -> None:
+    """The request span's GenAI attributes (semantic conventions), from what the layers
+    below recorded in the request's state."""
+    model = state.get("model")
+    attributes: dict[str, Any] = {
+        "http.route": route,
+        "http.response.status_code": status,
+        "mlxd.request_id": rid,
+        "gen_ai.operation.name": operation,
+        "gen_ai.system": "mlxd" if operation else None,
+        "gen_ai.request.model": model,
+        "gen_ai.response.model": model,
+        "gen_ai.request.max_tokens": state.get("max_tokens"),
+        "gen_ai.request.temperature": state.get("temperature"),
+        "gen_ai.response.id": state.get("response_id"),
+        "gen_ai.usage.input_tokens": state.get("prompt_tokens"),
+        "gen_ai.usage.output_tokens": state.get("completion_tokens"),
+        "mlxd.time_to_first_token_s": state.get("ttft_s"),
+        "mlxd.queue_time_s": state.get("queue_s"),
+        "mlxd.api_key_name": state.get("key_name"),
+    }
+    reasons = state.get("finish_reasons")
+    if reasons:
+        attributes["gen_ai.response.finish_reasons"] = list(reasons)
+    if operation is not None:
+        name = f"{operation} {model}" if model else operation
+    else:
+        name = f"{method} {route}"
+    tracing.end_span(span, name, attributes, f"HTTP {status}" if status >= 500 else None)
 
 
 def allowed_methods(router: Any, scope: Scope) -> set[str]:
@@ -277,6 +370,10 @@ def install_middleware(app: Any, settings: Any) -> Lifecycle:
     app.add_middleware(OriginMiddleware, settings=settings)
     app.state.recent_requests = RequestLog(settings.server.ui_recent_requests)
     app.add_middleware(
-        AccessMiddleware, lifecycle=lifecycle, router=app.router, recent=app.state.recent_requests
+        AccessMiddleware,
+        lifecycle=lifecycle,
+        router=app.router,
+        recent=app.state.recent_requests,
+        usage=getattr(app.state, "usage", None),
     )
     return lifecycle

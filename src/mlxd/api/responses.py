@@ -54,6 +54,7 @@ from mlxd.config import EFFORT_BUDGETS
 from mlxd.core.errors import InvalidRequest, MlxdError
 from mlxd.core.types import GenerateRequest, ImageInput, SamplingParams, Usage
 from mlxd.frontend.generation import Generation
+from mlxd.observability.context import note_first
 
 router = APIRouter(route_class=ApiRoute)
 # mlx-vlm's paths, without /v1 (see api/openai.py)
@@ -329,6 +330,7 @@ class _Turn:
     def __init__(self, body: ResponsesRequest, request: Request) -> None:
         self.body = body
         self.id = "resp_" + _ids()
+        note_first(response_id=self.id)
         self.created = int(time.time())
         history: list[dict] = []
         if body.previous_response_id:

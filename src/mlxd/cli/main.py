@@ -10,6 +10,7 @@ from mlxd.cli.doctor import doctor
 from mlxd.cli.models import register as register_model_commands
 from mlxd.cli.serve import serve
 from mlxd.cli.service import app as service_app
+from mlxd.cli.usage_cmd import usage
 
 app = typer.Typer(
     name="mlxd",
@@ -52,6 +53,7 @@ register_daemon_commands(app)  # start, status, stop
 register_config_command(app)  # config
 app.add_typer(service_app, name="service")  # service install|uninstall|start|stop|...
 app.command()(doctor)
+app.command()(usage)  # usage per API key name and model
 
 
 def main() -> None:

@@ -112,6 +112,13 @@ def serve(
             "pipelining: Qwen2/2.5, DeepSeek-V2/V3, Qwen3-MoE...).",
         ),
     ] = None,
+    otlp_traces_endpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Export OpenTelemetry traces over OTLP/HTTP to this URL "
+            "(http://collector:4318/v1/traces; needs the otel extra).",
+        ),
+    ] = None,
 ) -> None:
     """Run the server in the foreground."""
     overrides = {
@@ -144,6 +151,7 @@ def serve(
             "draft_model": draft_model,
         },
         "log": {"level": log_level, "format": log_format},
+        "observability": {"otlp_traces_endpoint": otlp_traces_endpoint},
     }
     try:
         settings = load_settings(config, overrides)

@@ -41,6 +41,7 @@ from mlxd.core.errors import InvalidRequest, QueueFull, Unavailable
 from mlxd.core.render import Renderer
 from mlxd.enginecore import protocol as p
 from mlxd.enginecore.outlet import Outlet
+from mlxd.observability import tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class _Live:
     engine: Any
     seq: Any
     frontend: int
+    traceparent: str | None = None  # the front end's request span (traces on)
+    t_received: float = 0.0  # time.monotonic() when the Add arrived
 
 
 class FrontendChannel:
@@ -300,6 +303,7 @@ class EngineCore:
 
     async def _add(self, m: p.Add) -> None:
         fe = m.frontend
+        t_received = time.monotonic()
         if self.draining or not self.worker.alive:
             self._reply_error(
                 fe,
@@ -372,7 +376,7 @@ class EngineCore:
         if channel is None:
             channel = self._channels[fe] = FrontendChannel(self, fe)
         seq.handle = (channel, (m.rid, seq))
-        self._live[m.rid] = _Live(lease, engine, seq, fe)
+        self._live[m.rid] = _Live(lease, engine, seq, fe, m.traceparent, t_received)
         self.admitted_total += 1
         self.outlet.send(
             fe,
@@ -433,6 +437,8 @@ class EngineCore:
             self.worker.cancel(live.engine, live.seq)
         self._inflight -= 1
         live.lease.release()
+        if live.traceparent is not None and tracing.enabled():
+            _trace(live, cancel)
         return True
 
     def _drop_frontend(self, fe: int) -> None:
@@ -499,6 +505,30 @@ def _use_device(device: str) -> None:
         log.info("engine core device: %s", device)
 
 
+def _trace(live: _Live, cancelled: bool) -> None:
+    """The finished sequence's queue, prefill and decode spans (monotonic timestamps the
+    engine kept), children of the front end's request span."""
+    seq = live.seq
+    now = time.monotonic()
+    scheduled = seq.t_scheduled or (now if cancelled else 0.0)
+    first = seq.t_first or (now if cancelled and seq.t_scheduled else 0.0)
+    tracing.core_spans(
+        live.traceparent,
+        [
+            ("queue", live.t_received, scheduled),
+            ("prefill", seq.t_scheduled, first),
+            ("decode", seq.t_first, now),
+        ],
+        {
+            "gen_ai.request.model": live.engine.name,
+            "gen_ai.usage.input_tokens": len(seq.prompt_tokens),
+            "gen_ai.usage.output_tokens": seq.generated,
+            "mlxd.cached_tokens": seq.cached_tokens,
+            "mlxd.cancelled": cancelled,
+        },
+    )
+
+
 def main(run_dir: str, epoch: int) -> None:
     """The process entry (``python -m mlxd.enginecore RUN_DIR EPOCH``)."""
     import pickle
@@ -531,11 +561,13 @@ def main(run_dir: str, epoch: int) -> None:
         from mlxd.enginecore import group
 
         group.lead(settings)  # rank 0 of a rank group (enginecore/group.py)
+    tracing.setup(settings.observability.otlp_traces_endpoint, "engine-core")
     core = EngineCore(settings, run_dir, epoch)
 
     def terminate(*_: Any) -> None:
         try:
             core.flush_caches(5.0)  # the supervisor waits 10 s before a kill
+            tracing.shutdown(2.0)
         finally:
             os._exit(0)
 

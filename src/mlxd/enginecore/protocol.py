@@ -104,6 +104,7 @@ class Add(msgspec.Struct, tag="add", array_like=True, gc=False):
     priority: int = 0  # lower runs first (core/types.py DEFAULT_PRIORITY)
     tenant: str = ""  # who shares the engine fairly with whom: the API key's owner id
     weight: float = 1.0  # the tenant's share among tenants waiting at one priority
+    traceparent: str | None = None  # W3C: the front end's request span, parent of the core's
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

@@ -12,6 +12,7 @@ the front ends (frontend/generation.py), off the device thread.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -76,6 +77,7 @@ class Sequence:
     cached_first: int | None = None  # a resumed row: its first admission's cached_tokens
     t_added: float = 0.0
     t_scheduled: float = 0.0  # when it joined the batch (monotonic)
+    t_first: float = 0.0  # when its first token came out (monotonic): prefill's end
     error: Exception | None = None  # its own processors failed: it ends alone, with this
     extra: Any = field(default=None, repr=False)  # the family adapter's own state
 
@@ -163,6 +165,8 @@ class DecodeEngine(abc.ABC):
             seq.generated += 1
             seq.output.append(token)
         out = StepOutput(token, finish)
+        if seq.generated == 1:
+            seq.t_first = time.monotonic()
         if seq.generated == 1 and seq.t_scheduled and seq.t_added:
             out.queued_s = max(seq.t_scheduled - seq.t_added, 0.0)
         if seq.params.logprobs and token is not None and logprobs is not None:

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from mlxd.core.types import FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from mlxd.enginecore import protocol as p
+from mlxd.observability import context
 from mlxd.observability.metrics import GenerationObserver
 from mlxd.text.stops import StopMatcher
 from mlxd.text.thinking import ThinkTracker
@@ -115,6 +116,7 @@ class Generation:
                 if first:
                     self.t_first = time.perf_counter()
                     first = False
+                    context.note_first(ttft_s=self.t_first - self.t_submitted)
                 if out.error is not None:
                     self._done = True
                     assert self._obs is not None
@@ -122,11 +124,13 @@ class Generation:
                     raise p.error_from_wire(out.error)
                 if out.queued_s >= 0 and self.queue_seconds is None:
                     self.queue_seconds = (self.t_accepted - self.t_submitted) + out.queued_s
+                    context.note_first(queue_s=self.queue_seconds)
                 event = self._event(out)
                 assert self._obs is not None
                 self._obs.event(len(event.token_ids), event.finish_reason)
                 if event.finish_reason is not None:
                     self._done = out.finish_reason is not None  # else: a stop string
+                    context.add_finish(event.finish_reason)
                     self.t_done = time.perf_counter()
                     yield event
                     return

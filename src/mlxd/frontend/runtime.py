@@ -57,7 +57,7 @@ from mlxd.frontend.cores import CorePool
 from mlxd.frontend.generation import Generation, new_rid
 from mlxd.frontend.models import ModelsView
 from mlxd.frontend.speech import SpeechRequests
-from mlxd.observability.context import add_usage, current, note
+from mlxd.observability.context import add_usage, current, note, note_first
 from mlxd.store.catalog import ModelCatalog
 
 log = logging.getLogger(__name__)
@@ -325,6 +325,7 @@ class Runtime:
         if req.user:
             note(user=req.user)
         req.priority = request_priority(req.priority)
+        note_first(max_tokens=req.sampling.max_tokens, temperature=req.sampling.temperature)
         if self._admitted >= self.admission_limit:
             raise QueueFull("too many requests queued; retry shortly", headers={"Retry-After": "1"})
         self._admitted += 1
@@ -373,6 +374,7 @@ class Runtime:
             priority=DEFAULT_PRIORITY if req.priority is None else req.priority,
             tenant=getattr(principal, "owner", None) or "",
             weight=float(getattr(principal, "weight", 1.0)),
+            traceparent=(current() or {}).get("traceparent"),
         )
         core = self.cores.pick(name, tokens, add.cache_salt)
         gen = Generation(

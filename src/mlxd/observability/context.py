@@ -43,3 +43,18 @@ def add_usage(model: str | None, prompt_tokens: int = 0, completion_tokens: int 
         st["model"] = model
     st["prompt_tokens"] = st.get("prompt_tokens", 0) + int(prompt_tokens)
     st["completion_tokens"] = st.get("completion_tokens", 0) + int(completion_tokens)
+
+
+def note_first(**facts: Any) -> None:
+    """Record facts the request does not have yet (its first response id, first token)."""
+    st = _state.get()
+    if st is not None:
+        for k, v in facts.items():
+            st.setdefault(k, v)
+
+
+def add_finish(reason: str) -> None:
+    """A sequence of the current request ended for ``reason`` (several with ``n`` > 1)."""
+    st = _state.get()
+    if st is not None:
+        st.setdefault("finish_reasons", []).append(reason)

@@ -372,6 +372,25 @@ http_requests_total = Counter(
     ["method", "route", "status"],
     registry=REGISTRY,
 )
+# -- usage per API key name (never the key; empty with no keys configured) --------------------
+key_tokens_total = Counter(
+    "mlxd_key_tokens",
+    "Tokens by API key name, model and kind (input, output).",
+    ["key", "model", "kind"],
+    registry=REGISTRY,
+)
+key_requests_total = Counter(
+    "mlxd_key_requests",
+    "Model requests by API key name and model.",
+    ["key", "model"],
+    registry=REGISTRY,
+)
+key_errors_total = Counter(
+    "mlxd_key_errors",
+    "Model requests answered with an error status (4xx, 5xx) by API key name and model.",
+    ["key", "model"],
+    registry=REGISTRY,
+)
 http_request_duration = Histogram(
     "mlxd:http_request_duration_seconds",
     "HTTP request latency by route.",

@@ -1,11 +1,12 @@
-// The shell: API-key gate, header facts, and three views picked by the URL's hash.
+// The shell: API-key gate, header facts, and four views picked by the URL's hash.
 import { html, render, useState, useEffect, useCallback } from "./vendor/preact-htm.module.js";
 import { call, NeedKey, getKey, setKey, fmtDuration } from "./api.js";
 import { Overview } from "./overview.js";
 import { Playground } from "./playground.js";
 import { Requests } from "./requests.js";
+import { Usage } from "./usage.js";
 
-const VIEWS = { overview: "Overview", playground: "Playground", requests: "Requests" };
+const VIEWS = { overview: "Overview", playground: "Playground", requests: "Requests", usage: "Usage" };
 
 function viewFromHash() {
   const v = location.hash.replace(/^#\/?/, "").split("/")[0];
@@ -66,6 +67,7 @@ function App() {
       ${view === "overview" && html`<${Overview} info=${info} refresh=${refresh} onAuthError=${onAuthError} />`}
       ${view === "playground" && html`<${Playground} info=${info} onAuthError=${onAuthError} />`}
       ${view === "requests" && html`<${Requests} onAuthError=${onAuthError} />`}
+      ${view === "usage" && html`<${Usage} onAuthError=${onAuthError} />`}
     </main>`;
 }
 
