@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.core.errors import ModelLoadError
@@ -315,7 +316,21 @@ class LLMEngine(DecodeEngine):
             return BoundedBatchGenerator(
                 self.model, max_kv_size=o.max_kv_size, defer_leaves=self._defer_leaves, **common
             )
-        return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
+        return ServingBatchGenerator(
+            self.model,
+            defer_leaves=self._defer_leaves,
+            checkpoint_tokens=self._checkpoint_tokens(),
+            **common,
+        )
+
+    def _checkpoint_tokens(self) -> int | None:
+        """engine.hybrid_checkpoint_tokens for a model with recurrent or sliding-window
+        layers and a prefix cache (engines/prefix_cache.py); None: no checkpoints."""
+        o = self.options
+        plain = all(type(c) is KVCache for c in make_prompt_cache(self.model))
+        if o.prefix_cache_bytes <= 0 or plain:
+            return None
+        return o.hybrid_checkpoint_tokens
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
@@ -576,7 +591,14 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
-        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0, salt=seq.cache_salt)
+        take = getattr(self._gen, "take_checkpoints", None)
+        self.prefix_cache.insert(
+            tokens,
+            cache,
+            reused=seq.cached_tokens > 0,
+            salt=seq.cache_salt,
+            checkpoints=take(seq.uid) if take is not None else None,
+        )
         if (
             self.disk is not None
             and self._warm_phases is None
