@@ -123,7 +123,9 @@ class LLMEngine(DecodeEngine):
             self._seqs: dict[int, Sequence] = {}
             self._pending: list[Sequence] = []
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
-            self.prefix_cache = PrefixCache(o.prefix_cache_bytes, o.prefix_cache_min_tokens)
+            self.prefix_cache = PrefixCache(
+                o.prefix_cache_bytes, o.prefix_cache_min_tokens, model=name
+            )
             self.disk: DiskPrefixCache | None = None
             self._disk_writes_all = o.prefix_cache_disk_writes == "all"
             if o.prefix_cache_bytes > 0 and o.prefix_cache_disk_bytes > 0 and o.prefix_cache_dir:
@@ -790,9 +792,10 @@ class LLMEngine(DecodeEngine):
                 self.speculator.warm = False
                 self.speculator.stats = SpecStats()
                 self._spec_reported = (0, 0, 0, 0)
+            self.prefix_cache.clear()  # no warm-up KV (nor its bytes in the metrics)
             self.prefix_cache = PrefixCache(
-                self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens
-            )  # no warm-up KV
+                self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens, model=self.name
+            )
             if not self._warm_done.done():
                 self._warm_done.set_result(None)
             return

@@ -65,6 +65,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, can_trim_prompt_cache
 
 from mlxd.core.blocks import chained_block_hashes
+from mlxd.observability import metrics
 
 BLOCK = 16
 _CANDIDATES = 4  # entries compared at the deepest shared block (the most recent ones)
@@ -182,8 +183,9 @@ def unindex(index: dict[Any, list[Any]], hashes: Iterable[Any], key: Any) -> Non
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, min_hit_tokens: int = 0) -> None:
+    def __init__(self, max_bytes: int, min_hit_tokens: int = 0, model: str | None = None) -> None:
         self.max_bytes = max(0, int(max_bytes))
+        self.model = model  # the metrics' label; None: no metrics
         self.min_hit_tokens = max(0, int(min_hit_tokens))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._index: dict[int, list[int]] = {}  # block hash -> entry keys holding it
@@ -207,6 +209,7 @@ class PrefixCache:
         self.checkpoint_misses = 0
         self.checkpoint_count = 0
         self.checkpoint_bytes = 0
+        self._bytes_shown = False  # the bytes gauge has this model's label
 
     @property
     def enabled(self) -> bool:
@@ -241,6 +244,8 @@ class PrefixCache:
                 self.misses += 1
             if unserved >= max(self.min_hit_tokens, BLOCK):
                 self.checkpoint_misses += 1
+                if self.model is not None:
+                    metrics.prefix_checkpoint_misses.labels(self.model).inc()
             return None, 0
         entry = self._entries[best_key]
         self._entries.move_to_end(best_key)
@@ -248,6 +253,8 @@ class PrefixCache:
         self.tokens_saved += best_n
         if not entry.trimmable and not (entry.whole and best_n == len(entry.tokens)):
             self.checkpoint_hits += 1
+            if self.model is not None:
+                metrics.prefix_checkpoint_hits.labels(self.model).inc()
         return _restore(entry, best_n), best_n
 
     def peek(self, tokens: list[int], salt: str | None = None) -> int:
@@ -379,6 +386,7 @@ class PrefixCache:
         )
         self.checkpoint_count += len(kept)
         self.checkpoint_bytes += ck_bytes
+        self._report_bytes()
         if not hashes:
             self._short.add(key)
         else:
@@ -397,6 +405,7 @@ class PrefixCache:
         self.nbytes -= e.nbytes
         self.checkpoint_count -= len(e.checkpoints or ())
         self.checkpoint_bytes -= e.checkpoint_bytes
+        self._report_bytes()
         self._short.discard(key)
         unindex(self._index, e.hashes, key)
         unindex(self._ends, e.hashes[-1:], key)
@@ -410,3 +419,10 @@ class PrefixCache:
         self.nbytes = 0
         self.checkpoint_count = 0
         self.checkpoint_bytes = 0
+        self._report_bytes()
+
+    def _report_bytes(self) -> None:
+        """The bytes gauge, for a model that has held checkpoints."""
+        if self.model is not None and (self.checkpoint_bytes or self._bytes_shown):
+            metrics.prefix_checkpoint_bytes.labels(self.model).set(self.checkpoint_bytes)
+            self._bytes_shown = True
