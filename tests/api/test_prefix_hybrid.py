@@ -10,6 +10,7 @@ with a cache_salt of its own reuses nothing.
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from pathlib import Path
 
@@ -196,3 +197,52 @@ def test_checkpoints_count_in_the_prefix_cache_budget(start_server, tmp_path):
     pc = m["prefix_cache"]
     assert 0 < pc["hybrid_checkpoints"]["bytes"] < pc["bytes"] <= budget
     assert pc["entries"] < 12
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3_text"])
+def test_checkpoints_survive_a_restart_on_disk(tmp_path, hybrid_models, hybrid_server, arch):
+    """The disk tier writes a reused sequence with its checkpoints; after a restart the
+    agent's next turn reads them back and resumes from the previous prompt's end."""
+    from conftest import LiveServer, make_settings
+
+    model = NAMES[arch]
+    engine = {
+        "prefix_cache_disk_min_tokens": 64,
+        "hybrid_checkpoint_tokens": 32,
+        "max_step_tokens": 48,
+        "warmup": False,
+    }
+
+    def server() -> LiveServer:
+        return LiveServer(make_settings(tmp_path, hybrid_models[arch], engine=engine)).start()
+
+    def disk(srv) -> dict:
+        (m,) = srv.health()["models"]
+        return m["prefix_cache"]["disk"]
+
+    history = [
+        {"role": "system", "content": f"Session {uuid.uuid4().hex[:8]}. {SYSTEM}"},
+        {"role": "user", "content": "List the files in the project, please."},
+    ]
+    srv = server()
+    try:
+        for turn in range(2):  # the second turn starts from a cached prefix: it is written
+            text, prompt, _ = _chat(srv, model, history)
+            history += [
+                {"role": "assistant", "content": f"Result: {text}"},
+                {"role": "user", "content": f"Now open file number {turn}."},
+            ]
+        deadline = time.monotonic() + 60
+        while disk(srv)["writes_pending"] or disk(srv)["entries"] == 0:
+            assert time.monotonic() < deadline, disk(srv)
+            time.sleep(0.05)
+    finally:
+        srv.stop()
+    srv = server()
+    try:
+        text, _, cached = _chat(srv, model, history)
+        assert prompt - 1 <= cached <= prompt, (cached, prompt)
+        assert disk(srv)["hits"] == 1
+        assert text == _cold(hybrid_server, model, history)
+    finally:
+        srv.stop()

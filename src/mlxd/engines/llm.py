@@ -380,9 +380,15 @@ class LLMEngine(DecodeEngine):
                 log.exception("prefix cache on disk: read failed")
                 got = None
             if got is not None and id(fut) not in inserted:
-                tokens, cache = got
+                tokens, cache, checkpoints = got
                 # the entry matched this sequence's salt: the file and the request share it
-                self.prefix_cache.insert(tokens.tolist(), cache, reused=True, salt=seq.cache_salt)
+                self.prefix_cache.insert(
+                    tokens.tolist(),
+                    cache,
+                    reused=True,
+                    salt=seq.cache_salt,
+                    checkpoints=checkpoints,
+                )
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
                 if (
@@ -594,19 +600,20 @@ class LLMEngine(DecodeEngine):
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
         take = getattr(self._gen, "take_checkpoints", None)
+        checkpoints = take(seq.uid) if take is not None else None
         self.prefix_cache.insert(
             tokens,
             cache,
             reused=seq.cached_tokens > 0,
             salt=seq.cache_salt,
-            checkpoints=take(seq.uid) if take is not None else None,
+            checkpoints=checkpoints,
         )
         if (
             self.disk is not None
             and self._warm_phases is None
             and (self._disk_writes_all or seq.cached_tokens > 0)
         ):
-            self.disk.spill(tokens, cache, seq.cache_salt)
+            self.disk.spill(tokens, cache, seq.cache_salt, checkpoints)
 
     def has_work(self) -> bool:
         self._poll_loads()

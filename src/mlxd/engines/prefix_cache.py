@@ -121,6 +121,28 @@ def arrays(tree: Any) -> list[mx.array]:
     return found
 
 
+def servable_checkpoints(
+    cache: list[Any], length: int, checkpoints: dict[int, list[Any]] | None
+) -> tuple[bool | None, dict[int, list[Any]]]:
+    """(whether a finished sequence's ``cache`` serves its ``length`` tokens whole, the
+    ``checkpoints`` it can resume from); None first when its plain KV misses tokens (the
+    checkpoints slice it). A sliding-window cache that no longer holds the whole sequence
+    serves only from checkpoints; a recurrent state always stands for the whole sequence."""
+    if any(c.size() != length for c in cache if type(c) is KVCache):
+        return None, {}
+    whole = all(c.size() == length for c in cache if not isinstance(c, ArraysCache))
+    if can_trim_prompt_cache(cache):
+        return whole, {}
+    kept = {
+        p: s
+        for p, s in (checkpoints or {}).items()
+        if 0 < p < length
+        and len(s) == len(cache)
+        and all(x is not None or type(c) is KVCache for x, c in zip(s, cache, strict=True))
+    }
+    return whole, kept
+
+
 def checkpoint_nbytes(states: list[Any]) -> int:
     return sum(v.nbytes for v in arrays(states))
 
@@ -331,24 +353,10 @@ class PrefixCache:
         and sliding-window layers' states at points of its prompt (:func:`snapshot_row`)."""
         if not self.enabled or not cache or len(tokens) < 2:
             return False
-        n_tok = len(tokens)
-        if any(c.size() != n_tok for c in cache if type(c) is KVCache):
-            return False  # plain KV must hold every token: checkpoints slice it
-        # a sliding-window cache that no longer holds the whole sequence serves only from
-        # checkpoints (a recurrent state always stands for the whole sequence)
-        whole = all(c.size() == n_tok for c in cache if not isinstance(c, ArraysCache))
-        trimmable = can_trim_prompt_cache(cache)
-        kept: dict[int, list[Any]] = {}
-        if not trimmable:
-            kept = {
-                p: s
-                for p, s in (checkpoints or {}).items()
-                if 0 < p < n_tok
-                and len(s) == len(cache)
-                and all(x is not None or type(c) is KVCache for x, c in zip(s, cache, strict=True))
-            }
-        if not whole and not kept:
+        whole, kept = servable_checkpoints(cache, len(tokens), checkpoints)
+        if whole is None or (not whole and not kept):
             return False
+        trimmable = can_trim_prompt_cache(cache)
         ck_bytes = sum(checkpoint_nbytes(s) for s in kept.values())
         nbytes = sum(c.nbytes for c in cache) + ck_bytes
         if nbytes > self.max_bytes:
