@@ -141,6 +141,29 @@ def test_an_edited_history_resumes_from_a_checkpoint_inside_the_prompt(hybrid_se
     assert 64 <= cached < first_prompt - 8, (cached, first_prompt)
 
 
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_a_new_conversation_resumes_inside_a_system_prompt_an_agent_loop_shared(
+    hybrid_server, arch
+):
+    """After an agent's five turns (each resumed from the one before, so each prefilled only
+    its own tail), a new conversation with the same system prompt still resumes from a
+    checkpoint inside it: every turn's entry carries the earlier turns' checkpoints."""
+    model = NAMES[arch]
+    system = {"role": "system", "content": f"Session {uuid.uuid4().hex[:8]}. {SYSTEM}"}
+    history = [system, {"role": "user", "content": "List the files in the project, please."}]
+    for turn in range(5):
+        text, _, cached = _chat(hybrid_server, model, history)
+        assert (cached > 0) == (turn > 0)
+        history += [
+            {"role": "assistant", "content": f"Result: {text}"},
+            {"role": "user", "content": f"Now open file number {turn}."},
+        ]
+    other = [system, {"role": "user", "content": "Which tests are failing today?"}]
+    text, prompt, cached = _chat(hybrid_server, model, other)
+    assert text == _cold(hybrid_server, model, other)
+    assert 64 <= cached < prompt - 8, (cached, prompt)
+
+
 def test_health_and_metrics_count_checkpoint_hits_misses_and_bytes(hybrid_server):
     model = NAMES["qwen3_next"]
     hits = _metric(hybrid_server, "mlxd:prefix_cache_hybrid_checkpoint_hits_total", model)

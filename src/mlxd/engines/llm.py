@@ -600,7 +600,9 @@ class LLMEngine(DecodeEngine):
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
         take = getattr(self._gen, "take_checkpoints", None)
-        checkpoints = take(seq.uid) if take is not None else None
+        checkpoints = self.prefix_cache.inherit(
+            tokens, take(seq.uid) if take is not None else None, seq.cache_salt
+        )
         self.prefix_cache.insert(
             tokens,
             cache,

@@ -56,7 +56,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -81,15 +81,14 @@ class _Entry:
     hashes: list[int]
     salt: str | None = None
     # position -> per-layer state there (None: a plain KV layer, sliced from ``cache``)
-    checkpoints: dict[int, list[Any]] | None = None
+    checkpoints: dict[int, list[Any]] = field(default_factory=dict)
     whole: bool = True  # ``cache`` itself serves the whole sequence
-    checkpoint_bytes: int = 0
 
     def served(self, n: int) -> int:
         """The longest prefix of at most ``n`` tokens this entry can resume from."""
         if self.trimmable or (self.whole and n >= len(self.tokens)):
             return min(n, len(self.tokens))
-        return max((p for p in self.checkpoints or () if p <= n), default=0)
+        return max((p for p in self.checkpoints if p <= n), default=0)
 
 
 def _owned(cache: Any) -> Any:
@@ -166,7 +165,6 @@ def _restore(entry: _Entry, n: int) -> list[Any]:
     """The entry's state after ``n`` tokens: a checkpoint's layers, the KV ones sliced."""
     if entry.trimmable or (entry.whole and n == len(entry.tokens)):
         return _view(entry.cache, n)
-    assert entry.checkpoints is not None
     states = entry.checkpoints[n]
     kv = iter(_view([c for c, s in zip(entry.cache, states, strict=True) if s is None], n))
     return [next(kv) if s is None else copy.deepcopy(s) for s in states]
@@ -232,6 +230,9 @@ class PrefixCache:
         self.checkpoint_count = 0
         self.checkpoint_bytes = 0
         self._bytes_shown = False  # the bytes gauge has this model's label
+        # checkpoints by id: [entries holding it, its bytes, it]; an entry resumed from
+        # another's checkpoint inherits the earlier ones, whose bytes count once
+        self._ck_refs: dict[int, list[Any]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -354,15 +355,20 @@ class PrefixCache:
         if not self.enabled or not cache or len(tokens) < 2:
             return False
         whole, kept = servable_checkpoints(cache, len(tokens), checkpoints)
-        if whole is None or (not whole and not kept):
-            return False
-        trimmable = can_trim_prompt_cache(cache)
-        ck_bytes = sum(checkpoint_nbytes(s) for s in kept.values())
-        nbytes = sum(c.nbytes for c in cache) + ck_bytes
-        if nbytes > self.max_bytes:
+        if whole is None:
             return False
         arr = np.asarray(tokens, dtype=np.int64)
         hashes = block_hashes(arr, salt=salt)
+        trimmable = can_trim_prompt_cache(cache)
+        if not whole and not kept:
+            return False
+        cache_bytes = sum(c.nbytes for c in cache)
+        refs = self._ck_refs
+        nbytes = cache_bytes + sum(
+            checkpoint_nbytes(st) for st in kept.values() if id(st) not in refs
+        )
+        if nbytes > self.max_bytes:
+            return False
         if not reused and self.nbytes + nbytes > self.max_bytes:
             h = self._admission_hash(hashes)
             if h is None or (h not in self._index and h not in self._ghosts):
@@ -389,11 +395,16 @@ class PrefixCache:
         # would keep the whole batch's KV buffer referenced, and every later in-place update
         # of the batch would have to copy that buffer instead of writing into it.
         mx.async_eval(arrays(cache))
-        self._entries[key] = _Entry(
-            arr, cache, nbytes, trimmable, hashes, salt, kept or None, whole, ck_bytes
-        )
-        self.checkpoint_count += len(kept)
-        self.checkpoint_bytes += ck_bytes
+        self._entries[key] = _Entry(arr, cache, cache_bytes, trimmable, hashes, salt, kept, whole)
+        self.nbytes += cache_bytes
+        for st in kept.values():  # shared with the entries it inherited them from
+            held = refs.get(id(st))
+            if held is None:
+                held = refs[id(st)] = [0, checkpoint_nbytes(st), st]
+                self.checkpoint_bytes += held[1]
+                self.nbytes += held[1]
+            held[0] += 1
+        self.checkpoint_count = len(refs)
         self._report_bytes()
         if not hashes:
             self._short.add(key)
@@ -401,18 +412,48 @@ class PrefixCache:
             self._ends.setdefault(hashes[-1], []).append(key)
         for h in hashes:
             self._index.setdefault(h, []).append(key)
-        self.nbytes += nbytes
         while self.nbytes > self.max_bytes and self._entries:
             oldest = next(iter(self._entries))
             self._remember(self._admission_hash(self._entries[oldest].hashes))
             self._drop(oldest)
         return True
 
+    def inherit(
+        self, tokens: list[int], checkpoints: dict[int, list[Any]] | None, salt: str | None
+    ) -> dict[int, list[Any]]:
+        """A finished sequence's ``checkpoints`` with those of the entries sharing the most
+        blocks with it, up to where each shares its tokens: a sequence resumed from a
+        checkpoint prefilled only what followed, so its own start there (an agent's turn n
+        carries turn 1's, and a prompt parting early from it still finds one)."""
+        if checkpoints is None:
+            return {}  # a model without checkpoints
+        arr = np.asarray(tokens, dtype=np.int64)
+        keys: list[int] = []
+        for h in block_hashes(arr, salt=salt):
+            found = self._index.get(h)
+            if not found:
+                break
+            keys = found
+        out: dict[int, list[Any]] = {}
+        for key in keys[-_CANDIDATES:]:
+            e = self._entries[key]
+            if e.salt != salt or not e.checkpoints:
+                continue
+            shared = common_prefix(e.tokens, arr)
+            out.update((p, st) for p, st in e.checkpoints.items() if p <= shared)
+        return {**out, **checkpoints}
+
     def _drop(self, key: int) -> None:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
-        self.checkpoint_count -= len(e.checkpoints or ())
-        self.checkpoint_bytes -= e.checkpoint_bytes
+        for st in e.checkpoints.values():
+            held = self._ck_refs[id(st)]
+            held[0] -= 1
+            if held[0] == 0:  # no other entry shares it
+                del self._ck_refs[id(st)]
+                self.checkpoint_bytes -= held[1]
+                self.nbytes -= held[1]
+        self.checkpoint_count = len(self._ck_refs)
         self._report_bytes()
         self._short.discard(key)
         unindex(self._index, e.hashes, key)
@@ -424,6 +465,7 @@ class PrefixCache:
         self._ends.clear()
         self._short.clear()
         self._ghosts.clear()
+        self._ck_refs.clear()
         self.nbytes = 0
         self.checkpoint_count = 0
         self.checkpoint_bytes = 0

@@ -450,6 +450,10 @@ class ServingBatchGenerator(BatchGenerator):
         every = self.checkpoint_tokens
         if every is None:
             return
+        if len(self._checkpoints) > 2 * (self.completion_batch_size + self.prefill_batch_size):
+            # rows that ended without handing theirs over (a failed row): not kept forever
+            live = {*prompts.uids, *self._generation_batch.uids}
+            self._checkpoints = {u: c for u, c in self._checkpoints.items() if u in live}
         for i, (uid, held) in enumerate(zip(prompts.uids, prompts.tokens, strict=True)):
             mine = self._checkpoints.setdefault(uid, {})
             pos = len(held)
@@ -457,8 +461,11 @@ class ServingBatchGenerator(BatchGenerator):
             if pos > last and (finals[i] or (every > 0 and pos - last >= every)):
                 mine[pos] = snapshot_row(prompts.prompt_cache, i)
 
-    def take_checkpoints(self, uid: int) -> dict[int, list[Any]]:
-        """Row ``uid``'s checkpoints, position -> states, handed over once."""
+    def take_checkpoints(self, uid: int) -> dict[int, list[Any]] | None:
+        """Row ``uid``'s checkpoints, position -> states, handed over once; None when this
+        batch takes none."""
+        if self.checkpoint_tokens is None:
+            return None
         return self._checkpoints.pop(uid, {})
 
     def _joining(self) -> list[int]:
@@ -490,10 +497,11 @@ class ServingBatchGenerator(BatchGenerator):
         batch = self._generation_batch
         if isinstance(batch, ServingGenerationBatch):
             batch.compact()
-        if not return_prompt_caches:
-            for uid in uids:
+        out = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        for uid in uids:  # a row whose cache is handed back keeps them for the engine
+            if uid not in (out or {}):
                 self._checkpoints.pop(uid, None)
-        return super().remove(uids, return_prompt_caches=return_prompt_caches)
+        return out
 
     def clean_group_room(self) -> int:
         """How many newcomers the batch takes now as one clean prefill group.
