@@ -116,7 +116,7 @@ def arrays(tree: Any) -> list[mx.array]:
         if item is None:
             continue
         state = item.state if hasattr(item, "state") else item
-        found += [v for _, v in tree_flatten(state) if isinstance(v, mx.array)]
+        found += [kv[1] for kv in tree_flatten(state) if isinstance(kv[1], mx.array)]
     return found
 
 

@@ -125,7 +125,7 @@ def _split_checkpoints(
     """A file's cache list as (the sequence's caches, its checkpoints)."""
     rest = iter(loaded[layers:])
     out: dict[int, list[Any]] = {}
-    for p, held in json.loads(layout or "[]"):
+    for p, held in json.loads(layout):
         states: list[Any] = [None] * layers
         for i in held:
             states[i] = next(rest)
@@ -535,7 +535,9 @@ class DiskPrefixCache:
                 if cache_checksum(loaded) != meta.get("checksum"):
                     raise ValueError("checksum mismatch")
                 layers = int(meta.get("layers") or len(loaded))
-                cache, checkpoints = _split_checkpoints(loaded, layers, meta.get("checkpoints"))
+                cache, checkpoints = _split_checkpoints(
+                    loaded, layers, meta.get("checkpoints") or "[]"
+                )
                 if (
                     not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens)
                     or (meta.get("salt") or None) != entry.salt
