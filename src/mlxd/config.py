@@ -526,6 +526,18 @@ class EngineSettings(_Section):
             "request shares its template's preamble)."
         ),
     )
+    hybrid_checkpoint_tokens: int = Field(
+        1024,
+        ge=0,
+        description=(
+            "Models with recurrent or sliding-window layers (Qwen3-Next, Mamba, Gemma 3): "
+            "their prefill checkpoints those layers' state at least this many tokens apart "
+            "and at every prompt's end, so a later prompt that shares a prefix but not the "
+            "whole cached sequence (an agent's next turn) resumes from the deepest "
+            "checkpoint before it diverges. Checkpoints count in prefix_cache_bytes; 0: at "
+            "prompts' ends only."
+        ),
+    )
     prefix_cache_disk_bytes: int = Field(
         2 << 30,
         ge=0,

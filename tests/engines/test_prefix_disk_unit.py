@@ -50,7 +50,7 @@ def test_round_trip_and_index_rebuilt_after_a_restart(tmp_path):
     assert again.stats()["entries"] == 1
     entry, n = again.match(toks[:50] + [1, 2, 3])
     assert n == 50
-    tokens, cache = again.load(entry).result(10)
+    tokens, cache, _ = again.load(entry).result(10)
     assert list(tokens) == toks
     assert cache[0].offset == 80 and mx.array_equal(cache[1].values, kv(80)[1].values)
     assert cache[0].keys.dtype == mx.bfloat16
@@ -70,7 +70,7 @@ def test_rotating_caches_round_trip(tmp_path):
         r.update_and_fetch(c.keys, c.values)
         rc.append(r)
     write(d, list(range(40)), rc)
-    _, cache = d.load(d.match(list(range(40)) + [7])[0]).result(10)
+    _, cache, _ = d.load(d.match(list(range(40)) + [7])[0]).result(10)
     assert type(cache[0]) is RotatingKVCache and cache[0].max_size == 64
     assert mx.array_equal(cache[0].keys[..., :40, :], rc[0].keys[..., :40, :])
 
@@ -280,7 +280,7 @@ def test_salts_partition_the_disk_tier_across_a_restart(tmp_path):
         entry, n = again.match(toks + [1], salt)
         assert n == 80 and entry.salt == salt
         assert read_header(again.dir / (entry.key + ".safetensors"))["salt"] == salt
-        _, cache = again.load(entry).result(10)
+        _, cache, _ = again.load(entry).result(10)
         assert mx.array_equal(cache[0].keys, kv(80, seed=seed)[0].keys)
     # a longer sequence under salt-b makes only salt-b's file redundant
     assert again.spill(toks + list(range(20)), kv(100), "salt-b")

@@ -28,6 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load as mlx_lm_load
 
 from mlxd.core.errors import ModelLoadError
@@ -126,7 +127,9 @@ class LLMEngine(DecodeEngine):
             self._pending: list[Sequence] = []
             self.scheduler = FairScheduler()  # who gets a free slot (engines/scheduler.py)
             self._step_ema = 0.005  # seconds per decode step, for admission (see _admit)
-            self.prefix_cache = PrefixCache(o.prefix_cache_bytes, o.prefix_cache_min_tokens)
+            self.prefix_cache = PrefixCache(
+                o.prefix_cache_bytes, o.prefix_cache_min_tokens, model=name
+            )
             self.disk: DiskPrefixCache | None = None
             self._disk_writes_all = o.prefix_cache_disk_writes == "all"
             if o.prefix_cache_bytes > 0 and o.prefix_cache_disk_bytes > 0 and o.prefix_cache_dir:
@@ -320,7 +323,21 @@ class LLMEngine(DecodeEngine):
             return BoundedBatchGenerator(
                 self.model, max_kv_size=o.max_kv_size, defer_leaves=self._defer_leaves, **common
             )
-        return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
+        return ServingBatchGenerator(
+            self.model,
+            defer_leaves=self._defer_leaves,
+            checkpoint_tokens=self._checkpoint_tokens(),
+            **common,
+        )
+
+    def _checkpoint_tokens(self) -> int | None:
+        """engine.hybrid_checkpoint_tokens for a model with recurrent or sliding-window
+        layers and a prefix cache (engines/prefix_cache.py); None: no checkpoints."""
+        o = self.options
+        plain = all(type(c) is KVCache for c in make_prompt_cache(self.model))
+        if o.prefix_cache_bytes <= 0 or plain:
+            return None
+        return o.hybrid_checkpoint_tokens
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
@@ -371,9 +388,15 @@ class LLMEngine(DecodeEngine):
                 log.exception("prefix cache on disk: read failed")
                 got = None
             if got is not None and id(fut) not in inserted:
-                tokens, cache = got
+                tokens, cache, checkpoints = got
                 # the entry matched this sequence's salt: the file and the request share it
-                self.prefix_cache.insert(tokens.tolist(), cache, reused=True, salt=seq.cache_salt)
+                self.prefix_cache.insert(
+                    tokens.tolist(),
+                    cache,
+                    reused=True,
+                    salt=seq.cache_salt,
+                    checkpoints=checkpoints,
+                )
                 inserted.add(id(fut))
             if self.disk is not None:  # a hit only if the memory tier took it (it fits)
                 if (
@@ -669,13 +692,23 @@ class LLMEngine(DecodeEngine):
         written: a write reads the arrays on the host, which on CUDA moves each of them
         into managed memory (MLX's allocator), and writing every request cost the decode
         loop on an H200 about a tenth of its throughput at 64 clients, none read back."""
-        self.prefix_cache.insert(tokens, cache, reused=seq.cached_tokens > 0, salt=seq.cache_salt)
+        take = getattr(self._gen, "take_checkpoints", None)
+        checkpoints = self.prefix_cache.inherit(
+            tokens, take(seq.uid) if take is not None else None, seq.cache_salt
+        )
+        self.prefix_cache.insert(
+            tokens,
+            cache,
+            reused=seq.cached_tokens > 0,
+            salt=seq.cache_salt,
+            checkpoints=checkpoints,
+        )
         if (
             self.disk is not None
             and self._warm_phases is None
             and (self._disk_writes_all or seq.cached_tokens > 0)
         ):
-            self.disk.spill(tokens, cache, seq.cache_salt)
+            self.disk.spill(tokens, cache, seq.cache_salt, checkpoints)
 
     def has_work(self) -> bool:
         self._poll_loads()
@@ -862,9 +895,10 @@ class LLMEngine(DecodeEngine):
                 self.speculator.warm = False
                 self.speculator.stats = SpecStats()
                 self._spec_reported = (0, 0, 0, 0)
+            self.prefix_cache.clear()  # no warm-up KV (nor its bytes in the metrics)
             self.prefix_cache = PrefixCache(
-                self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens
-            )  # no warm-up KV
+                self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens, model=self.name
+            )
             if not self._warm_done.done():
                 self._warm_done.set_result(None)
             return

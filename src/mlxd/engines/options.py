@@ -80,6 +80,7 @@ class TextEngineOptions:
     trust_remote_code: bool = False
     prefix_cache_bytes: int = 0
     prefix_cache_min_tokens: int = 0
+    hybrid_checkpoint_tokens: int = 1024
     prefix_cache_disk_bytes: int = 0
     prefix_cache_disk_min_tokens: int = 256
     prefix_cache_disk_writes: str = "reused"
@@ -135,6 +136,7 @@ class TextEngineOptions:
             trust_remote_code=settings.models.trust_remote_code,
             prefix_cache_bytes=e.prefix_cache_bytes,
             prefix_cache_min_tokens=e.prefix_cache_min_tokens,
+            hybrid_checkpoint_tokens=e.hybrid_checkpoint_tokens,
             prefix_cache_disk_bytes=e.prefix_cache_disk_bytes,
             prefix_cache_disk_min_tokens=e.prefix_cache_disk_min_tokens,
             prefix_cache_disk_writes=e.prefix_cache_disk_writes,

@@ -16,6 +16,11 @@ own metadata rides along: the format, the mlxd version, the model fingerprint (s
 One folder per model fingerprint; files are written to a temporary name, fsynced and
 renamed (``os.replace``), so a reader never sees half a file.
 
+A model with recurrent or sliding-window layers writes its checkpoints (engines/
+prefix_cache.py) into the same file: their layers' states follow the sequence's own
+caches in the list, and the metadata names each checkpoint's position and layers, so a
+read restores them into the memory tier with the sequence.
+
 At start the index is rebuilt from the files' safetensors headers alone (no array data
 read): a file of another format, version or fingerprint, a truncated file, or one whose
 header does not parse is deleted. The CRC is checked when a file is read back; a mismatch
@@ -58,7 +63,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, save_prompt_cache
 
 from mlxd import __version__
-from mlxd.engines.prefix_cache import BLOCK, block_hashes, common_prefix, unindex
+from mlxd.engines.prefix_cache import (
+    BLOCK,
+    arrays,
+    block_hashes,
+    checkpoint_nbytes,
+    common_prefix,
+    servable_checkpoints,
+    unindex,
+)
 from mlxd.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -85,6 +98,39 @@ class DiskEntry:
     trimmable: bool
     hashes: list[int]
     salt: str | None = None
+    checkpoints: tuple[int, ...] = ()  # positions of the recurrent layers' checkpoints
+    whole: bool = True  # the sequence's own caches serve it whole
+
+    def served(self, n: int) -> int:
+        """The longest prefix of at most ``n`` tokens this entry can resume from."""
+        if self.trimmable or (self.whole and n >= len(self.tokens)):
+            return min(n, len(self.tokens))
+        return max((p for p in self.checkpoints if p <= n), default=0)
+
+
+def _checkpoint_layout(checkpoints: dict[int, list[Any]]) -> str:
+    """The metadata naming each checkpoint's position and the layers it holds, in the
+    order their caches follow the sequence's own in the file."""
+    return json.dumps(
+        [
+            [p, [i for i, s in enumerate(states) if s is not None]]
+            for p, states in checkpoints.items()
+        ]
+    )
+
+
+def _split_checkpoints(
+    loaded: list[Any], layers: int, layout: str
+) -> tuple[list[Any], dict[int, list[Any]]]:
+    """A file's cache list as (the sequence's caches, its checkpoints)."""
+    rest = iter(loaded[layers:])
+    out: dict[int, list[Any]] = {}
+    for p, held in json.loads(layout):
+        states: list[Any] = [None] * layers
+        for i in held:
+            states[i] = next(rest)
+        out[int(p)] = states
+    return loaded[:layers], out
 
 
 def entry_key(tokens: np.ndarray, salt: str | None) -> str:
@@ -250,6 +296,8 @@ class DiskPrefixCache:
                         meta.get("trimmable") == "1",
                         block_hashes(tokens, salt=salt),
                         salt,
+                        tuple(p for p, _ in json.loads(meta.get("checkpoints") or "[]")),
+                        meta.get("whole", "1") == "1",
                     ),
                 )
             )
@@ -331,9 +379,7 @@ class DiskPrefixCache:
             e = self._entries[key]
             if e.salt != salt:
                 continue  # a hash collision across salts
-            n = min(common_prefix(e.tokens, tokens), limit)
-            if not e.trimmable and n < len(e.tokens):
-                continue
+            n = e.served(min(common_prefix(e.tokens, tokens), limit))
             if n > best_n:
                 best, best_n = e, n
         return (best, best_n) if best_n >= self.min_tokens else (None, 0)
@@ -362,16 +408,23 @@ class DiskPrefixCache:
                 fut = self._loads[entry.key] = self._reader.submit(self._read, entry)
             return fut
 
-    def spill(self, tokens: list[int], cache: list[Any], salt: str | None = None) -> bool:
-        """Queue a finished sequence's cache for writing under its cache ``salt``; False
-        when it is not worth it (short, already on disk, too big) or the writer is too far
+    def spill(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        salt: str | None = None,
+        checkpoints: dict[int, list[Any]] | None = None,
+    ) -> bool:
+        """Queue a finished sequence's cache (and its ``checkpoints``, for recurrent
+        layers) for writing under its cache ``salt``; False when it is not worth it (short,
+        already on disk, too big, nothing it could serve) or the writer is too far
         behind."""
         if not self.enabled or len(tokens) < self.min_tokens or not cache:
             return False
-        sizes = {c.size() for c in cache if hasattr(c, "size")}
-        if sizes and sizes != {len(tokens)}:
-            return False  # a sliding window that no longer holds the whole sequence
-        nbytes = sum(c.nbytes for c in cache)
+        whole, kept = servable_checkpoints(cache, len(tokens), checkpoints)
+        if whole is None or (not whole and not kept):
+            return False  # plain KV missing tokens, or a window with nothing to resume from
+        nbytes = sum(c.nbytes for c in cache) + sum(checkpoint_nbytes(s) for s in kept.values())
         if nbytes > self.max_bytes:
             return False
         arr = np.asarray(tokens, dtype=np.int64)
@@ -384,19 +437,27 @@ class DiskPrefixCache:
                 self.dropped += 1
                 return False
             self._queued_bytes += nbytes
-        mx.async_eval([c.state for c in cache])  # already scheduled by the memory tier
-        self._writer.submit(self._write, arr, cache, nbytes, salt)
+        mx.async_eval(arrays(cache))  # already scheduled by the memory tier
+        self._writer.submit(self._write, arr, cache, nbytes, salt, kept, whole)
         return True
 
     # -- the I/O threads -------------------------------------------------------------------
     def _write(
-        self, tokens: np.ndarray, cache: list[Any], nbytes: int, salt: str | None = None
+        self,
+        tokens: np.ndarray,
+        cache: list[Any],
+        nbytes: int,
+        salt: str | None = None,
+        checkpoints: dict[int, list[Any]] | None = None,
+        whole: bool = True,
     ) -> None:
         key = entry_key(tokens, salt)
         tmp = self.dir / f"{key}-{os.getpid()}-{threading.get_ident()}{TMP_SUFFIX}"
         final = self.dir / (key + SUFFIX)
         try:
             trimmable = can_trim_prompt_cache(cache)
+            checkpoints = {} if trimmable else dict(checkpoints or {})
+            caches = cache + [s for sts in checkpoints.values() for s in sts if s is not None]
             meta = {
                 "format": FORMAT,
                 "mlxd_version": __version__,
@@ -404,10 +465,13 @@ class DiskPrefixCache:
                 "key": key,
                 "tokens": _encode_tokens(tokens),
                 "trimmable": "1" if trimmable else "0",
-                "checksum": cache_checksum(cache),
+                "checksum": cache_checksum(caches),
                 "salt": salt or "",
+                "layers": str(len(cache)),
+                "checkpoints": _checkpoint_layout(checkpoints),
+                "whole": "1" if whole else "0",
             }
-            save_prompt_cache(str(tmp), cache, meta)
+            save_prompt_cache(str(tmp), caches, meta)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
@@ -422,7 +486,16 @@ class DiskPrefixCache:
             with self._lock:
                 self._queued_bytes -= nbytes
             return
-        entry = DiskEntry(key, tokens, size, trimmable, block_hashes(tokens, salt=salt), salt)
+        entry = DiskEntry(
+            key,
+            tokens,
+            size,
+            trimmable,
+            block_hashes(tokens, salt=salt),
+            salt,
+            tuple(checkpoints),
+            whole,
+        )
         with self._lock:
             self._queued_bytes -= nbytes
             # Entries this one makes redundant (when it can be cut back): its prefixes, and
@@ -451,16 +524,20 @@ class DiskPrefixCache:
         metrics.prefix_disk_written.labels(self.model).inc(size)
         metrics.prefix_disk_bytes.labels(self.model).set(stored)
 
-    def _read(self, entry: DiskEntry) -> tuple[np.ndarray, list[Any]] | None:
+    def _read(self, entry: DiskEntry) -> tuple[np.ndarray, list[Any], dict[int, list[Any]]] | None:
         f = self.dir / (entry.key + SUFFIX)
         try:
             try:
                 meta = read_header(f)
                 self._check(meta)
-                cache = load_prompt_cache(str(f))
-                mx.eval([c.state for c in cache])
-                if cache_checksum(cache) != meta.get("checksum"):
+                loaded = load_prompt_cache(str(f))
+                mx.eval(arrays(loaded))
+                if cache_checksum(loaded) != meta.get("checksum"):
                     raise ValueError("checksum mismatch")
+                layers = int(meta.get("layers") or len(loaded))
+                cache, checkpoints = _split_checkpoints(
+                    loaded, layers, meta.get("checkpoints") or "[]"
+                )
                 if (
                     not np.array_equal(_decode_tokens(meta["tokens"]), entry.tokens)
                     or (meta.get("salt") or None) != entry.salt
@@ -489,7 +566,7 @@ class DiskPrefixCache:
                     self._entries.move_to_end(entry.key)
                 self.bytes_read += entry.nbytes
             metrics.prefix_disk_read.labels(self.model).inc(entry.nbytes)
-            return entry.tokens, cache
+            return entry.tokens, cache, checkpoints
         finally:
             with self._lock:
                 self._loads.pop(entry.key, None)

@@ -40,6 +40,12 @@ no more newcomers than the budget feeds that many tokens each, so every prompt p
 every step. Chunk boundaries change what a prompt is prefilled with per pass, not its
 tokens: greedy output is the same (float noise aside) at any budget.
 
+Checkpoints (``checkpoint_tokens``, for models with recurrent or sliding-window layers and
+a prefix cache): after a step's prefill, each row that has advanced that many tokens since
+its last checkpoint, or that has reached its prompt's end, has those layers' state copied
+(engines/prefix_cache.py's ``snapshot_row``) and kept under its uid until the engine hands
+them to the prefix cache with the finished sequence (:meth:`take_checkpoints`).
+
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
 (:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
@@ -57,6 +63,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.lora import set_rows
+from mlxd.engines.prefix_cache import snapshot_row
 from mlxd.engines.prompt_end import last_logits
 
 CACHE_KEEP_BYTES = 1 << 30
@@ -320,9 +327,13 @@ class ServingBatchGenerator(BatchGenerator):
         defer_leaves: bool = False,
         prompt_end: bool = False,
         max_step_tokens: int = 0,
+        checkpoint_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
+        # None: no checkpoints; 0: at each prompt's end only (see the module docstring)
+        self.checkpoint_tokens = checkpoint_tokens
+        self._checkpoints: dict[int, dict[int, list[Any]]] = {}  # uid -> position -> states
         self.prompt_end = prompt_end
         self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
         self.step_stats = StepStats(budget=max_step_tokens)
@@ -394,7 +405,7 @@ class ServingBatchGenerator(BatchGenerator):
             left = self._prefill_left(fed)
         rows = self._currently_processing
         prompts = self._prompt_batch
-        chunks, ends = [], []
+        chunks, ends, finals = [], [], []
         size = self.prefill_step_size
         if left is not None and rows:
             size = max(min(size, left // len(rows)), 1)
@@ -415,6 +426,8 @@ class ServingBatchGenerator(BatchGenerator):
             seq[1] += len(chunk)
             chunks.append(chunk)
             ends.append(not segments)
+            # the row's prefill is done (mlx-lm's path feeds the last token when it joins)
+            finals.append(not segments or (len(segments) == 1 and len(segments[0]) == 1))
             prompt_responses.append(
                 PromptProcessingBatch.Response(uid, (seq[1], seq[2]), end_of_segment, not segments)
             )
@@ -423,8 +436,10 @@ class ServingBatchGenerator(BatchGenerator):
         tic = time.perf_counter()
         if not any(ends):
             prompts.prompt(chunks)
+            self._checkpoint(prompts, finals)
         else:
             logits = prompts.prompt_end(chunks)
+            self._checkpoint(prompts, finals)
             done = [i for i, end in enumerate(ends) if end]
             if len(done) == len(ends):
                 group, self._prompt_batch = prompts, self._empty_prompt_batch()
@@ -434,6 +449,30 @@ class ServingBatchGenerator(BatchGenerator):
             batch.extend(prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
+
+    def _checkpoint(self, prompts: PromptProcessingBatch, finals: list[bool]) -> None:
+        """Checkpoint the rows that reached their prompt's end or advanced
+        ``checkpoint_tokens`` since their last checkpoint (or their cached prefix)."""
+        every = self.checkpoint_tokens
+        if every is None:
+            return
+        if len(self._checkpoints) > 2 * (self.completion_batch_size + self.prefill_batch_size):
+            # rows that ended without handing theirs over (a failed row): not kept forever
+            live = {*prompts.uids, *self._generation_batch.uids}
+            self._checkpoints = {u: c for u, c in self._checkpoints.items() if u in live}
+        for i, (uid, held) in enumerate(zip(prompts.uids, prompts.tokens, strict=True)):
+            mine = self._checkpoints.setdefault(uid, {})
+            pos = len(held)
+            last = max(mine, default=0)
+            if pos > last and (finals[i] or (every > 0 and pos - last >= every)):
+                mine[pos] = snapshot_row(prompts.prompt_cache, i)
+
+    def take_checkpoints(self, uid: int) -> dict[int, list[Any]] | None:
+        """Row ``uid``'s checkpoints, position -> states, handed over once; None when this
+        batch takes none."""
+        if self.checkpoint_tokens is None:
+            return None
+        return self._checkpoints.pop(uid, {})
 
     def _joining(self) -> list[int]:
         """mlx-lm's path: the prompt rows prefilled up to their last token."""
@@ -464,7 +503,11 @@ class ServingBatchGenerator(BatchGenerator):
         batch = self._generation_batch
         if isinstance(batch, ServingGenerationBatch):
             batch.compact()
-        return super().remove(uids, return_prompt_caches=return_prompt_caches)
+        out = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        for uid in uids:  # a row whose cache is handed back keeps them for the engine
+            if uid not in (out or {}):
+                self._checkpoints.pop(uid, None)
+        return out
 
     def clean_group_room(self) -> int:
         """How many newcomers the batch takes now as one clean prefill group.

@@ -55,6 +55,9 @@ CORE_FAMILIES = frozenset(
         "mlxd:prefix_cache_disk_written_bytes",
         "mlxd:prefix_cache_disk_evictions",
         "mlxd:preemptions",
+        "mlxd:prefix_cache_hybrid_checkpoint_hits",
+        "mlxd:prefix_cache_hybrid_checkpoint_misses",
+        "mlxd:prefix_cache_hybrid_checkpoint_bytes",
     }
 )
 
@@ -342,6 +345,28 @@ prefix_disk_written = Counter(
 prefix_disk_evictions = Counter(
     "mlxd:prefix_cache_disk_evictions",
     "Disk-tier files deleted to stay within engine.prefix_cache_disk_bytes.",
+    ["model"],
+    registry=REGISTRY,
+)
+
+# -- the prefix cache's checkpoints of recurrent and sliding-window layers --------------------
+prefix_checkpoint_hits = Counter(
+    "mlxd:prefix_cache_hybrid_checkpoint_hits",
+    "Requests of a model with recurrent or sliding-window layers that resumed from a "
+    "prefix-cache checkpoint.",
+    ["model"],
+    registry=REGISTRY,
+)
+prefix_checkpoint_misses = Counter(
+    "mlxd:prefix_cache_hybrid_checkpoint_misses",
+    "Requests that shared a useful prefix with a cached sequence of such a model but found "
+    "no checkpoint at or before where they diverge.",
+    ["model"],
+    registry=REGISTRY,
+)
+prefix_checkpoint_bytes = Gauge(
+    "mlxd:prefix_cache_hybrid_checkpoint_bytes",
+    "Bytes of checkpoints the prefix cache's memory tier holds.",
     ["model"],
     registry=REGISTRY,
 )
