@@ -111,11 +111,12 @@ def _decode_all(
     max_tokens: list[int],
     late: list[int] | None = None,
     cancel_at: int | None = None,
+    processors: list[list] | None = None,
 ):
     """Every response per uid (token, finish, all_tokens, the finished row's KV as
     arrays), with ``late`` inserted at the first finish and the last prompt's row removed
-    (a client gone) at step ``cancel_at``."""
-    uids = gen.insert(prompts, max_tokens=max_tokens)
+    (a client gone) at step ``cancel_at``; ``processors``: each row's logits processors."""
+    uids = gen.insert(prompts, max_tokens=max_tokens, logits_processors=processors)
     out: dict[int, list] = {u: [] for u in uids}
     kv: dict[int, list] = {}
     live = set(uids)
@@ -513,3 +514,57 @@ def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(ti
     assert any(d > len(texts) for d, _ in steps)  # a verify step's drafts were counted
     assert all(d + p <= max(24, d + serving_batch.MIN_PREFILL_TOKENS) for d, p in steps)
     assert any(d and p for d, p in steps)
+
+
+@pytest.mark.parametrize("defer_leaves", [False, True])
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_pipelined_steps_decode_what_stepwise_ones_do(
+    model_and_tokenizer, defer_leaves, prompt_end
+):
+    """engine.pipeline_decode: with the next step in flight while a step's tokens are read
+    (on) or each step evaluated before it returns (off), every row emits the same tokens
+    and finish, and a finished row hands over the same tokens and KV cache: rows finishing
+    by length (one after its first token) and by a stop token, a row with a logits
+    processor, a newcomer joining mid-stream and a row removed mid-stream."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = model_and_tokenizer
+    prompts = [
+        tok.encode(t)
+        for t in ("the river runs to the sea", "a city", "old stones", "music at night")
+    ]
+    max_tokens = [1, 5, 9, 12]
+    kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
+    probe, _ = _decode_all(ServingBatchGenerator(model, **kw), prompts, max_tokens)
+    stop_token = list(probe.values())[2][3][0]  # row 2's fourth token ends it there
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    results = {}
+    for pipeline in (True, False):
+        gen = ServingBatchGenerator(
+            model,
+            pipeline=pipeline,
+            defer_leaves=defer_leaves,
+            prompt_end=prompt_end,
+            stop_tokens=[[stop_token]],
+            **kw,
+        )
+        assert gen._generation_batch.pipeline is pipeline
+        runs = [
+            _decode_all(gen, prompts, max_tokens, processors=[[], [], penalty, []]),
+            _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one")),
+            _decode_all(gen, prompts, max_tokens, cancel_at=3),
+        ]
+        assert len(gen._generation_batch) == 0
+        results[pipeline] = runs
+    for (ours, our_kv), (theirs, their_kv) in zip(results[True], results[False], strict=True):
+        assert list(ours.values()) == list(theirs.values())
+        assert [t for t, _ in our_kv.values()] == [t for t, _ in their_kv.values()]
+        for (_, a), (_, b) in zip(our_kv.values(), their_kv.values(), strict=True):
+            assert all(
+                x.shape == y.shape and mx.array_equal(x, y).item()
+                for x, y in zip(a, b, strict=True)
+            )
+    alone, joined, cancelled = (list(r[0].values()) for r in results[True])
+    assert alone[0] == [(alone[0][0][0], "length")]  # max_tokens=1
+    assert any(f == "stop" for run in (alone, joined, cancelled) for row in run for _, f in row)
+    assert len(joined) == 5 and len(cancelled[3]) < 12

@@ -309,13 +309,12 @@ class LLMEngine(DecodeEngine):
             prompt_end=self._prompt_end,
             max_step_tokens=self._step_tokens,
         )
+        plain = dict(defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off")
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if o.max_kv_size is not None:
-            return BoundedBatchGenerator(
-                self.model, max_kv_size=o.max_kv_size, defer_leaves=self._defer_leaves, **common
-            )
-        return ServingBatchGenerator(self.model, defer_leaves=self._defer_leaves, **common)
+            return BoundedBatchGenerator(self.model, max_kv_size=o.max_kv_size, **plain, **common)
+        return ServingBatchGenerator(self.model, **plain, **common)
 
     # -- the token side, for the core's own use (warm-up, token counts) ------------------
     def encode_messages(self, messages: list[dict], **template_kwargs: Any) -> list[int]:

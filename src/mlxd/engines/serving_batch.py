@@ -40,6 +40,17 @@ no more newcomers than the budget feeds that many tokens each, so every prompt p
 every step. Chunk boundaries change what a prompt is prefilled with per pass, not its
 tokens: greedy output is the same (float noise aside) at any budget.
 
+Pipelined decode (``pipeline``, engine.pipeline_decode): mlx-lm's ``GenerationBatch._step``
+builds step n+1's forward pass on step n's sampled tokens while they are still lazy and
+``async_eval`` s it before it reads step n's tokens to the host, as ``generate_step`` does,
+so the host's bookkeeping and the next step's graph building overlap the device. A row
+that finishes at step n has step n+1 in flight: its token is never read and its cache
+entry goes with the row (a held row decodes unseen anyway). A logits processor gets step
+n's token lazily in its context; one that needs it on the host (a grammar) reads it, which
+waits for step n before step n+1 is built: such a batch runs one step at a time by itself.
+With ``pipeline`` off, each step's tokens are evaluated before the step returns: the same
+graph and tokens, without the overlap (to measure what it is worth).
+
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
 (:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
@@ -158,6 +169,7 @@ class ServingGenerationBatch(GenerationBatch):
     engine read as the running batch."""
 
     defer_leaves = False
+    pipeline = True  # False: the next step's tokens are evaluated before next() returns
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._finished: set[int] = set()  # uids of finished rows still in the batch
@@ -172,6 +184,8 @@ class ServingGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         tokens, logprobs = self._step()
+        if not self.pipeline:
+            mx.eval(self._next_tokens, self._next_logprobs)
         done = self._finished
         responses = []
         finished_now = []
@@ -312,6 +326,7 @@ class ServingBatchGenerator(BatchGenerator):
         model: Any,
         *,
         defer_leaves: bool = False,
+        pipeline: bool = True,
         prompt_end: bool = False,
         max_step_tokens: int = 0,
         **kwargs: Any,
@@ -323,6 +338,7 @@ class ServingBatchGenerator(BatchGenerator):
         self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
+        batch.pipeline = pipeline
         self._generation_batch = batch
 
     def _empty_prompt_batch(self) -> ServingPromptBatch:
