@@ -568,3 +568,22 @@ def test_pipelined_steps_decode_what_stepwise_ones_do(
     assert alone[0] == [(alone[0][0][0], "length")]  # max_tokens=1
     assert any(f == "stop" for run in (alone, joined, cancelled) for row in run for _, f in row)
     assert len(joined) == 5 and len(cancelled[3]) < 12
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_logprobs_read_on_the_host_are_the_devices(dtype):
+    """A step's logprob rows are read from their evaluated buffers (an MLX op would queue
+    behind the step in flight): the token's value and the top ids and values are what MLX
+    computes from the same row, in every dtype a model decodes in (ids of tied values in
+    either order)."""
+    from mlxd.engines.decode import _device_logprob, _logprob
+
+    x = mx.random.normal((3, 500), key=mx.random.key(0)).astype(dtype)
+    rows = list(x - mx.logsumexp(x, axis=-1, keepdims=True))
+    mx.eval(rows)
+    for row in rows:
+        for top in (0, 1, 5):
+            lp, ids, vals = _logprob(7, row, top)
+            want_lp, _, want_vals = _device_logprob(7, row, top)
+            assert (lp, vals) == (want_lp, want_vals) and len(set(ids)) == top
+            assert [row[i].item() for i in ids] == vals
