@@ -206,8 +206,12 @@ def _logprob(token: int, logprobs: mx.array, top: int) -> tuple[float, list[int]
 
 def host_row(a: mx.array) -> np.ndarray | None:
     """An evaluated 1-D ``a`` as float32 numpy through its buffer, with no MLX op; None
-    when it is not contiguous (numpy has no bfloat16: its bits are widened here)."""
-    view = memoryview(cast(Any, a))  # MLX arrays export the buffer protocol
+    when it is not contiguous or its memory does not export a buffer (numpy has no
+    bfloat16: its bits are widened here)."""
+    try:
+        view = memoryview(cast(Any, a))  # MLX arrays export the buffer protocol
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return None
     if not view.c_contiguous:
         return None
     if a.dtype == mx.bfloat16:
