@@ -576,12 +576,14 @@ def test_logprobs_read_on_the_host_are_the_devices(dtype):
     behind the step in flight): the token's value and the top ids and values are what MLX
     computes from the same row, in every dtype a model decodes in (ids of tied values in
     either order)."""
-    from mlxd.engines.decode import _device_logprob, _logprob
+    from mlxd.engines.decode import _device_logprob, _logprob, host_row
 
     x = mx.random.normal((3, 500), key=mx.random.key(0)).astype(dtype)
     rows = list(x - mx.logsumexp(x, axis=-1, keepdims=True))
-    mx.eval(rows)
-    for row in rows:
+    strided = x[0, ::2]  # no contiguous buffer: read through MLX ops instead
+    mx.eval(rows, strided)
+    assert host_row(strided) is None and host_row(rows[0]) is not None
+    for row in [*rows, strided]:
         for top in (0, 1, 5):
             lp, ids, vals = _logprob(7, row, top)
             want_lp, _, want_vals = _device_logprob(7, row, top)
