@@ -494,7 +494,8 @@ class EngineSettings(_Section):
             "tokens are read to the host (mlx-lm's order, as its generate_step), so the "
             "host's per-step work overlaps the device's; 'off' reads each step's tokens "
             "before the next step is built (same tokens, no overlap), to measure what the "
-            "overlap is worth. 'auto': on (docs/benchmarks.md, pipelined decode)."
+            "overlap is worth; a speculative engine's steps run as 'on'. 'auto': on "
+            "(docs/benchmarks.md, pipelined decode)."
         ),
     )
     max_queued_requests: int = Field(
