@@ -6,6 +6,11 @@ wait for the previous step's tokens, the host read) and the engine's work around
 prints a cProfile of the same loop's hottest functions.
 
     PYTHONPATH=src python benchmarks/decode_profile.py --model DIR --batch 1,4 --tokens 256
+
+``--graph`` instead counts the operations (MLX primitives) one decode step puts in its
+graph, from the graph handed to ``async_eval`` with everything before it evaluated:
+mlx-lm's ``generate_step`` (one row), its ``BatchGenerator`` and mlxd's batch. On a GPU
+whose decode step is bound by launching kernels, a step costs about its operation count.
 """
 
 from __future__ import annotations
@@ -111,12 +116,78 @@ def run(engine, batch: int, tokens: int, profile: cProfile.Profile | None) -> fl
     return wall
 
 
+def count_ops(*arrays) -> dict[str, int]:
+    """The unevaluated primitives behind ``arrays``, by name (MLX's DOT export)."""
+    import io
+    import re
+
+    import mlx.core as mx
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    names = re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue())
+    out: dict[str, int] = defaultdict(int)
+    for n in names:
+        out[n] += 1
+    return dict(out)
+
+
+def step_graph(gen_next, batch_of) -> dict[str, int]:
+    """The operations of one ``gen_next()`` decode step: everything before it evaluated,
+    the step's own ``async_eval`` arguments counted."""
+    import mlx.core as mx
+
+    b = batch_of()
+    mx.eval(b._next_tokens, b._next_logprobs)
+    real = mx.async_eval
+    seen: list[dict[str, int]] = []
+
+    def capture(*arrays):
+        seen.append(count_ops(*arrays))
+        return real(*arrays)
+
+    mx.async_eval = capture
+    try:
+        gen_next()
+    finally:
+        mx.async_eval = real
+    return seen[0]
+
+
+def graphs(model, batch: int) -> dict[str, dict[str, int]]:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxd.engines.serving_batch import ServingBatchGenerator
+
+    prompts = [[1 + (7 * i + 3 * j) % 200 for j in range(32)] for i in range(batch)]
+    out = {}
+    if batch == 1:  # generate_step's _step, as it builds it
+        cache = make_prompt_cache(model)
+        model(mx.array(prompts)[:, :-1], cache=cache)
+        y = mx.array([prompts[0][-1]])
+        mx.eval(y, [c.state for c in cache])
+        logits = model(y[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        out["generate_step"] = count_ops(mx.argmax(logprobs, axis=-1), logprobs.squeeze(0))
+    for name, cls in (("mlx_lm_batch", BatchGenerator), ("mlxd_batch", ServingBatchGenerator)):
+        gen = cls(model, completion_batch_size=batch, prefill_batch_size=batch)
+        gen.insert(prompts, max_tokens=[64] * batch)
+        for _ in range(4):
+            gen.next()
+        out[name] = step_graph(gen.next, lambda g=gen: g._generation_batch)
+        gen.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--graph", action="store_true", help="count each step's operations")
     args = ap.parse_args()
     from mlxd import blas
 
@@ -125,6 +196,15 @@ def main() -> None:
 
     from mlxd.engines.llm import LLMEngine
 
+    if args.graph:
+        from mlx_lm.utils import load
+
+        model, _ = load(args.model)
+        for b in (int(x) for x in args.batch.split(",")):
+            for name, ops in graphs(model, b).items():
+                top = sorted(ops.items(), key=lambda kv: -kv[1])[:8]
+                print(f"batch {b} {name}: {sum(ops.values())} ops/step; most: {top}")
+        return
     GenerationBatch._step = timed_step
     engine = LLMEngine("m", args.model)
     engine.eos_token_ids = []  # every row decodes --tokens tokens
