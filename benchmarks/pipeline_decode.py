@@ -3,6 +3,9 @@ mlx-lm's ``BatchGenerator``, and mlxd's ``LLMEngine`` with engine.pipeline_decod
 off, in interleaved rounds (each round runs every mode once, in a rotated order, so a
 machine whose speed drifts meets them all in about the same state).
 
+``mlx_lm_batch_no_mask`` is mlx-lm's batch whose decode steps attend without the
+left-padding mask (the prompts are of one length, so none is needed): what the mask costs.
+
 Each run prefills B 32-token prompts, then times greedy decode of --tokens tokens per row
 (end-of-sequence ignored) from the first decoded token on; tok/s counts every row's tokens.
 ``--logprobs N`` has mlxd's rows ask for their logprobs and N top alternatives.
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("generate_step", "mlx_lm_batch", "pipeline_on", "pipeline_off")
+MODES = ("generate_step", "mlx_lm_batch", "mlx_lm_batch_no_mask", "pipeline_on", "pipeline_off")
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -47,7 +50,21 @@ def run_generate_step(model: Any, batch: int, tokens: int) -> float:
     return (n - 1) / (time.perf_counter() - t0)
 
 
-def run_mlx_lm_batch(model: Any, batch: int, tokens: int) -> float:
+def run_mlx_lm_batch(model: Any, batch: int, tokens: int, mask: bool = True) -> float:
+    """``mask`` False: the batch's decode steps attend without the left-padding mask, which
+    these equal-length prompts do not need (what a one-row fast path could skip)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    real = BatchKVCache.make_mask
+    if not mask:
+        BatchKVCache.make_mask = lambda self, n, **kw: None if n == 1 else real(self, n, **kw)
+    try:
+        return _batch_tps(model, batch, tokens)
+    finally:
+        BatchKVCache.make_mask = real
+
+
+def _batch_tps(model: Any, batch: int, tokens: int) -> float:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
@@ -149,8 +166,8 @@ def main() -> None:
     def once(mode: str, batch: int) -> float | None:
         if mode == "generate_step":
             return run_generate_step(engine.model, batch, args.tokens) if batch == 1 else None
-        if mode == "mlx_lm_batch":
-            return run_mlx_lm_batch(engine.model, batch, args.tokens)
+        if mode in ("mlx_lm_batch", "mlx_lm_batch_no_mask"):
+            return run_mlx_lm_batch(engine.model, batch, args.tokens, mode == "mlx_lm_batch")
         return run_engine(engine, batch, args.tokens, mode == "pipeline_on", args.logprobs)
 
     results: dict[str, Any] = {}
