@@ -4,7 +4,8 @@ off, in interleaved rounds (each round runs every mode once, in a rotated order,
 machine whose speed drifts meets them all in about the same state).
 
 ``mlx_lm_batch_no_mask`` is mlx-lm's batch whose decode steps attend without the
-left-padding mask (the prompts are of one length, so none is needed): what the mask costs.
+left-padding mask (the prompts are of one length, so none is needed): what the mask costs;
+``pipeline_on_masked`` is mlxd's engine with its maskless decode of unpadded batches off.
 
 Each run prefills B 32-token prompts, then times greedy decode of --tokens tokens per row
 (end-of-sequence ignored) from the first decoded token on; tok/s counts every row's tokens.
@@ -31,7 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("generate_step", "mlx_lm_batch", "mlx_lm_batch_no_mask", "pipeline_on", "pipeline_off")
+MODES = (
+    "generate_step",
+    "mlx_lm_batch",
+    "mlx_lm_batch_no_mask",
+    "pipeline_on",
+    "pipeline_off",
+    "pipeline_on_masked",
+)
 
 
 def prompts(batch: int) -> list[list[int]]:
@@ -91,10 +99,13 @@ def _batch_tps(model: Any, batch: int, tokens: int) -> float:
     return n / wall
 
 
-def run_engine(engine: Any, batch: int, tokens: int, pipeline: bool, top: int) -> float:
+def run_engine(
+    engine: Any, batch: int, tokens: int, pipeline: bool, top: int, maskless: bool = True
+) -> float:
     from mlxd.core.types import SamplingParams
 
     engine._gen._generation_batch.pipeline = pipeline
+    engine._gen._generation_batch.maskless_decode = maskless
     params = SamplingParams(
         max_tokens=tokens + 1, temperature=0.0, logprobs=top >= 0, top_logprobs=max(top, 0)
     )
@@ -168,7 +179,14 @@ def main() -> None:
             return run_generate_step(engine.model, batch, args.tokens) if batch == 1 else None
         if mode in ("mlx_lm_batch", "mlx_lm_batch_no_mask"):
             return run_mlx_lm_batch(engine.model, batch, args.tokens, mode == "mlx_lm_batch")
-        return run_engine(engine, batch, args.tokens, mode == "pipeline_on", args.logprobs)
+        return run_engine(
+            engine,
+            batch,
+            args.tokens,
+            mode != "pipeline_off",
+            args.logprobs,
+            maskless=mode != "pipeline_on_masked",
+        )
 
     results: dict[str, Any] = {}
     for batch in batches:

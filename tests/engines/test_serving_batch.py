@@ -589,3 +589,52 @@ def test_logprobs_read_on_the_host_are_the_devices(dtype):
             want_lp, _, want_vals = _device_logprob(7, row, top)
             assert (lp, vals) == (want_lp, want_vals) and len(set(ids)) == top
             assert [row[i].item() for i in ids] == vals
+
+
+def test_an_unpadded_batch_decodes_without_a_mask_and_the_same_tokens(
+    model_and_tokenizer, monkeypatch
+):
+    """``maskless_decode``: a row alone, or rows of one length, decode their one-token steps
+    without building mlx-lm's attention mask, and emit what mlx-lm's masked batch does; a
+    batch of padded rows keeps its mask."""
+    from mlx_lm.models import cache as cache_module
+
+    model, tok = model_and_tokenizer
+    decode_masks = []
+    real = cache_module.create_causal_mask
+
+    def spy(n, *args, **kwargs):
+        if n == 1:
+            decode_masks.append(n)
+        return real(n, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "create_causal_mask", spy)
+    kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
+    alone = [tok.encode("the river runs to the sea")]
+    even = [tok.encode("one two three")[:6], tok.encode("four five six")[:6]]
+    padded = [tok.encode("a city"), tok.encode("winter morning in the old library")]
+    assert len(even[0]) == len(even[1]) and len(padded[0]) != len(padded[1])
+    masks = {}
+    for prompts in (alone, even, padded):
+        for name, gen in (
+            ("mlx-lm", BatchGenerator(model, **kw)),
+            ("ours", ServingBatchGenerator(model, **kw)),
+        ):
+            decode_masks.clear()
+            out, _ = _decode_all(gen, prompts, [10] * len(prompts))
+            masks[name, len(prompts[0])] = len(decode_masks)
+            if name == "mlx-lm":
+                theirs = list(out.values())
+            else:
+                assert list(out.values()) == theirs
+        if prompts is padded:
+            assert masks["ours", len(prompts[0])] > 0  # padded rows keep their mask
+        else:
+            # one: the group's first pass, which mlx-lm's own batch runs before it joins
+            assert masks["ours", len(prompts[0])] <= 1 < 9 <= masks["mlx-lm", len(prompts[0])]
+    # off: the batch builds mlx-lm's mask as before
+    gen = ServingBatchGenerator(model, **kw)
+    gen._generation_batch.maskless_decode = False
+    decode_masks.clear()
+    _decode_all(gen, alone, [10])
+    assert decode_masks
