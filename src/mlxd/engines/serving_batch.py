@@ -53,9 +53,10 @@ graph and tokens, without the overlap (to measure what it is worth).
 
 A batch whose rows carry no left padding (one row, or rows of one length) decodes without
 an attention mask (``maskless_decode``): mlx-lm's batch cache builds one every step (a
-causal mask against each row's left padding), which at one token a row masks nothing; on
-the CPU mlx-lm's one-row batch ran 1.07-1.12x faster without it (docs/benchmarks.md). The
-padding is read when the batch's rows change, which already waits for the device.
+causal mask against each row's left padding), which then masks nothing at one token a row.
+On the CPU the engine ran 1.06x (one row) and 1.14x (four unpadded rows) without it
+(docs/benchmarks.md, pipelined decode). The padding is read when the rows change (from the
+host's copy in a row pool, from an evaluated array otherwise).
 
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
