@@ -498,6 +498,17 @@ class EngineSettings(_Section):
             "prefill_step_size."
         ),
     )
+    pipeline_decode: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "Text models' decode steps: 'on' builds and starts step n+1 before step n's "
+            "tokens are read to the host (mlx-lm's order, as its generate_step), so the "
+            "host's per-step work overlaps the device's; 'off' reads each step's tokens "
+            "before the next step is built (same tokens, no overlap), to measure what the "
+            "overlap is worth; a speculative engine's steps run as 'on'. 'auto': on "
+            "(docs/benchmarks.md, pipelined decode)."
+        ),
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,

@@ -388,3 +388,14 @@ def test_allowed_origins_and_hosts_flags(tmp_path, tiny_llama):
     assert p.returncode == 2, out
     assert "server.allowed_hosts" in out and "not a host name" in out
     assert "Traceback" not in out
+
+
+def test_pipeline_decode_flag_sets_its_key(tmp_path, tiny_llama):
+    """``--pipeline-decode`` is engine.pipeline_decode: a value other than auto, on or off
+    is a configuration error naming the key."""
+    p = _mlxd(
+        "serve", "--model", str(tiny_llama), "--pipeline-decode", "sometimes", env=_env(tmp_path)
+    )
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 2 and "'engine.pipeline_decode'" in out, out
+    assert "Traceback" not in out

@@ -111,11 +111,12 @@ def _decode_all(
     max_tokens: list[int],
     late: list[int] | None = None,
     cancel_at: int | None = None,
+    processors: list[list] | None = None,
 ):
     """Every response per uid (token, finish, all_tokens, the finished row's KV as
     arrays), with ``late`` inserted at the first finish and the last prompt's row removed
-    (a client gone) at step ``cancel_at``."""
-    uids = gen.insert(prompts, max_tokens=max_tokens)
+    (a client gone) at step ``cancel_at``; ``processors``: each row's logits processors."""
+    uids = gen.insert(prompts, max_tokens=max_tokens, logits_processors=processors)
     out: dict[int, list] = {u: [] for u in uids}
     kv: dict[int, list] = {}
     live = set(uids)
@@ -513,3 +514,127 @@ def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(ti
     assert any(d > len(texts) for d, _ in steps)  # a verify step's drafts were counted
     assert all(d + p <= max(24, d + serving_batch.MIN_PREFILL_TOKENS) for d, p in steps)
     assert any(d and p for d, p in steps)
+
+
+@pytest.mark.parametrize("defer_leaves", [False, True])
+@pytest.mark.parametrize("prompt_end", [False, True])
+def test_pipelined_steps_decode_what_stepwise_ones_do(
+    model_and_tokenizer, defer_leaves, prompt_end
+):
+    """engine.pipeline_decode: with the next step in flight while a step's tokens are read
+    (on) or each step evaluated before it returns (off), every row emits the same tokens
+    and finish, and a finished row hands over the same tokens and KV cache: rows finishing
+    by length (one after its first token) and by a stop token, a row with a logits
+    processor, a newcomer joining mid-stream and a row removed mid-stream."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = model_and_tokenizer
+    prompts = [
+        tok.encode(t)
+        for t in ("the river runs to the sea", "a city", "old stones", "music at night")
+    ]
+    max_tokens = [1, 5, 9, 12]
+    kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
+    probe, _ = _decode_all(ServingBatchGenerator(model, **kw), prompts, max_tokens)
+    stop_token = list(probe.values())[2][3][0]  # row 2's fourth token ends it there
+    penalty = make_logits_processors(repetition_penalty=1.5)
+    results = {}
+    for pipeline in (True, False):
+        gen = ServingBatchGenerator(
+            model,
+            pipeline=pipeline,
+            defer_leaves=defer_leaves,
+            prompt_end=prompt_end,
+            stop_tokens=[[stop_token]],
+            **kw,
+        )
+        assert gen._generation_batch.pipeline is pipeline
+        runs = [
+            _decode_all(gen, prompts, max_tokens, processors=[[], [], penalty, []]),
+            _decode_all(gen, prompts, max_tokens, late=tok.encode("a late one")),
+            _decode_all(gen, prompts, max_tokens, cancel_at=3),
+        ]
+        assert len(gen._generation_batch) == 0
+        results[pipeline] = runs
+    for (ours, our_kv), (theirs, their_kv) in zip(results[True], results[False], strict=True):
+        assert list(ours.values()) == list(theirs.values())
+        assert [t for t, _ in our_kv.values()] == [t for t, _ in their_kv.values()]
+        for (_, a), (_, b) in zip(our_kv.values(), their_kv.values(), strict=True):
+            assert all(
+                x.shape == y.shape and mx.array_equal(x, y).item()
+                for x, y in zip(a, b, strict=True)
+            )
+    alone, joined, cancelled = (list(r[0].values()) for r in results[True])
+    assert alone[0] == [(alone[0][0][0], "length")]  # max_tokens=1
+    assert any(f == "stop" for run in (alone, joined, cancelled) for row in run for _, f in row)
+    assert len(joined) == 5 and len(cancelled[3]) < 12
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_logprobs_read_on_the_host_are_the_devices(dtype):
+    """A step's logprob rows are read from their evaluated buffers (an MLX op would queue
+    behind the step in flight): the token's value and the top ids and values are what MLX
+    computes from the same row, in every dtype a model decodes in (ids of tied values in
+    either order)."""
+    from mlxd.engines.decode import _device_logprob, _logprob, host_row
+
+    x = mx.random.normal((3, 500), key=mx.random.key(0)).astype(dtype)
+    rows = list(x - mx.logsumexp(x, axis=-1, keepdims=True))
+    strided = x[0, ::2]  # no contiguous buffer: read through MLX ops instead
+    mx.eval(rows, strided)
+    assert host_row(strided) is None and host_row(rows[0]) is not None
+    for row in [*rows, strided]:
+        for top in (0, 1, 5):
+            lp, ids, vals = _logprob(7, row, top)
+            want_lp, _, want_vals = _device_logprob(7, row, top)
+            assert (lp, vals) == (want_lp, want_vals) and len(set(ids)) == top
+            assert [row[i].item() for i in ids] == vals
+
+
+def test_an_unpadded_batch_decodes_without_a_mask_and_the_same_tokens(
+    model_and_tokenizer, monkeypatch
+):
+    """``maskless_decode``: a row alone, or rows of one length, decode their one-token steps
+    without building mlx-lm's attention mask, and emit what mlx-lm's masked batch does; a
+    batch of padded rows keeps its mask."""
+    from mlx_lm.models import cache as cache_module
+
+    model, tok = model_and_tokenizer
+    decode_masks = []
+    real = cache_module.create_causal_mask
+
+    def spy(n, *args, **kwargs):
+        if n == 1:
+            decode_masks.append(n)
+        return real(n, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "create_causal_mask", spy)
+    kw = dict(max_tokens=8, completion_batch_size=8, prefill_batch_size=8)
+    alone = [tok.encode("the river runs to the sea")]
+    even = [tok.encode("one two three")[:6], tok.encode("four five six")[:6]]
+    padded = [tok.encode("a city"), tok.encode("winter morning in the old library")]
+    assert len(even[0]) == len(even[1]) and len(padded[0]) != len(padded[1])
+    masks = {}
+    for prompts in (alone, even, padded):
+        for name, gen in (
+            ("mlx-lm", BatchGenerator(model, **kw)),
+            ("ours", ServingBatchGenerator(model, **kw)),
+        ):
+            decode_masks.clear()
+            out, _ = _decode_all(gen, prompts, [10] * len(prompts))
+            masks[name, len(prompts[0])] = len(decode_masks)
+            if name == "mlx-lm":
+                theirs = list(out.values())
+            else:
+                assert list(out.values()) == theirs
+        if prompts is padded:
+            assert masks["ours", len(prompts[0])] > 0  # padded rows keep their mask
+        else:
+            # one: the group's first pass, which mlx-lm's own batch runs before it joins
+            assert masks["ours", len(prompts[0])] <= 1 < 9 <= masks["mlx-lm", len(prompts[0])]
+    # off: the batch builds mlx-lm's mask as before
+    gen = ServingBatchGenerator(model, **kw)
+    gen._generation_batch.maskless_decode = False
+    decode_masks.clear()
+    _decode_all(gen, alone, [10])
+    assert decode_masks

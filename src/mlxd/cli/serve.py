@@ -43,6 +43,10 @@ def serve(
         ),
     ] = None,
     prefill_step_size: Annotated[Optional[int], typer.Option()] = None,
+    pipeline_decode: Annotated[
+        Optional[str],
+        typer.Option(help="auto|on|off: start each decode step before the last one is read."),
+    ] = None,
     max_queued_requests: Annotated[Optional[int], typer.Option()] = None,
     dtype: Annotated[
         Optional[str], typer.Option(help="auto|native|float32|float16|bfloat16")
@@ -140,6 +144,7 @@ def serve(
             "devices": devices,
             "max_num_seqs": max_num_seqs,
             "prefill_step_size": prefill_step_size,
+            "pipeline_decode": pipeline_decode,
             "max_queued_requests": max_queued_requests,
             "kv_bits": kv_bits,
             "kv_quant_scheme": kv_quant_scheme,

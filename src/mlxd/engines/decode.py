@@ -14,9 +14,10 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import mlx.core as mx
+import numpy as np
 
 from mlxd.core.types import SamplingParams, ThinkSpec
 
@@ -206,7 +207,41 @@ class GuardedProcessors:
 
 
 def _logprob(token: int, logprobs: mx.array, top: int) -> tuple[float, list[int], list[float]]:
-    """(the token's log-probability, the top ids, their log-probabilities), as numbers."""
+    """(the token's log-probability, the top ids, their log-probabilities), as numbers.
+
+    Read from the host's copy of the step's (already evaluated) row: an MLX op here would
+    queue behind the next decode step, already in flight (engines/serving_batch.py), and
+    wait for it."""
+    row = host_row(logprobs)
+    if row is None:
+        return _device_logprob(token, logprobs, top)
+    if top <= 0:
+        return float(row[token]), [], []
+    top = min(top, row.size)
+    idx = np.argpartition(-row, top - 1)[:top]
+    idx = idx[np.argsort(-row[idx], kind="stable")]
+    return float(row[token]), idx.tolist(), row[idx].tolist()
+
+
+def host_row(a: mx.array) -> np.ndarray | None:
+    """An evaluated 1-D ``a`` as float32 numpy through its buffer, with no MLX op; None
+    when it is not contiguous or its memory does not export a buffer (numpy has no
+    bfloat16: its bits are widened here)."""
+    try:
+        view = memoryview(cast(Any, a))  # MLX arrays export the buffer protocol
+    except (BufferError, TypeError, ValueError, RuntimeError):
+        return None
+    if not view.c_contiguous:
+        return None
+    if a.dtype == mx.bfloat16:
+        bits = np.frombuffer(view.cast("B"), dtype=np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32)
+    return np.asarray(view, dtype=np.float32).reshape(-1)
+
+
+def _device_logprob(
+    token: int, logprobs: mx.array, top: int
+) -> tuple[float, list[int], list[float]]:
     if top <= 0:
         return float(logprobs[token].item()), [], []
     idx = mx.argpartition(-logprobs, kth=top - 1)[:top]

@@ -317,17 +317,13 @@ class LLMEngine(DecodeEngine):
             prompt_end=self._prompt_end,
             max_step_tokens=self._step_tokens,
         )
+        plain = dict(defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off")
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if o.max_kv_size is not None:
-            return BoundedBatchGenerator(
-                self.model, max_kv_size=o.max_kv_size, defer_leaves=self._defer_leaves, **common
-            )
+            return BoundedBatchGenerator(self.model, max_kv_size=o.max_kv_size, **plain, **common)
         return ServingBatchGenerator(
-            self.model,
-            defer_leaves=self._defer_leaves,
-            checkpoint_tokens=self._checkpoint_tokens(),
-            **common,
+            self.model, checkpoint_tokens=self._checkpoint_tokens(), **plain, **common
         )
 
     def _checkpoint_tokens(self) -> int | None:

@@ -94,6 +94,7 @@ class TextEngineOptions:
     speculative_min_acceptance: float = 0.3
     clean_prefill_groups: bool | None = None  # None: on a GPU only (LLMEngine._admit)
     defer_leaves: bool | None = None  # None: on a GPU only (engines/serving_batch.py)
+    pipeline_decode: str = "auto"  # auto|on|off (engines/serving_batch.py)
 
     def __post_init__(self) -> None:
         for key in ("prefix_cache_dir", "adapter_path", "draft_path"):
@@ -132,6 +133,7 @@ class TextEngineOptions:
             prefill_batch_size=e.prefill_batch_size,
             prefill_step_size=opts["prefill_step_size"],
             max_step_tokens=e.max_step_tokens,
+            pipeline_decode=e.pipeline_decode,
             dtype=settings.models.dtype,
             trust_remote_code=settings.models.trust_remote_code,
             prefix_cache_bytes=e.prefix_cache_bytes,

@@ -46,6 +46,24 @@ its last checkpoint, or that has reached its prompt's end, has those layers' sta
 (engines/prefix_cache.py's ``snapshot_row``) and kept under its uid until the engine hands
 them to the prefix cache with the finished sequence (:meth:`take_checkpoints`).
 
+Pipelined decode (``pipeline``, engine.pipeline_decode): mlx-lm's ``GenerationBatch._step``
+builds step n+1's forward pass on step n's sampled tokens while they are still lazy and
+``async_eval`` s it before it reads step n's tokens to the host, as ``generate_step`` does,
+so the host's bookkeeping and the next step's graph building overlap the device. A row
+that finishes at step n has step n+1 in flight: its token is never read and its cache
+entry goes with the row (a held row decodes unseen anyway). A logits processor gets step
+n's token lazily in its context; one that needs it on the host (a grammar) reads it, which
+waits for step n before step n+1 is built: such a batch runs one step at a time by itself.
+With ``pipeline`` off, each step's tokens are evaluated before the step returns: the same
+graph and tokens, without the overlap (to measure what it is worth).
+
+A batch whose rows carry no left padding (one row, or rows of one length) decodes without
+an attention mask (``maskless_decode``): mlx-lm's batch cache builds one every step (a
+causal mask against each row's left padding), which then masks nothing at one token a row.
+On the CPU the engine ran 1.06x (one row) and 1.14x (four unpadded rows) without it
+(docs/benchmarks.md, pipelined decode). The padding is read when the rows change (from the
+host's copy in a row pool, from an evaluated array otherwise).
+
 Everything else is mlx-lm's: the batch's right padding, chunking by
 ``prefill_step_size`` and the caches' ``prepare``/``finalize`` protocol. The group rule
 (:meth:`ServingBatchGenerator.clean_group_room`) reads mlx-lm's queue and prompt batch,
@@ -60,6 +78,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.lora import set_rows
@@ -167,10 +186,29 @@ class ServingGenerationBatch(GenerationBatch):
     engine read as the running batch."""
 
     defer_leaves = False
+    pipeline = True  # False: the next step's tokens are evaluated before next() returns
+    maskless_decode = True  # no attention mask while no row has left padding
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._finished: set[int] = set()  # uids of finished rows still in the batch
+        self._unpadded: bool | None = None  # None: not read since the rows last changed
         super().__init__(*args, **kwargs)
+
+    def _step(self) -> tuple[list[int], list[mx.array]]:
+        """mlx-lm's step; without its attention mask while no row is padded."""
+        if self._unpadded is None and self.maskless_decode:
+            self._unpadded = unpadded(self.prompt_cache)
+            if self._unpadded:
+                for c in self.prompt_cache:
+                    c.make_mask = DecodeWithoutMask(c)
+        return super()._step()
+
+    def _rows_change(self) -> None:
+        """Before the rows change: the caches get their own mask back until read again."""
+        if self._unpadded:
+            for c in self.prompt_cache:
+                c.__dict__.pop("make_mask", None)
+        self._unpadded = None
 
     def __len__(self) -> int:
         return len(self.uids) - len(self._finished)
@@ -181,6 +219,8 @@ class ServingGenerationBatch(GenerationBatch):
         if not self.uids:
             return []
         tokens, logprobs = self._step()
+        if not self.pipeline:
+            mx.eval(self._next_tokens, self._next_logprobs)
         done = self._finished
         responses = []
         finished_now = []
@@ -231,6 +271,7 @@ class ServingGenerationBatch(GenerationBatch):
         """mlx-lm's filter, which also drops every finished row still held. Over a
         :class:`RowPoolKVCache` the rows kept are reordered so that only the last ones
         move, into the holes the others leave."""
+        self._rows_change()
         done = self._finished
         if done:
             keep = [i for i in keep if self.uids[i] not in done]
@@ -255,6 +296,7 @@ class ServingGenerationBatch(GenerationBatch):
         the device, in mlx-lm's split of the prompt batch). Plain KV caches join as
         :class:`RowPoolKVCache` s, written into spare rows (engines/kv_rows.py)."""
         self.compact()
+        self._rows_change()
         mine, theirs = self.prompt_cache, batch.prompt_cache
         if (
             mine
@@ -265,6 +307,33 @@ class ServingGenerationBatch(GenerationBatch):
             self.prompt_cache = [join_into(c, o) for c, o in zip(mine, theirs, strict=True)]
             batch.prompt_cache = []  # taken: mlx-lm's extend then keeps ours
         super().extend(batch)
+
+
+def unpadded(caches: list[Any]) -> bool:
+    """Whether every layer's cache is a plain batch cache (mlx-lm's or a row pool) with no
+    row left-padded: a one-token step then needs no attention mask."""
+    if not caches or not all(type(c) in (BatchKVCache, RowPoolKVCache) for c in caches):
+        return False
+    for c in caches:
+        left = c.left if isinstance(c, RowPoolKVCache) else c.left_padding.tolist()
+        if any(left):
+            return False
+    return True
+
+
+class DecodeWithoutMask:
+    """A cache's ``make_mask`` that gives no mask for a one-token step (nothing to hide
+    when no row is padded) and the cache's own mask otherwise."""
+
+    __slots__ = ("cache",)
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __call__(self, n: int, *args: Any, **kwargs: Any) -> Any:
+        if n == 1 and not kwargs.get("return_array"):  # a model that asks for an array gets it
+            return None
+        return type(self.cache).make_mask(self.cache, n, *args, **kwargs)
 
 
 def prefilled_group(model: Any, group: PromptProcessingBatch, logits: mx.array) -> GenerationBatch:
@@ -325,6 +394,7 @@ class ServingBatchGenerator(BatchGenerator):
         model: Any,
         *,
         defer_leaves: bool = False,
+        pipeline: bool = True,
         prompt_end: bool = False,
         max_step_tokens: int = 0,
         checkpoint_tokens: int | None = None,
@@ -340,6 +410,7 @@ class ServingBatchGenerator(BatchGenerator):
         self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
+        batch.pipeline = pipeline
         self._generation_batch = batch
 
     def _empty_prompt_batch(self) -> ServingPromptBatch:
