@@ -11,6 +11,9 @@
 #                                                #     (LEVELS=1,4,16,64,128 PAIRS=K,
 #                                                #     ALSO_AW=2, ALSO_ENV=..., PAIRS_SKIP=...,
 #                                                #     TRACE=1: every side step-traced)
+#   bash benchmarks/h200_gap.sh engine [LABEL]   # the engine's decode alone: generate_step,
+#                                                #     mlx-lm's batch, mlxd's engine (BATCHES,
+#                                                #     ROUNDS, TOKENS)
 #   bash benchmarks/h200_gap.sh stall [LABEL]    # a 16k prompt beside 8 streams, the step
 #                                                #     budget on and off (PAIRS, PROMPT_TOKENS)
 #   bash benchmarks/h200_gap.sh trace [LABEL]    # the step trace at C=16 and C=64
@@ -132,6 +135,15 @@ pairs)
     tar czf "$OUT/pairs-$label-trace.tgz" -C /tmp/gap $(cd /tmp/gap && ls t.*.jsonl)
   fi
   cp /tmp/gap/pairs.txt "$OUT/pairs-$label.txt"
+  ;;
+engine)
+  # the engine's decode alone, in-process (pipeline_decode.py): generate_step, mlx-lm's
+  # batch with and without its mask, mlxd's engine pipelined, stepwise and masked
+  python3 -c "import mlx.core" 2>/dev/null || install
+  timeout ${ENGINE_TIMEOUT:-540} python3 "$here/pipeline_decode.py" --model $Q05 \
+    --batch ${BATCHES:-1,4,16} --rounds ${ROUNDS:-10} --tokens ${TOKENS:-128} \
+    ${ENGINE_ARGS:-} --out "$OUT/engine-$label.json" > "$OUT/engine-$label.log" 2>&1
+  tail -30 "$OUT/engine-$label.log"
   ;;
 stall)
   # a long prompt arriving beside 8 decoding streams (long_prompt_stall.py): the streams'

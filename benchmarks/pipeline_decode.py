@@ -114,8 +114,14 @@ def run_engine(
         engine.add(seq)
     started: set[int] = set()
     n, t0 = 0, None
-    while engine.has_work():
+    while engine.has_work() or engine.num_waiting:
+        if not engine.has_work():  # newcomers held for a burst to gather (GPU admission)
+            time.sleep(0.001)
+            continue
         out = engine.step()
+        for _, o in out:
+            if o.error is not None:
+                raise RuntimeError(f"the engine failed a row: {o.error!r}") from o.error
         if t0 is not None:
             n += sum(1 for _, o in out if o.token is not None)
         started.update(id(s) for s, o in out if o.token is not None)

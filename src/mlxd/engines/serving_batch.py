@@ -196,6 +196,7 @@ class ServingGenerationBatch(GenerationBatch):
 
     def _step(self) -> tuple[list[int], list[mx.array]]:
         """mlx-lm's step; without its attention mask while no row is padded."""
+        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
         if self._unpadded is None and self.maskless_decode:
             self._unpadded = unpadded(self.prompt_cache)
             if self._unpadded:
@@ -249,10 +250,6 @@ class ServingGenerationBatch(GenerationBatch):
         elif finished_now:
             self._quiet(finished_now)
         return responses
-
-    def _step(self) -> Any:
-        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
-        return super()._step()
 
     def _quiet(self, rows: list[int]) -> None:
         """Rows just finished and held: they run no logits processors (a grammar past its
