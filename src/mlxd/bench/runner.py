@@ -180,7 +180,7 @@ def _peer_model(url: str, fallback: str) -> str:
         data = httpx.get(url + "/v1/models", timeout=10).json().get("data") or []
     except (httpx.HTTPError, ValueError):
         return fallback
-    ids = [m.get("id") for m in data if isinstance(m, dict) and m.get("id")]
+    ids = [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
     return ids[0] if len(ids) == 1 else fallback
 
 

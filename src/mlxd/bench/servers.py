@@ -32,7 +32,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, paths: tuple[str, ...], timeout: float = 300.0, proc=None) -> str:
+def wait_ready(
+    url: str,
+    paths: tuple[str, ...],
+    timeout: float = 300.0,
+    proc: subprocess.Popen[bytes] | None = None,
+) -> str:
     """Poll ``paths`` under ``url`` until one answers 200; returns that path."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
