@@ -97,11 +97,15 @@ def test_bench_against_a_running_server_interleaves_the_pairs(tmp_path, tiny_lla
 
 def test_bench_starts_mlx_lm_server_on_the_same_directory(tmp_path, tiny_llama):
     out = tmp_path / "out.json"
-    r = _bench(str(tiny_llama), "--peer", "mlx_lm", *SMALL, "--json", str(out))
+    # on Linux with the BLAS mlxd loads preloaded into mlx_lm's server too
+    blas = ["--peer-blas"] if sys.platform == "linux" else []
+    r = _bench(str(tiny_llama), "--peer", "mlx_lm", *blas, *SMALL, "--json", str(out))
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     _check_common(data, "--peer mlx_lm")
     assert data["peer"]["kind"] == "mlx_lm"
+    if blas:
+        assert Path(data["peer"]["ld_preload"]).is_file()
     assert str(tiny_llama) in data["peer"]["command"]
     for lv in data["levels"]:
         assert list(lv["sides"]) == ["mlxd", "mlx_lm"]

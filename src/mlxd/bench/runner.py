@@ -47,6 +47,7 @@ class BenchOptions:
     requests_per_client: int = 2
     server_args: str = ""
     peer_args: str = ""
+    peer_blas: bool = False
     seed: int | None = None
     json_path: Path | None = None
     command: str = ""
@@ -122,10 +123,12 @@ def _start(
         return targets
     if opts.peer == "mlx_lm":
         model_dir = _model_dir(opts.model)
+        peer_env, preload = _peer_env(opts.peer_blas)
         peer = Server(
             "mlx_lm",
             mlx_lm_command(model_dir, seqs, shlex.split(opts.peer_args)),
             tmp / "mlx_lm.log",
+            peer_env,
             ready=("/health", "/v1/models"),
         )
         say(f"starting mlx_lm.server: {shlex.join(peer.cmd)}")
@@ -134,7 +137,12 @@ def _start(
         say(f"mlx_lm.server ready at {peer.url} (pid {peer.pid})")
         # "default_model" is the model named on its command line: no load on request
         targets.append(Target("mlx_lm", peer.url, "default_model"))
-        results["peer"] = {"kind": "mlx_lm", "url": peer.url, "command": shlex.join(peer.cmd)}
+        results["peer"] = {
+            "kind": "mlx_lm",
+            "url": peer.url,
+            "command": shlex.join(peer.cmd),
+            "ld_preload": preload,
+        }
         return targets
     url = opts.peer.rstrip("/")
     try:
@@ -145,6 +153,21 @@ def _start(
     targets.append(Target("peer", url, model))
     results["peer"] = {"kind": "url", "url": url, "model": model}
     return targets
+
+
+def _peer_env(same_blas: bool) -> tuple[dict[str, str] | None, str | None]:
+    """The peer's environment: as inherited, or with the BLAS mlxd loads preloaded
+    (``LD_PRELOAD``), so that on a Linux CPU the two differ in the server, not the BLAS."""
+    if not same_blas:
+        return None, None
+    from mlxd import blas
+    from mlxd.config import load_settings
+
+    info = blas.preload(load_settings(None).backend.blas)
+    if not info.loaded or info.path is None:
+        raise BenchError(f"--peer-blas: mlxd loads no BLAS of its own here ({info.name})")
+    before = os.environ.get("LD_PRELOAD")
+    return {**os.environ, "LD_PRELOAD": f"{info.path} {before}" if before else info.path}, info.path
 
 
 def _served_name(model: str) -> str:

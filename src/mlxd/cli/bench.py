@@ -64,6 +64,13 @@ def bench(
     peer_args: Annotated[
         str, typer.Option(help="More arguments for the peer mlx_lm server, as one string.")
     ] = "",
+    peer_blas: Annotated[
+        bool,
+        typer.Option(
+            help="Linux CPU, --peer mlx_lm: preload the BLAS mlxd loads into the peer too "
+            "(MLX's own is ~20x slower at float32 matmuls), so the servers differ, not the BLAS.",
+        ),
+    ] = False,
     seed: Annotated[
         Optional[int], typer.Option(help="Prompt seed (default: a random one, recorded).")
     ] = None,
@@ -82,6 +89,7 @@ def bench(
         requests_per_client=requests_per_client,
         server_args=server_args,
         peer_args=peer_args,
+        peer_blas=peer_blas,
         seed=seed,
         json_path=json_out,
         command=shlex.join(["mlxd", *sys.argv[1:]]),
