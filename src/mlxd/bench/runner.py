@@ -54,10 +54,6 @@ class BenchOptions:
     start_timeout: float = 600.0
 
 
-def _side_name(peer: str) -> str:
-    return "mlx_lm" if peer == "mlx_lm" else "peer"
-
-
 def run(opts: BenchOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the servers, run every level, stop them; returns (and writes) the results."""
     if opts.peer not in PEER_KINDS and not opts.peer.startswith(("http://", "https://")):
