@@ -44,6 +44,7 @@ def _check_common(data: dict, command_has: str) -> None:
     assert {"platform", "machine", "cpu_count", "python", "mlx", "mlx_default_device"} <= set(
         data["machine"]
     )
+    assert len(data["machine"]["load_average_end"]) == 3
     assert data["machine"]["mlx_default_device"]  # MLX answered in a child process
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", data["date"])
     assert "git_commit" in data

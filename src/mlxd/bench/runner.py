@@ -81,6 +81,7 @@ def run(opts: BenchOptions, say: Callable[[str], None] = print) -> dict[str, Any
                 _write(opts, results)
             say("stopping the servers")
     results["complete"] = True
+    results["machine"]["load_average_end"] = _load_average()
     _write(opts, results)
     return results
 
@@ -353,11 +354,20 @@ def _machine() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": platform.processor() or None,
         "cpu_count": os.cpu_count(),
+        # other work on the host: a shared machine's figures are its own, not the servers'
+        "load_average_start": _load_average(),
         "python": platform.python_version(),
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
         "mlx_default_device": _mlx_device(),
     }
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _mlx_device() -> str | None:
