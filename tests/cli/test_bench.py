@@ -15,10 +15,10 @@ from conftest import wait_until
 SMALL = ["--concurrency", "1,2", "--pairs", "2", "--max-tokens", "8", "--prompt-tokens", "16"]
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mlxd", "bench", *args],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -68,6 +68,36 @@ def test_bench_without_a_peer_measures_mlxd_alone(tmp_path, tiny_llama):
     # the table on stdout, one row per level
     assert r.stdout.splitlines()[0].startswith("| C | side |")
     assert len([x for x in r.stdout.splitlines() if x.startswith("| 1 | mlxd")]) == 1
+
+
+def test_bench_sends_the_key_an_mlxd_with_api_keys_asks_for(tmp_path, tiny_llama):
+    out = tmp_path / "out.json"
+    r = _bench(
+        str(tiny_llama),
+        "--peer",
+        "none",
+        *SMALL,
+        "--json",
+        str(out),
+        MLXD_API_KEYS="bench:sk-bench-0123",
+    )
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    for lv in data["levels"]:
+        _check_side(lv["sides"]["mlxd"], pairs=2, requests=2 * lv["concurrency"] * 2)
+    assert data["machine"]["mlx_devices"]  # /health's full answer: the key was accepted
+    assert "sk-bench-0123" not in out.read_text()
+    # a key the server refuses: every request fails, and the bench stops saying so
+    r = _bench(
+        str(tiny_llama),
+        "--peer",
+        "none",
+        *SMALL,
+        MLXD_API_KEYS="bench:sk-bench-0123",
+        MLXD_API_KEY="sk-wrong",
+    )
+    assert r.returncode == 1, r.stderr
+    assert "mlxd: mlxd (http://127.0.0.1:" in r.stderr and "HTTP 401" in r.stderr
 
 
 def test_bench_against_a_running_server_interleaves_the_pairs(tmp_path, tiny_llama, start_server):

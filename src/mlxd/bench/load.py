@@ -12,7 +12,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -46,6 +46,7 @@ class Target:
     name: str
     url: str
     model: str
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 async def one_request(
@@ -63,7 +64,9 @@ async def one_request(
     stamps: list[float] = []
     usage: dict[str, Any] = {}
     finish = None
-    async with client.stream("POST", target.url + "/v1/chat/completions", json=body) as r:
+    async with client.stream(
+        "POST", target.url + "/v1/chat/completions", json=body, headers=target.headers
+    ) as r:
         if r.status_code != 200:
             await r.aread()
             return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}

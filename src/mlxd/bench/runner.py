@@ -52,6 +52,8 @@ class BenchOptions:
     json_path: Path | None = None
     command: str = ""
     start_timeout: float = 600.0
+    # mlxd's Authorization header where its settings name API keys; never written out
+    mlxd_headers: dict[str, str] = field(default_factory=dict)
 
 
 def run(opts: BenchOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -69,7 +71,11 @@ def run(opts: BenchOptions, say: Callable[[str], None] = print) -> dict[str, Any
         "git_commit": _git_commit(),
         "machine": _machine(),
         "model": opts.model,
-        "options": {k: v for k, v in asdict(opts).items() if k not in ("json_path", "command")},
+        "options": {
+            k: v
+            for k, v in asdict(opts).items()
+            if k not in ("json_path", "command", "mlxd_headers")
+        },
         "complete": False,
         "levels": [],
     }
@@ -109,12 +115,12 @@ def _start(
     stack.callback(mlxd.stop)
     mlxd.start(opts.start_timeout)
     say(f"mlxd ready at {mlxd.url} (pid {mlxd.pid})")
-    health = httpx.get(mlxd.url + "/health", timeout=30).json()
+    health = httpx.get(mlxd.url + "/health", headers=opts.mlxd_headers, timeout=30).json()
     results["machine"]["mlx_devices"] = sorted(
         {str(c.get("device")) for c in health.get("engine_cores", [])}
     )
     results["mlxd"] = {"url": mlxd.url, "command": shlex.join(mlxd.cmd)}
-    targets = [Target("mlxd", mlxd.url, _served_name(opts.model))]
+    targets = [Target("mlxd", mlxd.url, _served_name(opts.model), opts.mlxd_headers)]
     if opts.peer == "none":
         results["peer"] = None
         return targets
@@ -211,7 +217,9 @@ def _level(
     assert opts.seed is not None
     warm = make_prompts(c, _prompt_seed(opts.seed, c, -1), opts.prompt_tokens)
     for t in targets:
-        asyncio.run(run_pass(t, warm, c, min(opts.max_tokens, 8)))
+        w = asyncio.run(run_pass(t, warm, c, min(opts.max_tokens, 8)))
+        if w["errors"] == w["requests"]:  # nothing to measure: say why now, not at the end
+            raise BenchError(f"{t.name} ({t.url}) failed every request: {w['error_samples'][0]}")
     pairs = []
     for k in range(opts.pairs):
         prompts = make_prompts(n, _prompt_seed(opts.seed, c, k), opts.prompt_tokens)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlxd.cli.common import CliError, cli_errors
+from mlxd.cli.common import CliError, cli_errors, client_headers, settings_for
 
 
 def _levels(text: str) -> list[int]:
@@ -93,6 +93,7 @@ def bench(
         seed=seed,
         json_path=json_out,
         command=shlex.join(["mlxd", *sys.argv[1:]]),
+        mlxd_headers=client_headers(settings_for(None)),
     )
     try:
         results = run(opts, say=lambda line: typer.echo(line, err=True))
