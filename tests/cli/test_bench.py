@@ -182,22 +182,24 @@ def _gone(pid: int) -> bool:
 def test_ctrl_c_stops_both_servers(tmp_path, tiny_llama):
     p = subprocess.Popen(
         [sys.executable, "-m", "mlxd", "bench", str(tiny_llama), "--peer", "mlx_lm"]
-        + ["--concurrency", "1", "--pairs", "100000", "--max-tokens", "8"],
+        + ["--concurrency", "1", "--pairs", "100000", "--max-tokens", "8", "--prompt-tokens", "16"],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     pids: list[int] = []
+    seen: list[str] = []
     try:
         assert p.stderr is not None
         for line in p.stderr:
+            seen.append(line)
             m = re.search(r"ready at (\S+) \(pid (\d+)\)", line)
             if m:
                 pids.append(int(m.group(2)))
             if "pair 1/" in line:
                 break
-        assert len(pids) == 2, pids
+        assert len(pids) == 2, "".join(seen)
         p.send_signal(signal.SIGINT)
         rest = p.communicate(timeout=180)[1]
         assert p.returncode == 130, rest
