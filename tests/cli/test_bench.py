@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import wait_until
+from conftest import free_port, wait_until
 
 SMALL = ["--concurrency", "1,2", "--pairs", "2", "--max-tokens", "8", "--prompt-tokens", "16"]
 
@@ -177,6 +177,14 @@ def _gone(pid: int) -> bool:
     # a zombie until its parent reaps it: gone for our purpose
     stat = Path(f"/proc/{pid}/stat")
     return not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_bench_against_a_url_nothing_answers_says_so_before_starting_mlxd(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    r = _bench(str(tmp_path), "--peer", url, *SMALL, timeout=180)
+    assert r.returncode == 1, r.stderr
+    assert f"mlxd: peer {url}: {url} not ready after 30 s" in r.stderr
+    assert "starting mlxd" not in r.stderr
 
 
 def test_ctrl_c_stops_both_servers(tmp_path, tiny_llama):

@@ -34,6 +34,7 @@ from mlxd.bench.load import Target, make_prompts, pct, run_pass
 from mlxd.bench.servers import BenchError, Server, mlx_lm_command, mlxd_command, wait_ready
 
 PEER_KINDS = ("mlx_lm", "none")
+URL_PEER_TIMEOUT = 30.0  # a server said to be running answers at once; a wrong URL never
 
 
 @dataclass
@@ -99,8 +100,15 @@ def _start(
     results: dict[str, Any],
     say: Callable[[str], None],
 ) -> list[Target]:
-    """mlxd first (it pulls a store model that is not there yet), then the peer."""
+    """mlxd first (it pulls a store model that is not there yet), then the peer; a peer
+    already running is asked first, so that a wrong URL costs no server start."""
     seqs = max(opts.concurrency)
+    url = opts.peer.rstrip("/")
+    if url.startswith(("http://", "https://")):
+        try:
+            wait_ready(url, ("/v1/models", "/health"), timeout=URL_PEER_TIMEOUT)
+        except BenchError as exc:
+            raise BenchError(f"peer {url}: {exc}") from None
     env = dict(os.environ)
     # the prefix cache's disk tier of a run stays out of the user's home
     env.setdefault("MLXD_ENGINE__PREFIX_CACHE_DIR", str(tmp / "prefix-cache"))
@@ -147,11 +155,6 @@ def _start(
             "ld_preload": preload,
         }
         return targets
-    url = opts.peer.rstrip("/")
-    try:
-        wait_ready(url, ("/v1/models", "/health"), timeout=opts.start_timeout)
-    except BenchError as exc:
-        raise BenchError(f"peer {url}: {exc}") from None
     model = _peer_model(url, targets[0].model)
     targets.append(Target("peer", url, model))
     results["peer"] = {"kind": "url", "url": url, "model": model}
