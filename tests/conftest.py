@@ -112,6 +112,7 @@ _TIER_FILES = {
         "cli/test_serve.py",
         "cli/test_models_cli.py",
         "cli/test_doctor.py",
+        "cli/test_bench.py",
         "ops/test_ops_daemon.py",
         "ops/test_deploy.py",
         "ops/test_packaging.py",

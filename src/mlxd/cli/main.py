@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from mlxd.cli.bench import bench
 from mlxd.cli.config_cmd import register as register_config_command
 from mlxd.cli.daemon import register as register_daemon_commands
 from mlxd.cli.doctor import doctor
@@ -54,6 +55,7 @@ register_config_command(app)  # config
 app.add_typer(service_app, name="service")  # service install|uninstall|start|stop|...
 app.command()(doctor)
 app.command()(usage)  # usage per API key name and model
+app.command()(bench)
 
 
 def main() -> None:
