@@ -186,3 +186,9 @@ def test_an_adapter_in_use_is_never_unloaded(tiny_llama, adapters):
     busy.clear()
     rows.unload("alpha")
     assert not rows.adapters
+
+
+def test_the_playground_offers_adapters_beside_their_base(srv):
+    o = httpx.get(srv.url + "/ui/api/overview").json()
+    offered = {a["name"]: a for a in o["adapters"]}
+    assert offered["alpha"] == {"name": "alpha", "kind": "chat", "parent": "tiny-llama"}

@@ -86,6 +86,8 @@ async def overview(request: Request) -> dict[str, Any]:
         "blas": rt.blas,
         "health": await rt.status(),
         "store": store,
+        # LoRA adapters: chat models of their own in the playground's picker
+        "adapters": [{"name": a.name, "kind": "chat", "parent": a.base} for a in rt.adapters.all()],
         "key_name": getattr(request.state, "key_name", None),
         "admin": principal(request).admin,
     }

@@ -6,18 +6,18 @@ import { call, streamSSE, NeedKey, getKey, copyText } from "./api.js";
 import { asCurl, asPython, asOllama } from "./snippets.js";
 import { requestLink } from "./requests.js";
 
-// The models a picker offers: the store's, and loaded ones the store does not list (a
-// directory given to `mlxd serve --model`).
+// The models a picker offers: the store's, loaded ones the store does not list (a
+// directory given to `mlxd serve --model`), and LoRA adapters (named for their base).
 function byKind(info, kinds) {
   if (!info) return [];
   const seen = new Set(info.store.map((m) => m.name));
   const loaded = (info.health.models || []).filter((m) => !seen.has(m.name));
-  return [...info.store, ...loaded].filter((m) => kinds.includes(m.kind));
+  return [...info.store, ...loaded, ...(info.adapters || [])].filter((m) => kinds.includes(m.kind));
 }
 
 function ModelPicker({ models, value, onChange, name }) {
   return html`<select name=${name} value=${value} onChange=${(e) => onChange(e.target.value)}>
-    ${models.map((m) => html`<option value=${m.name}>${m.name} (${m.kind})</option>`)}</select>`;
+    ${models.map((m) => html`<option value=${m.name}>${m.name} (${m.parent ? `adapter of ${m.parent}` : m.kind})</option>`)}</select>`;
 }
 
 function readImage(file) {
@@ -46,7 +46,7 @@ function Chat({ info, onAuthError }) {
   const models = byKind(info, ["chat", "vision"]);
   const [model, setModel] = useState("");
   const [system, setSystem] = useState("");
-  const [params, setParams] = useState({ temperature: 0.7, top_p: 1, max_tokens: 256, seed: "" });
+  const [params, setParams] = useState({ temperature: 0.7, top_p: 1, max_tokens: 256, seed: "", priority: "" });
   const [stop, setStop] = useState("");
   const [schemaOn, setSchemaOn] = useState(false);
   const [schema, setSchema] = useState('{\n  "type": "object",\n  "properties": {"answer": {"type": "string"}},\n  "required": ["answer"]\n}');
@@ -83,7 +83,7 @@ function Chat({ info, onAuthError }) {
     const body = { model: current, messages: [], stream: true, stream_options: { include_usage: true } };
     if (system.trim()) body.messages.push({ role: "system", content: system });
     body.messages.push(...history.map(wire));
-    for (const k of ["temperature", "top_p", "max_tokens", "seed"]) {
+    for (const k of ["temperature", "top_p", "max_tokens", "seed", "priority"]) {
       if (params[k] !== "" && params[k] != null && !Number.isNaN(Number(params[k]))) body[k] = Number(params[k]);
     }
     const stops = stop.split("\n").filter((s) => s.length);
@@ -181,6 +181,7 @@ function Chat({ info, onAuthError }) {
       <label><span>System prompt</span><textarea name="system" rows="3" value=${system} onInput=${(e) => setSystem(e.target.value)}></textarea></label>
       <div class="row">${p("temperature", "temperature", "0.1")}${p("top_p", "top_p", "0.05")}</div>
       <div class="row">${p("max_tokens", "max_tokens", "1")}${p("seed", "seed", "1")}</div>
+      <div class="row">${p("priority", "priority (lower first)", "1")}</div>
       <label><span>Stop strings (one a line)</span><textarea name="stop" rows="2" value=${stop} onInput=${(e) => setStop(e.target.value)}></textarea></label>
       <label class="row"><input type="checkbox" name="schema-on" checked=${schemaOn} onChange=${(e) => setSchemaOn(e.target.checked)} /> JSON schema</label>
       ${schemaOn && html`<textarea name="schema" rows="6" value=${schema} onInput=${(e) => setSchema(e.target.value)}></textarea>`}
