@@ -18,8 +18,10 @@ batch size one, or when all rows accepted alike, nothing is copied. Models whose
 not all plain KV layers (sliding windows, recurrent state) or with ``max_kv_size`` do not
 speculate (see :func:`can_speculate`).
 
-The plain step is mlx-lm's own, untouched: a step speculates only when the batch is small
-enough (``engine.speculative_max_batch``) and some row has a draft.
+The plain step is mlx-lm's own, untouched. Whether a step may draft at all is the
+speculator's call (engines/speculative.py ``CostModel``: speculating steps against plain
+ones, by measured wall time per batch size, under ``engine.speculative_max_batch`` if set);
+a step that may draft verifies when some row has a draft.
 """
 
 from __future__ import annotations
@@ -67,10 +69,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self.fed_tokens = len(self.uids)  # a verify step's: its drafts too (step budget)
         if spec is None or not self.uids:
             return super().next()
-        if len(self.uids) > spec.max_batch:
-            spec.stats.plain_steps += 1
-            spec.stats.large_batch_steps += 1
-            return super().next()
+        n = len(self.uids)
+        speculating = spec.speculates(n)
+        out = self._speculative_step(spec) if speculating else super().next()
+        spec.step_done(n, speculating, len(out))
+        return out
+
+    def _speculative_step(self, spec: Speculator) -> list[GenerationBatch.Response]:
+        """A step that may draft: a verify step when some row has a draft, else plain."""
         # A draft model's first draft for a row must read the row's whole prompt. Doing
         # that inside the row's first verify step held its first token back by that pass
         # (CPU: TTFT 2.0 -> 4.6 s); instead the row's first token comes from this step
@@ -237,3 +243,16 @@ class SpeculativeBatchGenerator(ServingBatchGenerator):
         batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
         batch.speculator = speculator
         self._generation_batch = batch
+        self.speculator = speculator
+
+    def _next(self) -> tuple[list, list]:
+        """The serving step; prefill or rows joining in it make the next decode step's
+        wall time not that step's own (CostModel)."""
+        prompt_responses, generation_responses = super()._next()
+        if prompt_responses:
+            self.speculator.cost.interrupt()
+        return prompt_responses, generation_responses
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        self.speculator.cost.interrupt()  # reshaping the batch between two steps
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)
