@@ -240,7 +240,7 @@ def test_auto_is_the_default_and_reports_what_it_measured_and_decided(plain, aut
     assert _metric(auto, "mlxd:spec_decode_num_plain_steps_total") > 0
     text = httpx.get(auto.url + "/metrics", timeout=10).text
     decided = re.findall(
-        rf'^mlxd:spec_decode_speculating{{model="{MODEL}",batch="(\d+)"}} (\S+)$', text, re.M
+        rf'^mlxd:spec_decode_speculating{{batch="(\d+)",model="{MODEL}"}} (\S+)$', text, re.M
     )
     assert {b for b, _ in decided} == set(buckets)
     assert all(float(v) == (buckets[b]["decision"] == "speculate") for b, v in decided)

@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxd.engines.serving_batch import ServingBatchGenerator
+from mlxd.engines.serving_batch import ServingBatchGenerator, ServingGenerationBatch
 from mlxd.engines.speculative import Speculator, verify_greedy, verify_sampled
 
 
@@ -58,8 +58,10 @@ def rollback_rows(caches: list[Any], drop: list[int]) -> None:
             c.finalize()
 
 
-class SpeculativeGenerationBatch(GenerationBatch):
-    """mlx-lm's generation batch with a verify step beside its plain one."""
+class SpeculativeGenerationBatch(ServingGenerationBatch):
+    """The serving decode batch (its KV row pools: engines/kv_rows.py) with a verify step
+    beside its plain one. Finished rows leave at once (no ``defer_leaves``): a verify
+    step knows no rows that decode unseen."""
 
     speculator: Speculator | None = None
     fed_tokens = 0  # tokens the last step fed the model, for the serving batch's budget
