@@ -227,8 +227,12 @@ class CostModel:
         return decision
 
     def _decide(self, c: BucketCost) -> bool:
+        """Speculate where it measured faster; never where it emits no more tokens per
+        row than a plain step (its step then costs at least a plain one, and a measured
+        gain is noise: a loaded host's wall times)."""
         gain = c.gain()
-        return gain is not None and gain > 1 + self.margin
+        tokens = c.spec_tokens or 0.0
+        return gain is not None and tokens > 1 + self.margin and gain > 1 + self.margin
 
     def interrupt(self) -> None:
         """Something ran between two steps (a prefill, rows joining): the next step's
