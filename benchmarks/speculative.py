@@ -34,6 +34,7 @@ draft path's mechanics and its overhead (draft passes, verify steps, pauses), no
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -75,6 +76,22 @@ ASKS = [
     "Repeat the following text exactly, word for word:\n\n{t}",
     "Rewrite the following text, changing only 'the' to 'THE' everywhere:\n\n{t}",
 ]
+# Work whose output is not in its prompt: what prompt lookup finds little in, so the cost
+# rule (engine.speculative_policy: cost) should leave these at plain decoding's speed.
+FRESH = [
+    "Write a short poem about a fox crossing a frozen river at dawn.",
+    "Explain to a ten-year-old why the sky is blue, in a few sentences.",
+    "List five unusual uses for a paperclip, one line each.",
+    "Describe a busy market in a coastal town on a summer morning.",
+]
+
+
+def prompt_set(kind: str, n: int) -> list[str]:
+    """``n`` prompts of a kind: 'repeat' (the answer copies or edits the prompt's text)
+    or 'fresh' (it does not)."""
+    if kind == "fresh":
+        return FRESH[:n]
+    return [a.format(t=t) for a in ASKS for t in TEXTS][:n]
 
 
 # The engine alone at batch 1, for the "engine" side of --engine-alone: mlx-lm's
@@ -122,11 +139,16 @@ for line in sys.stdin:
 def start(
     home: str, model: str, dtype: str, mode: str, draft: str | None, max_batch: int | None
 ) -> tuple[subprocess.Popen, str]:
+    """A server for ``mode``: engine.speculative, and after a colon the
+    speculative_policy (``prompt-lookup:always``: speculate whenever a row has a draft)."""
+    mode, _, policy = mode.partition(":")
     env = {
         "MLXD_MODELS__DTYPE": dtype,
         "MLXD_ENGINE__SPECULATIVE": mode,
         "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0",
     }  # every request prefills: same work
+    if policy:
+        env["MLXD_ENGINE__SPECULATIVE_POLICY"] = policy
     if draft and mode == "draft":
         env["MLXD_ENGINE__DRAFT_MODEL"] = draft
     if max_batch is not None:
@@ -251,9 +273,11 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             _progress(t0, f"C={c}")
             if c == 1:
                 seq: dict[str, list[dict]] = {m: [] for m in ask}
-                for _ in range(args.rounds):
-                    for p in prompts:
-                        for mode, side in ask.items():
+                sides = list(ask.items())
+                for i in range(args.rounds):
+                    # --cycle: one prompt per round, the set in turn
+                    for p in [prompts[i % len(prompts)]] if args.cycle else prompts:
+                        for mode, side in sides if i % 2 == 0 else sides[::-1]:  # ABBA
                             seq[mode].append(side(p, args.max_tokens))
                 base = args.modes[0]
                 for mode, res in seq.items():
@@ -266,6 +290,8 @@ def run_all(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
                     run["paired_decode_speedup_p50"] = (
                         round(statistics.median(pairs), 3) if pairs and mode != base else None
                     )
+                    if mode != base:
+                        run["paired_decode_speedups"] = [round(x, 3) for x in pairs]
                     run["decode_tps_all"] = [round(r["decode_tps"] or 0, 2) for r in res]
                     if "engine" in seq and mode != "engine":
                         vs = [
@@ -336,6 +362,24 @@ def random_target(args: argparse.Namespace) -> str:
     return str(out)
 
 
+def compare(results: list[dict], base_mode: str) -> None:
+    """Each mode's runs against the base mode's: the same text, and the speed-ups."""
+    base = next(r for r in results if r["mode"] == base_mode)
+    for r in results:
+        if r is base:
+            continue
+        for c, run in r["runs"].items():
+            ref = base["runs"].get(c)
+            if ref is None:
+                continue
+            run["same_text_as_" + base["mode"]] = run["texts"] == ref["texts"]
+            run["speedup_output_tps"] = round(run["output_tps"] / ref["output_tps"], 3)
+            if run["decode_tps_per_request_p50"] and ref["decode_tps_per_request_p50"]:
+                run["speedup_decode_tps_p50"] = round(
+                    run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3
+                )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="a model directory (default: --model)")
@@ -373,7 +417,20 @@ def main() -> None:
         help="batch 1 also through mlx-lm's BatchGenerator alone (no server) on "
         "the served model directory, in turns with the servers",
     )
-    ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["repeat"],
+        choices=["repeat", "fresh"],
+        help="prompt sets, each measured with servers of its own: 'repeat' (the answer "
+        "copies the prompt's text) and 'fresh' (it does not)",
+    )
+    ap.add_argument(
+        "--cycle",
+        action="store_true",
+        help="at batch 1, one prompt per round (the set in turn) rather than all of them",
+    )
+    ap.add_argument("--out", help="write the JSON result here (after each kind too)")
     args = ap.parse_args()
     if args.draft_model and "draft" not in args.modes:
         args.modes.append("draft")
@@ -390,49 +447,44 @@ def main() -> None:
         text=True,
         cwd=Path(__file__).parent,
     ).stdout.strip()
-    prompts = [a.format(t=t) for a in ASKS for t in TEXTS][: args.texts]
-    results = run_all(args, prompts)
-    base = next(r for r in results if r["mode"] == args.modes[0])
-    for r in results:
-        if r is base:
-            continue
-        for c, run in r["runs"].items():
-            ref = base["runs"].get(c)
-            if ref is None:
-                continue
-            run["same_text_as_" + base["mode"]] = run["texts"] == ref["texts"]
-            run["speedup_output_tps"] = round(run["output_tps"] / ref["output_tps"], 3)
-            if run["decode_tps_per_request_p50"] and ref["decode_tps_per_request_p50"]:
-                run["speedup_decode_tps_p50"] = round(
-                    run["decode_tps_per_request_p50"] / ref["decode_tps_per_request_p50"], 3
-                )
-    report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit,
-        "model": args.model_dir or args.model,
-        "dtype": args.dtype,
-        "max_tokens": args.max_tokens,
-        # the machine may be shared: 1, 5 and 15 minute load averages before and after
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "draft_model": args.draft_model,
-        "results": results,
-    }
-    for r in results:
-        for run in r["runs"].values():
-            run["texts"] = [t[:80] for t in run["texts"]]  # enough to eyeball, not to bloat
-    summary = {
-        r["mode"]: {
-            c: {k: v for k, v in run.items() if k != "texts"} for c, run in r["runs"].items()
+    by_kind: dict[str, list[dict]] = {}
+    for kind in args.kinds:
+        by_kind[kind] = run_all(args, prompt_set(kind, args.texts))
+        compare(by_kind[kind], args.modes[0])
+        report = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit,
+            "model": args.model_dir or args.model,
+            "dtype": args.dtype,
+            "max_tokens": args.max_tokens,
+            # the machine may be shared: 1, 5 and 15 minute load averages before and after
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "draft_model": args.draft_model,
+            **(
+                {"results": by_kind[kind]} if len(args.kinds) == 1 else {"results_by_kind": by_kind}
+            ),
         }
-        | {"speculative": r["speculative"]}
-        for r in results
+        report = copy.deepcopy(report)
+        for results in report.get("results_by_kind", {"": report.get("results", [])}).values():
+            for r in results:
+                for run in r["runs"].values():
+                    run["texts"] = [t[:80] for t in run["texts"]]  # enough to eyeball
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    summary = {
+        kind: {
+            r["mode"]: {
+                c: {k: v for k, v in run.items() if k != "texts"} for c, run in r["runs"].items()
+            }
+            | {"speculative": r["speculative"]}
+            for r in results
+        }
+        for kind, results in by_kind.items()
     }
     print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -117,11 +117,15 @@ def test_flat_preload_env(monkeypatch):
 
 
 def test_speculative_settings_from_env_and_flags(monkeypatch):
-    assert load_settings().engine.speculative == "off"
+    default = load_settings().engine
+    assert (default.speculative, default.speculative_policy) == ("auto", "cost")
+    assert default.speculative_max_batch == 0  # no cap
     monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE", "prompt-lookup")
     monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE_MAX_BATCH", "4")
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE_POLICY", "always")
     s = load_settings()
     assert (s.engine.speculative, s.engine.speculative_max_batch) == ("prompt-lookup", 4)
+    assert s.engine.speculative_policy == "always"
     s = load_settings(None, {"engine": {"speculative": "draft", "draft_model": "small"}})
     assert (s.engine.speculative, s.engine.draft_model) == ("draft", "small")
     monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE", "medusa")

@@ -615,15 +615,27 @@ class EngineSettings(_Section):
         ),
     )
 
-    speculative: Literal["off", "prompt-lookup", "draft"] = Field(
-        "off",
+    speculative: Literal["auto", "off", "prompt-lookup", "draft"] = Field(
+        "auto",
         description=(
             "Speculative decoding for text models, inside the continuous batch: "
             "'prompt-lookup' drafts the next tokens from n-grams of the sequence's own prompt "
             "and output (no second model; pays off on input-grounded work: edits, summaries, "
-            "code changes), 'draft' from draft_model. The model verifies a draft in one "
-            "forward pass; greedy output is token-for-token the same as without it and "
-            "sampled output follows the same distribution."
+            "code changes), 'draft' from draft_model; 'auto' is prompt-lookup for models "
+            "whose KV cache can roll back and off for the rest. The model verifies a draft in "
+            "one forward pass; greedy output is token-for-token the same as without it and "
+            "sampled output follows the same distribution. Whether a step speculates is "
+            "speculative_policy's call."
+        ),
+    )
+    speculative_policy: Literal["cost", "always"] = Field(
+        "cost",
+        description=(
+            "When a step speculates. 'cost': when speculating steps measured more tokens per "
+            "second than plain ones at that batch size (wall time per step and tokens per "
+            "row, kept per power-of-two batch size and retried now and then), so "
+            "speculation never stays where it is slower. 'always': whenever a sequence has "
+            "a draft (for measurements and tests)."
         ),
     )
     draft_model: str | None = Field(
@@ -640,11 +652,11 @@ class EngineSettings(_Section):
         description="Most tokens drafted per sequence per step (each sequence adapts below it).",
     )
     speculative_max_batch: int = Field(
-        8,
-        ge=1,
+        0,
+        ge=0,
         description=(
-            "Speculate only while at most this many sequences decode together; a larger "
-            "batch decodes plainly (verifying drafts then costs more than it saves)."
+            "A hard cap: speculate only while at most this many sequences decode together, "
+            "whatever speculative_policy measured. 0: no cap."
         ),
     )
     speculative_min_acceptance: float = Field(

@@ -29,13 +29,22 @@ MODEL = "tiny-llama"
 
 
 def _engine(**kw) -> dict:
-    return {"max_num_seqs": 16, "prefix_cache_bytes": 0, **kw}
+    """Speculating whenever a row has a draft, so that the verify path runs at every batch
+    size these tests ask for (the cost rule has tests of its own)."""
+    return {
+        "max_num_seqs": 16,
+        "prefix_cache_bytes": 0,
+        "speculative_policy": "always",
+        **kw,
+    }
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, tiny_llama):
     srv = LiveServer(
-        make_settings(tmp_path_factory.mktemp("spec-off"), tiny_llama, engine=_engine())
+        make_settings(
+            tmp_path_factory.mktemp("spec-off"), tiny_llama, engine=_engine(speculative="off")
+        )
     ).start()
     yield srv
     srv.stop()
@@ -55,6 +64,20 @@ def lookup(tmp_path_factory, tiny_llama):
                 prefix_cache_bytes=1 << 28,
                 prefix_cache_min_tokens=0,
             ),
+        )
+    ).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory, tiny_llama):
+    """A server left at the defaults: engine.speculative auto, the cost rule, no cap."""
+    srv = LiveServer(
+        make_settings(
+            tmp_path_factory.mktemp("spec-auto"),
+            tiny_llama,
+            engine={"max_num_seqs": 16, "prefix_cache_bytes": 0},
         )
     ).start()
     yield srv
@@ -195,6 +218,44 @@ def test_prompt_lookup_greedy_tokens_match_plain_decoding(plain, lookup, batch):
     stats = _spec_stats(lookup)
     assert stats["mode"] == "prompt-lookup"
     assert stats["accepted_tokens"] > before  # drafts were verified and taken, not skipped
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_auto_is_the_default_and_reports_what_it_measured_and_decided(plain, auto, batch):
+    """The default server speculates by prompt lookup where its measurements say so: the
+    same greedy tokens, and /health shows every step as verified or plain and, per
+    batch-size bucket, the costs and the decision behind them."""
+    prompts = PROMPTS[:batch]
+    got, want = _token_ids(auto, prompts), _token_ids(plain, prompts)
+    assert got == want
+    stats = _spec_stats(auto)
+    assert (stats["mode"], stats["policy"], stats["max_batch"]) == ("auto", "cost", None)
+    assert stats["verify_steps"] + stats["plain_steps"] > 0
+    assert stats["large_batch_steps"] == 0
+    buckets = stats["buckets"]  # by power-of-two batch size
+    assert set(buckets) <= {"1", "2", "4", "8", "16"}
+    assert all(b["decision"] in ("speculate", "plain") for b in buckets.values())
+    assert any(b["plain_samples"] > 0 and b["plain_step_ms"] > 0 for b in buckets.values())
+    # /metrics: the plain steps, and the rule's decision per bucket
+    assert _metric(auto, "mlxd:spec_decode_num_plain_steps_total") > 0
+    text = httpx.get(auto.url + "/metrics", timeout=10).text
+    decided = re.findall(
+        rf'^mlxd:spec_decode_speculating{{batch="(\d+)",model="{MODEL}"}} (\S+)$', text, re.M
+    )
+    assert {b for b, _ in decided} == set(buckets)
+    assert all(float(v) == (buckets[b]["decision"] == "speculate") for b, v in decided)
+
+
+def test_auto_is_off_where_the_model_cannot_roll_back(tmp_path, tiny_llama):
+    srv = LiveServer(
+        make_settings(tmp_path, tiny_llama, engine={"max_kv_size": 64, "prefix_cache_bytes": 0})
+    ).start()
+    try:
+        assert _complete(srv, PROMPTS[0])["finish_reason"] == "length"
+        stats = _spec_stats(srv)
+    finally:
+        srv.stop()
+    assert stats["mode"] == "off" and "max_kv_size" in stats["reason"]
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -500,8 +561,9 @@ class _Served:
 
 @pytest.mark.slow
 def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
-    tmp_path, tiny_llama, plain
+    tmp_path, tiny_llama, plain, monkeypatch
 ):
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE_POLICY", "always")  # so that drafts run
     srv = _Served(tmp_path, "--model", str(tiny_llama), "--speculative", "prompt-lookup")
     try:
         text = _complete(srv, PROMPTS[0])["text"]
@@ -514,11 +576,12 @@ def test_serve_speculative_prompt_lookup_flag_serves_the_plain_greedy_text(
 
 @pytest.mark.slow
 def test_serve_draft_model_flag_takes_a_store_name_and_warns_when_its_eos_differs(
-    tmp_path, tiny_llama, partial_draft, plain
+    tmp_path, tiny_llama, partial_draft, plain, monkeypatch
 ):
     """The draft ends sequences on <|im_end|> alone, the target on <|endoftext|> too: a
     base/instruct pair looks like this. It serves (the target decides where a sequence
     ends), with a warning."""
+    monkeypatch.setenv("MLXD_ENGINE__SPECULATIVE_POLICY", "always")
     eos_draft = tmp_path / "eos-draft"
     shutil.copytree(partial_draft, eos_draft)
     gen = json.loads((eos_draft / "generation_config.json").read_text())

@@ -479,6 +479,7 @@ def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(ti
                 max_num_seqs=4,
                 prefix_cache_bytes=0,
                 speculative="prompt-lookup",
+                speculative_policy="always",
                 max_step_tokens=budget,
             ),
         )

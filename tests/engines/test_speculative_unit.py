@@ -295,7 +295,11 @@ def test_a_draft_models_prompt_pass_waits_until_the_rows_first_token_is_out(tiny
         return tokens, steps
 
     plain = LLMEngine("p", tiny)
-    drafted = LLMEngine("d", tiny, TextEngineOptions(speculative="draft", draft_path=tiny))
+    drafted = LLMEngine(
+        "d",
+        tiny,
+        TextEngineOptions(speculative="draft", draft_path=tiny, speculative_policy="always"),
+    )
     try:
         plain.bind()
         drafted.bind()

@@ -81,7 +81,7 @@ def serve(
     speculative: Annotated[
         Optional[str],
         typer.Option(
-            help="Speculative decoding: off | prompt-lookup | draft (with --draft-model)."
+            help="Speculative decoding: auto | off | prompt-lookup | draft (with --draft-model)."
         ),
     ] = None,
     draft_model: Annotated[

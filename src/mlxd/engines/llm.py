@@ -12,8 +12,10 @@ disk tier (engines/prefix_disk) keeps long prefixes across restarts: a sequence 
 prefix is on disk waits outside the batch while the reader thread loads it, then starts as
 a memory-tier hit.
 
-With ``engine.speculative`` on, the batch is engines/spec_batch.py's, which can verify
-drafts (prompt lookup or a draft model, engines/speculative.py) in one forward pass.
+With ``engine.speculative`` on (``auto``: prompt lookup where the model can roll its KV
+cache back), the batch is engines/spec_batch.py's, which can verify drafts (prompt lookup
+or a draft model, engines/speculative.py) in one forward pass, in the steps where that
+measured faster than plain decoding.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from mlxd.engines.sampling import build_logits_processors, build_sampler, sampli
 from mlxd.engines.scheduler import FairScheduler, queue_by_priority
 from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
-from mlxd.engines.speculative import DraftModel, SpecStats, Speculator
+from mlxd.engines.speculative import DraftModel, Speculator
 from mlxd.engines.think_budget import ThinkBudgetProcessor
 from mlxd.observability import metrics
 from mlxd.text.processor import TextProcessor
@@ -151,23 +153,24 @@ class LLMEngine(DecodeEngine):
                 self.speculative_off_reason = (
                     f"{tensor_parallel.mode()} parallel: ranks replay plain steps only"
                 )
-                log.warning(
-                    "speculative decoding is off for '%s': %s", name, self.speculative_off_reason
-                )
+                self._log_off(name)
             elif o.speculative != "off":
+                mode = "prompt-lookup" if o.speculative == "auto" else o.speculative
                 self.speculator = self._speculator(
-                    o.speculative,
+                    mode,
                     o.draft_path,
                     o.dtype,
                     trust_remote_code,
                     Speculator(
-                        o.speculative,
+                        mode,
                         num_draft=o.num_draft_tokens,
                         max_batch=o.speculative_max_batch,
                         min_acceptance=o.speculative_min_acceptance,
+                        policy=o.speculative_policy,
                     ),
                 )
             self._spec_reported = (0, 0, 0, 0)
+            self._spec_plain_reported = 0
             mx.eval(self.model.parameters())
             # a first token from the prefill pass (engines/prompt_end.py); rank groups keep
             # mlx-lm's pass (their followers replay the same steps, so all ranks must agree)
@@ -196,9 +199,7 @@ class LLMEngine(DecodeEngine):
                 "the model has layers without a plain KV cache (sliding windows or recurrent state)"
             )
         if self.speculative_off_reason is not None:
-            log.warning(
-                "speculative decoding is off for '%s': %s", self.name, self.speculative_off_reason
-            )
+            self._log_off(self.name)
             return None
         if mode == "draft":
             if draft_path is None:
@@ -211,6 +212,14 @@ class LLMEngine(DecodeEngine):
                 max_catch_up=spec.num_draft + 1 if compiles_per_shape() else None,
             )
         return spec
+
+    def _log_off(self, name: str) -> None:
+        """Speculation asked for by name but off: a warning; under 'auto', where being off
+        for such a model is the setting's meaning, a note."""
+        level = logging.INFO if self.options.speculative == "auto" else logging.WARNING
+        log.log(
+            level, "speculative decoding is off for '%s': %s", name, self.speculative_off_reason
+        )
 
     def _load_draft(self, path: Path, dtype: str, trust_remote_code: bool) -> Any:
         try:
@@ -585,7 +594,8 @@ class LLMEngine(DecodeEngine):
         if step_stats is not None:
             out["step_budget"] = step_stats.as_dict()
         if self.speculator is not None:
-            out["speculative"] = {"mode": self.speculator.mode, **self.speculator.stats.as_dict()}
+            mode = "auto" if self.options.speculative == "auto" else self.speculator.mode
+            out["speculative"] = {"mode": mode, **self.speculator.as_dict()}
         elif self.speculative_off_reason is not None:
             out["speculative"] = {"mode": "off", "reason": self.speculative_off_reason}
         return out
@@ -622,15 +632,22 @@ class LLMEngine(DecodeEngine):
 
     def _report_speculation(self) -> None:
         """Metrics: the speculation counters' growth since the last report."""
-        st = self.speculator.stats if self.speculator is not None else None
-        if st is None or st.verify_steps == self._spec_reported[0] or self._warm_phases:
-            return  # nothing new, or warm-up drafts (reset when it ends)
+        spec = self.speculator
+        st = spec.stats if spec is not None else None
+        if st is None or self._warm_phases:
+            return  # warm-up drafts are reset when it ends
         now = (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.emitted_tokens)
+        plain = st.plain_steps - self._spec_plain_reported
+        if now[0] == self._spec_reported[0] and (not plain or (plain < 64 and self._seqs)):
+            return  # plain steps alone: reported in batches, and when the batch runs dry
         steps, drafted, accepted, emitted = (
             a - b for a, b in zip(now, self._spec_reported, strict=True)
         )
-        self._spec_reported = now
-        metrics.spec_decode_events(self.name, steps, drafted, accepted, emitted, st.as_dict())
+        self._spec_reported, self._spec_plain_reported = now, st.plain_steps
+        assert spec is not None
+        metrics.spec_decode_events(
+            self.name, steps, drafted, accepted, emitted, spec.as_dict(), plain=plain
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from
@@ -741,8 +758,6 @@ class LLMEngine(DecodeEngine):
         # a verify step answers a row once per token it emits
         rows = len(responses) if self.speculator is None else len({r.uid for r in responses})
         self.max_batch_seen = max(self.max_batch_seen, rows)
-        if self.speculator is not None:
-            self._report_speculation()
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is None:
@@ -764,6 +779,8 @@ class LLMEngine(DecodeEngine):
                 self._forget(r.uid)
                 if r.prompt_cache is not None and self.prefix_cache.enabled:
                     self._keep(seq, r.all_tokens, r.prompt_cache)
+        if self.speculator is not None:
+            self._report_speculation()
         return out
 
     # -- DecodeEngine hooks ----------------------------------------------------------------
@@ -857,7 +874,8 @@ class LLMEngine(DecodeEngine):
 
     def _warm_verify_batches(self, ids: list[int]) -> Iterator[list[Sequence]]:
         """With speculation on: verify steps at every draft length and at power-of-two
-        batch sizes up to the speculation threshold, drafts forced (Speculator.warm).
+        batch sizes up to engine.speculative_max_batch (no cap: the batch's), drafts forced
+        (Speculator.warm).
 
         A verify step's shape is (rows, draft length + 1), and the rollback after it
         another per accepted length: on an H200 the first requests with prompt lookup
@@ -875,7 +893,9 @@ class LLMEngine(DecodeEngine):
         params = SamplingParams(max_tokens=3 * spec.num_draft, temperature=0.0)
         spec.warm = True
         size = 1
-        while size <= min(spec.max_batch, self.options.max_num_seqs):
+        # no cap: every batch size may verify; a CPU compiles nothing per shape, so one row
+        top = spec.max_batch or (self.options.max_num_seqs if compiles_per_shape() else 1)
+        while size <= min(top, self.options.max_num_seqs):
             yield [self.new_sequence(ids, params) for _ in range(size)]
             size *= 2
         spec.warm = False
@@ -889,8 +909,9 @@ class LLMEngine(DecodeEngine):
             self.steps = 0
             if self.speculator is not None:  # warm-up drafts are nobody's statistics
                 self.speculator.warm = False
-                self.speculator.stats = SpecStats()
+                self.speculator.reset_measurements()
                 self._spec_reported = (0, 0, 0, 0)
+                self._spec_plain_reported = 0
             self.prefix_cache.clear()  # no warm-up KV (nor its bytes in the metrics)
             self.prefix_cache = PrefixCache(
                 self.prefix_cache.max_bytes, self.prefix_cache.min_hit_tokens, model=self.name

@@ -90,7 +90,8 @@ class TextEngineOptions:
     speculative: str = "off"
     draft_path: Path | None = None
     num_draft_tokens: int = 6
-    speculative_max_batch: int = 8
+    speculative_policy: str = "cost"
+    speculative_max_batch: int = 0  # 0: no cap
     speculative_min_acceptance: float = 0.3
     clean_prefill_groups: bool | None = None  # None: on a GPU only (LLMEngine._admit)
     defer_leaves: bool | None = None  # None: on a GPU only (engines/serving_batch.py)
@@ -150,6 +151,7 @@ class TextEngineOptions:
             speculative=e.speculative,
             draft_path=draft_path,
             num_draft_tokens=e.num_draft_tokens,
+            speculative_policy=e.speculative_policy,
             speculative_max_batch=e.speculative_max_batch,
             speculative_min_acceptance=e.speculative_min_acceptance,
         )

@@ -18,8 +18,10 @@ batch size one, or when all rows accepted alike, nothing is copied. Models whose
 not all plain KV layers (sliding windows, recurrent state) or with ``max_kv_size`` do not
 speculate (see :func:`can_speculate`).
 
-The plain step is mlx-lm's own, untouched: a step speculates only when the batch is small
-enough (``engine.speculative_max_batch``) and some row has a draft.
+The plain step is mlx-lm's own, untouched. Whether a step may draft at all is the
+speculator's call (engines/speculative.py ``CostModel``: speculating steps against plain
+ones, by measured wall time per batch size, under ``engine.speculative_max_batch`` if set);
+a step that may draft verifies when some row has a draft.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.engines.lora import set_rows
-from mlxd.engines.serving_batch import ServingBatchGenerator
+from mlxd.engines.serving_batch import ServingBatchGenerator, ServingGenerationBatch
 from mlxd.engines.speculative import Speculator, verify_greedy, verify_sampled
 
 
@@ -57,25 +59,27 @@ def rollback_rows(caches: list[Any], drop: list[int]) -> None:
             c.finalize()
 
 
-class SpeculativeGenerationBatch(GenerationBatch):
-    """mlx-lm's generation batch with a verify step beside its plain one."""
+class SpeculativeGenerationBatch(ServingGenerationBatch):
+    """The serving decode batch (its KV row pools: engines/kv_rows.py) with a verify step
+    beside its plain one. Finished rows leave at once (no ``defer_leaves``): a verify
+    step knows no rows that decode unseen."""
 
     speculator: Speculator | None = None
     fed_tokens = 0  # tokens the last step fed the model, for the serving batch's budget
-
-    def _step(self) -> Any:
-        set_rows(self.model, self.uids)  # each row's LoRA adapter (engines/lora.py)
-        return super()._step()
 
     def next(self) -> list[GenerationBatch.Response]:
         spec = self.speculator
         self.fed_tokens = len(self.uids)  # a verify step's: its drafts too (step budget)
         if spec is None or not self.uids:
             return super().next()
-        if len(self.uids) > spec.max_batch:
-            spec.stats.plain_steps += 1
-            spec.stats.large_batch_steps += 1
-            return super().next()
+        n = len(self.uids)
+        speculating = spec.speculates(n)
+        out = self._speculative_step(spec) if speculating else super().next()
+        spec.step_done(n, speculating, len(out))
+        return out
+
+    def _speculative_step(self, spec: Speculator) -> list[GenerationBatch.Response]:
+        """A step that may draft: a verify step when some row has a draft, else plain."""
         # A draft model's first draft for a row must read the row's whole prompt. Doing
         # that inside the row's first verify step held its first token back by that pass
         # (CPU: TTFT 2.0 -> 4.6 s); instead the row's first token comes from this step
@@ -179,7 +183,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
         mx.eval(acc_arr, next_tokens, self._current_logprobs, token_context)
         acc_list: list[int] = acc_arr.tolist()
 
-        rollback_rows(self.prompt_cache, [k - a for a in acc_list])
+        drop = [k - a for a in acc_list]
+        if max(drop) != min(drop):  # rows rolled into their left padding: masks again
+            self._rows_change()
+        rollback_rows(self.prompt_cache, drop)
         self._next_tokens = next_tokens
         self._next_logprobs = [logprobs[i, acc_list[i]] for i in range(n)]
         mx.async_eval(self._next_tokens, self._next_logprobs)
@@ -243,3 +250,16 @@ class SpeculativeBatchGenerator(ServingBatchGenerator):
         batch = SpeculativeGenerationBatch.empty(self.model, self.sampler)
         batch.speculator = speculator
         self._generation_batch = batch
+        self.speculator = speculator
+
+    def _next(self) -> tuple[list, list]:
+        """The serving step; prefill or rows joining in it make the next decode step's
+        wall time not that step's own (CostModel)."""
+        prompt_responses, generation_responses = super()._next()
+        if prompt_responses:
+            self.speculator.cost.interrupt()
+        return prompt_responses, generation_responses
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        self.speculator.cost.interrupt()  # reshaping the batch between two steps
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)

@@ -1,5 +1,6 @@
 """Speculative decoding's pieces that know nothing of the batch: drafting, the acceptance
-rule, and each sequence's adaptive draft length.
+rule, each sequence's adaptive draft length, and whether a step speculates at all
+(:class:`CostModel`, from measured step costs).
 
 Drafts are always deterministic here: prompt-lookup copies the continuation of the last
 n-gram's previous occurrence, and a draft model drafts greedily. So the draft distribution
@@ -16,6 +17,8 @@ row, calls these to decide, and rolls the KV cache back per row.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +115,159 @@ def verify_sampled(
     return accepted, nxt
 
 
+def batch_bucket(n: int) -> int:
+    """The power of two at or below ``n``: the batch sizes that share a cost estimate."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+@dataclass
+class BucketCost:
+    """What one batch-size bucket has measured: a plain step's wall time, a speculating
+    step's, and the tokens each row emitted per speculating step (EWMAs)."""
+
+    plain_s: float | None = None
+    spec_s: float | None = None
+    spec_tokens: float | None = None  # tokens per row per speculating step
+    plain_samples: int = 0
+    spec_samples: int = 0
+    speculate: bool = False  # the current decision
+    since: int = 0  # steps decided since the other mode was last tried
+    explore_every: int = 32  # steps between tries of the other mode (doubles while it loses)
+    burst: int = 0  # steps left of a try of the other mode
+    burst_mode: bool = False  # the mode being tried
+    trying: bool | None = None  # the decision a try started from, until it is judged
+
+    def gain(self) -> float | None:
+        """Speculation's tokens/s over plain decoding's; None until both are measured."""
+        if self.plain_s is None or self.spec_s is None or self.spec_tokens is None:
+            return None
+        return self.spec_tokens * self.plain_s / max(self.spec_s, 1e-9)
+
+    def as_dict(self) -> dict[str, Any]:
+        gain = self.gain()
+        return {
+            "decision": "speculate" if self.speculate else "plain",
+            "plain_step_ms": None if self.plain_s is None else round(self.plain_s * 1e3, 3),
+            "spec_step_ms": None if self.spec_s is None else round(self.spec_s * 1e3, 3),
+            "spec_tokens_per_row": (
+                None if self.spec_tokens is None else round(self.spec_tokens, 3)
+            ),
+            "gain": None if gain is None else round(gain, 3),
+            "plain_samples": self.plain_samples,
+            "spec_samples": self.spec_samples,
+        }
+
+
+class CostModel:
+    """Whether a step speculates, from what steps of each kind have cost at this batch
+    size: prompt lookup doubled the rate at batch 1 but lost up to a third at 16 (H200),
+    and where the line falls depends on the model, the device and the text.
+
+    A step's cost is the wall time from the end of the step before it to its own end, so
+    it holds everything the step made the engine wait for: the host read of its tokens,
+    the lookup, the verify pass, the rollback. A plain step leaves its next forward pass
+    in flight (mlx-lm's pipelining), which the following step waits for; so a step whose
+    predecessor was of the other kind, or was separated from it by a prefill, gives no
+    sample. Speculating wins when tokens per row per step over its step time beats one
+    token over a plain step's by ``margin``. The losing kind is retried for a few steps
+    now and then (every ``explore_min`` decisions, doubling while it keeps losing, up to
+    ``explore_max``), so the estimates follow the text and the batch as they change.
+    """
+
+    def __init__(
+        self,
+        *,
+        alpha: float = 0.3,
+        margin: float = 0.05,
+        min_samples: int = 2,
+        burst: int = 3,
+        explore_min: int = 32,
+        explore_max: int = 1024,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.alpha, self.margin, self.min_samples, self.burst = alpha, margin, min_samples, burst
+        self.explore_min, self.explore_max = explore_min, explore_max
+        self.clock = clock
+        self.buckets: dict[int, BucketCost] = {}
+        self._last: tuple[int, bool] | None = None  # the previous step's bucket and kind
+        self._t_last = 0.0
+
+    def _bucket(self, n: int) -> BucketCost:
+        b = batch_bucket(n)
+        cost = self.buckets.get(b)
+        if cost is None:
+            # the first try of speculation comes with the first decision
+            cost = self.buckets[b] = BucketCost(
+                explore_every=self.explore_min, since=self.explore_min - 1
+            )
+        return cost
+
+    def choose(self, n: int) -> bool:
+        """Whether a step of ``n`` rows speculates."""
+        c = self._bucket(n)
+        if c.burst:
+            c.burst -= 1
+            return c.burst_mode
+        if c.plain_samples < self.min_samples:
+            return False  # plain decoding first: the yardstick, and safe
+        decision = self._decide(c)
+        if c.trying is not None:  # a try just ended: what it confirmed is retried less often
+            if c.gain() is not None:
+                confirmed = decision == c.trying
+                c.explore_every = (
+                    min(2 * c.explore_every, self.explore_max) if confirmed else self.explore_min
+                )
+            c.trying = None
+        c.speculate = decision
+        c.since += 1
+        if c.since >= c.explore_every:
+            c.trying, c.burst_mode = decision, not decision
+            c.burst, c.since = self.burst - 1, 0
+            return c.burst_mode
+        return decision
+
+    def _decide(self, c: BucketCost) -> bool:
+        """Speculate where it measured faster; never where it emits no more tokens per
+        row than a plain step (its step then costs at least a plain one, and a measured
+        gain is noise: a loaded host's wall times)."""
+        gain = c.gain()
+        tokens = c.spec_tokens or 0.0
+        return gain is not None and tokens > 1 + self.margin and gain > 1 + self.margin
+
+    def interrupt(self) -> None:
+        """Something ran between two steps (a prefill, rows joining): the next step's
+        wall time is not its own."""
+        self._last = None
+
+    def step_done(self, n: int, speculated: bool, tokens_per_row: float) -> None:
+        """A step of ``n`` rows ended now; it speculated or not and emitted this many
+        tokens per row."""
+        now = self.clock()
+        b = batch_bucket(n)
+        if self._last == (b, speculated):
+            self._sample(self._bucket(n), speculated, now - self._t_last, tokens_per_row)
+        self._last, self._t_last = (b, speculated), now
+
+    def _sample(self, c: BucketCost, speculated: bool, seconds: float, tokens: float) -> None:
+        a = self.alpha
+        if speculated:
+            c.spec_samples += 1
+            if c.spec_s is None or c.spec_tokens is None:
+                c.spec_s, c.spec_tokens = seconds, tokens
+            else:
+                c.spec_s += a * (min(seconds, 4 * c.spec_s) - c.spec_s)
+                c.spec_tokens += a * (tokens - c.spec_tokens)
+        else:
+            c.plain_samples += 1
+            if c.plain_s is None:
+                c.plain_s = seconds
+            else:
+                c.plain_s += a * (min(seconds, 4 * c.plain_s) - c.plain_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {str(b): self.buckets[b].as_dict() for b in sorted(self.buckets)}
+
+
 @dataclass(slots=True)
 class RowState:
     """One sequence's drafting state: how far it drafts now, how well drafts fared lately."""
@@ -132,6 +288,7 @@ class SpecStats:
     verify_steps: int = 0  # forward passes that verified drafts
     plain_steps: int = 0  # steps decoded without speculation while it was on
     large_batch_steps: int = 0  # plain steps because the batch was above max_batch
+    cost_plain_steps: int = 0  # plain steps because plain decoding measured faster
     max_verify_batch: int = 0  # the most rows a verify step decoded
     drafts: int = 0  # rows that proposed a draft, summed over verify steps
     draft_tokens: int = 0
@@ -151,6 +308,7 @@ class SpecStats:
             "verify_steps": self.verify_steps,
             "plain_steps": self.plain_steps,
             "large_batch_steps": self.large_batch_steps,
+            "cost_plain_steps": self.cost_plain_steps,
             "max_verify_batch": self.max_verify_batch,
             "pauses": self.pauses,
             "paused_row_steps": self.paused_row_steps,
@@ -172,14 +330,53 @@ class Speculator:
 
     mode: str  # "prompt-lookup" | "draft"
     num_draft: int = 6
-    max_batch: int = 8
+    max_batch: int = 0  # the most rows a verify step may hold; 0: no cap
     min_acceptance: float = 0.3
+    # "cost": a step speculates when that measured faster at its batch size (CostModel);
+    # "always": whenever a row has a draft
+    policy: str = "cost"
     drafter: Any = None  # DraftModel in "draft" mode
     rows: dict[int, RowState] = field(default_factory=dict)
     stats: SpecStats = field(default_factory=SpecStats)
+    cost: CostModel = field(default_factory=CostModel)
     # warm-up (LLMEngine._warm_verify_batches): every eligible row drafts every step, the
     # draft length cycling 1..num_draft by verify step, so each verify shape runs once
     warm: bool = False
+
+    def speculates(self, n: int) -> bool:
+        """Whether a step of ``n`` rows may draft (counts the plain steps it rules)."""
+        if self.warm:
+            return True
+        if self.max_batch and n > self.max_batch:
+            self.stats.plain_steps += 1
+            self.stats.large_batch_steps += 1
+            return False
+        if self.policy == "always" or self.cost.choose(n):
+            return True
+        self.stats.plain_steps += 1
+        self.stats.cost_plain_steps += 1
+        return False
+
+    def step_done(self, n: int, speculated: bool, tokens: int) -> None:
+        """A step of ``n`` rows that emitted ``tokens`` ended: its cost, for the rule."""
+        if not self.warm:
+            self.cost.step_done(n, speculated, tokens / n)
+
+    def reset_measurements(self) -> None:
+        """Forget counters and costs (the warm-up's are nobody's, and on a GPU they
+        include compiling each shape)."""
+        self.stats = SpecStats()
+        self.cost = CostModel(clock=self.cost.clock)
+
+    def as_dict(self) -> dict[str, Any]:
+        """/health: the counters, and per batch-size bucket what the rule measured and
+        decided."""
+        return {
+            "policy": self.policy,
+            "max_batch": self.max_batch or None,
+            **self.stats.as_dict(),
+            "buckets": self.cost.as_dict() if self.policy == "cost" else {},
+        }
 
     def register(self, uid: int, *, eligible: bool, dist: Any = None) -> None:
         """A row joins. Rows with logits processors (grammar, penalties, bias) or a seed

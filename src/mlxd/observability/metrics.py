@@ -48,6 +48,8 @@ CORE_FAMILIES = frozenset(
         "mlxd:spec_decode_num_emitted_tokens",
         "mlxd:spec_decode_draft_acceptance_rate",
         "mlxd:spec_decode_tokens_per_step",
+        "mlxd:spec_decode_num_plain_steps",
+        "mlxd:spec_decode_speculating",
         "mlxd:prefix_cache_disk_hits",
         "mlxd:prefix_cache_disk_misses",
         "mlxd:prefix_cache_disk_bytes",
@@ -310,6 +312,20 @@ spec_decode_tokens_per_step = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+spec_decode_plain_steps = Counter(
+    "mlxd:spec_decode_num_plain_steps",
+    "Decode steps without a verify pass while speculation was on (no drafts, the cost "
+    "rule chose plain, or the batch was above speculative_max_batch).",
+    ["model"],
+    registry=REGISTRY,
+)
+spec_decode_speculating = Gauge(
+    "mlxd:spec_decode_speculating",
+    "1 where the cost rule now speculates at this batch size (a power of two: the bucket "
+    "of batch sizes from it to the next), 0 where it decodes plainly.",
+    ["model", "batch"],
+    registry=REGISTRY,
+)
 
 # -- the prefix cache's disk tier (engines/prefix_disk.py) ------------------------------------
 prefix_disk_hits = Counter(
@@ -450,10 +466,20 @@ except Exception:  # noqa: BLE001 - optional
 
 
 def spec_decode_events(
-    model: str, steps: int, drafted: int, accepted: int, emitted: int, totals: dict[str, Any]
+    model: str,
+    steps: int,
+    drafted: int,
+    accepted: int,
+    emitted: int,
+    totals: dict[str, Any],
+    plain: int = 0,
 ) -> None:
-    """Growth of the speculation counters since the last call, and the running ratios."""
+    """Growth of the speculation counters since the last call, the running ratios, and
+    the cost rule's decision per batch-size bucket."""
     spec_decode_verify_steps.labels(model).inc(steps)
+    spec_decode_plain_steps.labels(model).inc(plain)
+    for batch, bucket in (totals.get("buckets") or {}).items():
+        spec_decode_speculating.labels(model, batch).set(bucket["decision"] == "speculate")
     spec_decode_draft_tokens.labels(model).inc(drafted)
     spec_decode_accepted_tokens.labels(model).inc(accepted)
     spec_decode_emitted_tokens.labels(model).inc(emitted)
