@@ -53,9 +53,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, can_trim_prompt_cache
 
 from mlxd.core.blocks import chained_block_hashes
+from mlxd.engines.kv_quant import kv_size
 
 BLOCK = 16
 _CANDIDATES = 4  # entries compared at the deepest shared block (the most recent ones)
@@ -98,6 +99,12 @@ def _view(cache: list[Any], length: int) -> list[Any]:
             v.keys, v.values = c.keys[..., :length, :], c.values[..., :length, :]
             v.offset = length
             out.append(v)
+        elif isinstance(c, QuantizedKVCache):  # a quantized KV cache's triples, the same way
+            q = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            q.keys = tuple(x[..., :length, :] for x in c.keys)
+            q.values = tuple(x[..., :length, :] for x in c.values)
+            q.offset = length
+            out.append(q)
         else:  # other cache kinds: a private copy, trimmed if it has to be
             d = copy.deepcopy(c)
             extra = d.size() - length if hasattr(d, "size") else 0
@@ -238,7 +245,7 @@ class PrefixCache:
         so a full tier takes it without the admission test."""
         if not self.enabled or not cache or len(tokens) < 2:
             return False
-        sizes = {c.size() for c in cache if hasattr(c, "size")}
+        sizes = {kv_size(c) for c in cache if hasattr(c, "size")}
         if sizes and sizes != {len(tokens)}:
             return False  # a sliding-window cache that no longer holds the whole sequence
         nbytes = sum(c.nbytes for c in cache)

@@ -58,6 +58,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, save_prompt_cache
 
 from mlxd import __version__
+from mlxd.engines.kv_quant import kv_size
 from mlxd.engines.prefix_cache import BLOCK, block_hashes, common_prefix, unindex
 from mlxd.observability import metrics
 
@@ -368,7 +369,7 @@ class DiskPrefixCache:
         behind."""
         if not self.enabled or len(tokens) < self.min_tokens or not cache:
             return False
-        sizes = {c.size() for c in cache if hasattr(c, "size")}
+        sizes = {kv_size(c) for c in cache if hasattr(c, "size")}
         if sizes and sizes != {len(tokens)}:
             return False  # a sliding window that no longer holds the whole sequence
         nbytes = sum(c.nbytes for c in cache)

@@ -54,7 +54,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import make_prompt_cache
 
+from mlxd.engines.kv_quant import KVQuant, for_batch
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.prompt_end import last_logits
 
@@ -305,6 +307,9 @@ class ServingBatchGenerator(BatchGenerator):
     Newcomers are merged into the one prompt batch made here (``extend``), and split off
     from it by copies of its class, so this one instance decides how every prefill runs;
     they join the one decode batch made here, which every step runs.
+
+    With ``kv_quant`` (engine.kv_bits), every sequence's plain KV layers enter the batch
+    as quantized caches (engines/kv_quant.py), a prefix-cache hit's too.
     """
 
     def __init__(
@@ -314,9 +319,11 @@ class ServingBatchGenerator(BatchGenerator):
         defer_leaves: bool = False,
         prompt_end: bool = False,
         max_step_tokens: int = 0,
+        kv_quant: KVQuant | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
+        self.kv_quant = kv_quant
         self.prompt_end = prompt_end
         self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
         self.step_stats = StepStats(budget=max_step_tokens)
@@ -324,6 +331,22 @@ class ServingBatchGenerator(BatchGenerator):
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
         self._generation_batch = batch
+
+    def insert_segments(
+        self,
+        segments: list,
+        max_tokens: Any = None,
+        caches: list | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        q = self.kv_quant
+        if q is not None:
+            caches = [
+                for_batch(c if c is not None else make_prompt_cache(self.model), q)
+                for c in (caches or [None] * len(segments))
+            ]
+        return super().insert_segments(segments, max_tokens, caches, *args, **kwargs)
 
     def _empty_prompt_batch(self) -> ServingPromptBatch:
         return ServingPromptBatch.empty(
