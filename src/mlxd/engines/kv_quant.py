@@ -317,19 +317,68 @@ class QuantizedSeqKVCache(QuantizedKVCache):
         return merge_quantized(caches, self.bits, self.group_size)
 
 
+class PlainSeqKVCache(KVCache):
+    """A sequence's plain layer cache on its way into a batch that quantizes later
+    (``kv_quant_start``): merged plain while every row is short enough, else quantized."""
+
+    def __init__(self, q: KVQuant) -> None:
+        super().__init__()
+        self.quant = q
+
+    def merge(self, caches: list[Any]) -> Any:
+        q = self.quant
+        if (
+            any(isinstance(c, QuantizedKVCache) for c in caches)
+            or max((kv_size(c) for c in caches), default=0) > q.start
+        ):
+            return merge_quantized(caches, q.bits, q.group_size)
+        return BatchKVCache.merge(caches)
+
+
 def for_batch(cache: list[Any], q: KVQuant) -> list[Any]:
     """A sequence's caches as the quantized batch takes them: every plain or quantized
-    KV layer as a :class:`QuantizedSeqKVCache` (other layer kinds as they are)."""
+    KV layer as a :class:`QuantizedSeqKVCache`, or, under ``q.start``, a plain one as a
+    :class:`PlainSeqKVCache` (other layer kinds as they are)."""
     out: list[Any] = []
     for c in cache:
-        if type(c) is KVCache or isinstance(c, QuantizedKVCache):
+        if not (isinstance(c, KVCache) or isinstance(c, QuantizedKVCache)):
+            out.append(c)
+        elif isinstance(c, KVCache) and kv_size(c) <= q.start and q.start:
+            p = PlainSeqKVCache(q)
+            p.keys, p.values, p.offset = c.keys, c.values, c.offset
+            out.append(p)
+        else:
             s = single_quantized(c, q.bits, q.group_size)
             seq = QuantizedSeqKVCache(group_size=q.group_size, bits=q.bits)
             seq.keys, seq.values, seq.offset = s.keys, s.values, s.offset
             out.append(seq)
-        else:
-            out.append(c)
     return out
+
+
+def _plain(c: Any) -> bool:
+    return isinstance(c, BatchKVCache) and not isinstance(c, QuantizedBatchKVCache)
+
+
+def quantized_when_due(caches: list[Any], q: KVQuant | None, force: bool = False) -> list[Any]:
+    """A batch's layer caches with the plain ones quantized once its longest row holds
+    more than ``q.start`` tokens (or ``force``: a quantized batch joins them); the same
+    list when nothing is due."""
+    if q is None or not any(_plain(c) for c in caches):
+        return caches
+    if not force:
+        c = next(c for c in caches if _plain(c))
+        if c._idx - min(_rows_of(c), default=c._idx) <= q.start:
+            return caches
+    return [as_quantized(c, q.bits, q.group_size) if _plain(c) else c for c in caches]
+
+
+def joined_kinds(a: list[Any], b: list[Any], q: KVQuant | None) -> tuple[list[Any], list[Any]]:
+    """Two batches' layer caches about to join, both quantized when either is."""
+    if q is None or not a or not b:
+        return a, b
+    if any(isinstance(c, QuantizedBatchKVCache) for c in (*a, *b)):
+        return quantized_when_due(a, q, True), quantized_when_due(b, q, True)
+    return a, b
 
 
 def kv_size(cache: Any) -> int:
@@ -337,4 +386,4 @@ def kv_size(cache: Any) -> int:
     ``size()``: its offset is it)."""
     if isinstance(cache, QuantizedKVCache):
         return int(cache.offset)
-    return int(cache.size())
+    return int(cache.size()) if hasattr(cache, "size") else 0

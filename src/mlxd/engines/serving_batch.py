@@ -56,7 +56,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.engines.kv_quant import KVQuant, for_batch
+from mlxd.engines.kv_quant import KVQuant, for_batch, joined_kinds, quantized_when_due
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.prompt_end import last_logits
 
@@ -382,6 +382,7 @@ class ServingBatchGenerator(BatchGenerator):
         counters = self._counters
         fed = 0
         if len(batch) > 0:
+            batch.prompt_cache = quantized_when_due(batch.prompt_cache, self.kv_quant)
             fed = len(batch.uids)  # held finished rows decode too
             tic = time.perf_counter()
             generation_responses = batch.next()
@@ -403,7 +404,7 @@ class ServingBatchGenerator(BatchGenerator):
             len(self._unprocessed_sequences),
         )
         if n > 0:
-            self._prompt_batch.extend(self._make_batch(n))
+            self._extend(self._prompt_batch, self._make_batch(n))
         joining = self._joining()
         if joining:  # mlx-lm's split: these rows' last tokens go in the decode pass
             self._join(joining, prompt_responses)
@@ -440,6 +441,7 @@ class ServingBatchGenerator(BatchGenerator):
         tic = time.perf_counter()
         if not any(ends):
             prompts.prompt(chunks)
+            prompts.prompt_cache = quantized_when_due(prompts.prompt_cache, self.kv_quant)
         else:
             logits = prompts.prompt_end(chunks)
             done = [i for i, end in enumerate(ends) if end]
@@ -448,7 +450,7 @@ class ServingBatchGenerator(BatchGenerator):
             else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
                 group, logits = prompts.split(done), logits[mx.array(done)]
             self._currently_processing = [s for s, end in zip(rows, ends, strict=True) if not end]
-            batch.extend(prefilled_group(self.model, group, logits))
+            self._extend(batch, prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
 
@@ -473,7 +475,15 @@ class ServingBatchGenerator(BatchGenerator):
         gen_batch = self._prompt_batch.split(split).generate(last_inputs)
         for uid, p in zip(gen_batch.uids, progress, strict=True):
             prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
-        self._generation_batch.extend(gen_batch)
+        self._extend(self._generation_batch, gen_batch)
+
+    def _extend(self, batch: Any, other: Any) -> None:
+        """``batch.extend(other)``, both quantized first when either is (a batch under
+        ``kv_quant_start`` holds plain caches until its rows grow past it)."""
+        batch.prompt_cache, other.prompt_cache = joined_kinds(
+            batch.prompt_cache, other.prompt_cache, self.kv_quant
+        )
+        batch.extend(other)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         """mlx-lm's remove (a client gone), which indexes the decode batch by ``len()``:
