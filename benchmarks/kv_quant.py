@@ -205,8 +205,10 @@ def main() -> None:
         "by_bits": memory,
     }
     print(json.dumps(result["memory"]), file=sys.stderr, flush=True)
+    save(result, args.out)
     result["quality"] = quality(base, ps, args.gen)
     print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
+    save(result, args.out)
     speed: dict = {str(b): {"1": [], "16": []} for b in WIDTHS}
     short = [p[:64] for p in ps]
     for r in range(args.pairs):
@@ -215,26 +217,32 @@ def main() -> None:
             for b in order:
                 speed[str(b)][str(c)].append(decode_rate(engines[b], short, c, args.speed_tokens))
         print(f"speed round {r + 1}/{args.pairs}", file=sys.stderr, flush=True)
-    result["decode_tok_s"] = {
-        b: {
-            c: {
-                "median": statistics.median(v),
-                "min": min(v),
-                "max": max(v),
-                "runs": v,
-            }
-            for c, v in by_c.items()
-        }
-        for b, by_c in speed.items()
-    }
+        result["decode_tok_s"] = speed_summary(speed)
+        result["speed_rounds_done"] = r + 1
+        save(result, args.out)
     result["speed_method"] = (
         f"{args.pairs} interleaved rounds (order alternating), prompts cut to 64 tokens, "
         f"{args.speed_tokens} greedy tokens a row, rate counted after every row's first token"
     )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    save(result, args.out)
+    print(json.dumps(result, indent=2))
+
+
+def save(result: dict, out: Path | None) -> None:
+    """Write what is measured so far (a long run stopped early keeps its finished parts)."""
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def speed_summary(speed: dict) -> dict:
+    return {
+        b: {
+            c: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+            for c, v in by_c.items()
+            if v
+        }
+        for b, by_c in speed.items()
+    }
 
 
 if __name__ == "__main__":
