@@ -87,39 +87,55 @@ def forced(model, ids: list[int], cont: list[int], bits: int | None) -> tuple[li
     return lps, top
 
 
-def greedy(model, ids: list[int], n: int) -> list[int]:
+def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The full-precision greedy continuation and its log-probabilities (one pass)."""
     cache = cache_for(model, None)
-    out = []
+    out, lps = [], []
     x = ids
     for _ in range(n):
-        logits = model(mx.array([x]), cache=cache)[0, -1]
-        t = int(mx.argmax(logits).item())
+        logits = model(mx.array([x]), cache=cache)[0, -1].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits)
+        t = int(mx.argmax(lp).item())
         out.append(t)
+        lps.append(lp[t].item())
         x = [t]
-    return out
+    return out, lps
 
 
-def quality(engine: LLMEngine, ps: list[list[int]], gen: int) -> dict:
+def quality(engine: LLMEngine, ps: list[list[int]], gen: int, progress=None) -> dict:
+    """Teacher-forced comparison per width, over the prompts done so far (``progress`` is
+    called with the summary after each prompt)."""
     model = engine.model
     stats = {b: {"abs": [], "agree": 0, "n": 0} for b in WIDTHS if b is not None}
+    lengths: list[int] = []
+
+    def summary() -> dict:
+        return {
+            "prompts_done": len(lengths),
+            "prompt_tokens_done": {"min": min(lengths), "max": max(lengths)},
+            **{
+                str(b): {
+                    "mean_abs_logprob_diff": statistics.fmean(s["abs"]),
+                    "max_abs_logprob_diff": max(s["abs"]),
+                    "greedy_agreement": s["agree"] / s["n"],
+                    "positions": s["n"],
+                }
+                for b, s in stats.items()
+            },
+        }
+
     for i, ids in enumerate(ps):
-        ref_cont = greedy(model, ids, gen)
-        ref_lp, _ = forced(model, ids, ref_cont, None)
+        ref_cont, ref_lp = reference(model, ids, gen)
         for b in stats:
             lp, top = forced(model, ids, ref_cont, b)
             stats[b]["abs"] += [abs(a - r) for a, r in zip(lp, ref_lp, strict=True)]
             stats[b]["agree"] += sum(t == r for t, r in zip(top, ref_cont, strict=True))
             stats[b]["n"] += len(ref_cont)
+        lengths.append(len(ids))
         print(f"quality {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
-    return {
-        str(b): {
-            "mean_abs_logprob_diff": statistics.fmean(s["abs"]),
-            "max_abs_logprob_diff": max(s["abs"]),
-            "greedy_agreement": s["agree"] / s["n"],
-            "positions": s["n"],
-        }
-        for b, s in stats.items()
-    }
+        if progress is not None:
+            progress(summary())
+    return summary()
 
 
 def decode_rate(engine: LLMEngine, ps: list[list[int]], c: int, n: int) -> float:
@@ -206,7 +222,12 @@ def main() -> None:
     }
     print(json.dumps(result["memory"]), file=sys.stderr, flush=True)
     save(result, args.out)
-    result["quality"] = quality(base, ps, args.gen)
+
+    def progress(q: dict) -> None:
+        result["quality"] = q
+        save(result, args.out)
+
+    result["quality"] = quality(base, ps, args.gen, progress)
     print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
     save(result, args.out)
     speed: dict = {str(b): {"1": [], "16": []} for b in WIDTHS}

@@ -180,6 +180,25 @@ def test_prompt_lookup_speculates_on_a_quantized_cache(tmp_path, wide_llama):
     assert spec["verify_steps"] > 0 and spec["accepted_tokens"] > 0
 
 
+def test_kv_quant_start_keeps_short_exchanges_in_full_precision(full, tmp_path, wide_llama):
+    """Under kv_quant_start a short exchange never quantizes (the full-precision answer,
+    logprobs and all); batches whose rows grow past it quantize mid-flight and finish."""
+    srv = _server(tmp_path, wide_llama, kv_bits=4, kv_quant_start=48)
+    try:
+        short = _body("Hi", 8, logprobs=True)
+        alone = _chat(srv, short)
+        assert alone["usage"]["total_tokens"] <= 48
+        bodies = [_body("Hi", 60), _body(SYSTEM, 10), _body("tell me", 30), short]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            outs = list(pool.map(lambda b: _chat(srv, b), bodies))
+        view = _view(srv)
+    finally:
+        srv.stop()
+    assert alone["choices"][0] == _chat(full, short)["choices"][0]
+    assert [o["usage"]["completion_tokens"] for o in outs] == [60, 10, 30, 8]
+    assert view["options"]["kv_quant_start"] == 48 and view["options"]["kv_bits"] == 4
+
+
 def test_quantized_prefix_survives_a_restart_on_disk(tmp_path, wide_llama):
     """The disk tier writes quantized entries (mlx-lm's prompt-cache format) and a new
     process reads them back: the same answer, with the prefix cached."""
