@@ -69,6 +69,9 @@ class QuantizedBatchKVCache(BatchKVCache):
     """
 
     step = 256
+    # mlx-lm starts them as None; here they are (data, scales, biases) triples once written
+    keys: Any
+    values: Any
 
     def __init__(self, left_padding: list[int], bits: int = 8, group_size: int = 64) -> None:
         super().__init__(list(left_padding))
@@ -325,7 +328,7 @@ class PlainSeqKVCache(KVCache):
         super().__init__()
         self.quant = q
 
-    def merge(self, caches: list[Any]) -> Any:
+    def merge(self, caches: list[Any]) -> Any:  # type: ignore[override]
         q = self.quant
         if (
             any(isinstance(c, QuantizedKVCache) for c in caches)

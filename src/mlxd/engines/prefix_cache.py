@@ -100,7 +100,7 @@ def _view(cache: list[Any], length: int) -> list[Any]:
             v.offset = length
             out.append(v)
         elif isinstance(c, QuantizedKVCache):  # a quantized KV cache's triples, the same way
-            q = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            q: Any = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
             q.keys = tuple(x[..., :length, :] for x in c.keys)
             q.values = tuple(x[..., :length, :] for x in c.values)
             q.offset = length
