@@ -72,6 +72,7 @@ class QuantizedBatchKVCache(BatchKVCache):
     # mlx-lm starts them as None; here they are (data, scales, biases) triples once written
     keys: Any
     values: Any
+    _right_padding: Any
 
     def __init__(self, left_padding: list[int], bits: int = 8, group_size: int = 64) -> None:
         super().__init__(list(left_padding))
@@ -202,7 +203,7 @@ class QuantizedBatchKVCache(BatchKVCache):
 
     def extract(self, idx: int) -> QuantizedKVCache:
         """Row ``idx`` as mlx-lm's single-stream quantized cache (own arrays)."""
-        cache = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        cache = new_quantized(self.bits, self.group_size)
         start, end = self.left[idx], self._idx
         cache.keys = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, start:end]), self.keys)
         cache.values = _map(lambda x: mx.contiguous(x[idx : idx + 1, :, start:end]), self.values)
@@ -229,6 +230,11 @@ class QuantizedBatchKVCache(BatchKVCache):
         return sum(int(x.nbytes) for x in (*self.keys, *self.values))
 
 
+def new_quantized(bits: int, group_size: int) -> Any:
+    """An empty mlx-lm ``QuantizedKVCache`` (typed loosely: mlx-lm types its arrays None)."""
+    return QuantizedKVCache(group_size=group_size, bits=bits)
+
+
 def _map(fn: Any, t: Triple) -> Triple:
     return fn(t[0]), fn(t[1]), fn(t[2])
 
@@ -238,12 +244,12 @@ def _cat(parts: list[list[mx.array]]) -> Triple:
     return a, b, c
 
 
-def single_quantized(cache: Any, bits: int, group_size: int) -> QuantizedKVCache:
+def single_quantized(cache: Any, bits: int, group_size: int) -> Any:
     """One sequence's layer cache (a prefix-cache entry, a fresh cache) as a quantized
     one of ``bits``/``group_size``: as it is when it already is, else (re)quantized."""
     if isinstance(cache, QuantizedKVCache):
         if (cache.bits, cache.group_size) == (bits, group_size) or cache.keys is None:
-            out = QuantizedKVCache(group_size=group_size, bits=bits)
+            out = new_quantized(bits, group_size)
             out.keys, out.values, out.offset = cache.keys, cache.values, cache.offset
             return out
         keys, values = cache.keys_and_values()
@@ -252,11 +258,11 @@ def single_quantized(cache: Any, bits: int, group_size: int) -> QuantizedKVCache
         ]
     elif isinstance(cache, KVCache):
         if cache.keys is None:
-            return QuantizedKVCache(group_size=group_size, bits=bits)
+            return new_quantized(bits, group_size)
         plain = list(cache.keys_and_values())
     else:
         raise TypeError(f"{type(cache).__name__} cannot be quantized")
-    out = QuantizedKVCache(group_size=group_size, bits=bits)
+    out = new_quantized(bits, group_size)
     out.keys = quantize(plain[0], bits, group_size)
     out.values = quantize(plain[1], bits, group_size)
     out.offset = int(plain[0].shape[2])
@@ -265,7 +271,7 @@ def single_quantized(cache: Any, bits: int, group_size: int) -> QuantizedKVCache
 
 def merge_quantized(caches: list[Any], bits: int, group_size: int) -> QuantizedBatchKVCache:
     """Single sequences' layer caches as one batch, right-aligned (mlx-lm's merge)."""
-    qs = [single_quantized(c, bits, group_size) for c in caches]
+    qs: list[Any] = [single_quantized(c, bits, group_size) for c in caches]
     lengths = [c.offset if c.keys is not None else 0 for c in qs]
     longest = max(lengths, default=0)
     padding = [longest - n for n in lengths]

@@ -564,7 +564,7 @@ class LLMEngine(DecodeEngine):
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // heads
         # the model's float dtype (a quantized model's scales' too) is its activations'
-        leaves: list[Any] = [v for _, v in tree_flatten(self.model.parameters())]  # type: ignore[misc]
+        leaves: list[Any] = [v for _, v in tree_flatten(self.model.parameters())]  # type: ignore[str-unpack]
         element = next((v.dtype.size for v in leaves if mx.issubdtype(v.dtype, mx.floating)), 2)
         if self.kv_quant is not None:
             return self.kv_quant.bytes_per_token(kv_heads, head_dim, layers, element)

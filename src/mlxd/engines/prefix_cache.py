@@ -100,9 +100,10 @@ def _view(cache: list[Any], length: int) -> list[Any]:
             v.offset = length
             out.append(v)
         elif isinstance(c, QuantizedKVCache):  # a quantized KV cache's triples, the same way
-            q: Any = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-            q.keys = tuple(x[..., :length, :] for x in c.keys)
-            q.values = tuple(x[..., :length, :] for x in c.values)
+            held: Any = c
+            q: Any = QuantizedKVCache(group_size=held.group_size, bits=held.bits)
+            q.keys = tuple(x[..., :length, :] for x in held.keys)
+            q.values = tuple(x[..., :length, :] for x in held.values)
             q.offset = length
             out.append(q)
         else:  # other cache kinds: a private copy, trimmed if it has to be
