@@ -588,10 +588,10 @@ class EngineSettings(_Section):
         ge=1,
         le=8,
         description=(
-            "Quantize the KV cache to this many bits (vision models, mlx-vlm): whole bits "
-            "2-6 or 8 with the uniform scheme, whole or half bits (3.5) with turboquant. "
-            "Text models refuse it at load (mlx-lm's batch cannot hold a quantized cache). "
-            "null: full precision."
+            "Quantize the KV cache to this many bits. Text models: 4 or 8 (uniform, in "
+            "groups of kv_group_size; other values are refused at load). Vision models "
+            "(mlx-vlm): whole bits 2-6 or 8 with the uniform scheme, whole or half bits "
+            "(3.5) with turboquant. null: full precision."
         ),
     )
     kv_quant_scheme: KVQuantScheme | None = Field(
@@ -604,6 +604,15 @@ class EngineSettings(_Section):
     )
     kv_group_size: Literal[32, 64, 128] = Field(
         64, description="Group size of uniform KV-cache quantization."
+    )
+    kv_quant_start: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Text models with kv_bits: keep a batch's KV cache in full precision until its "
+            "longest sequence holds more than this many tokens, then quantize it (as "
+            "mlx-lm's quantized_kv_start does for one stream). 0: quantized from the start."
+        ),
     )
     max_kv_size: int | None = Field(
         None,

@@ -1,6 +1,7 @@
 """Text models' KV options through HTTP: ``max_kv_size`` bounds the KV cache of a batch
-(mlx-lm's rotating caches, engines/bounded_kv.py), and ``kv_bits``, which mlx-lm cannot
-batch, is a load error naming the key instead of a setting silently dropped."""
+(mlx-lm's rotating caches, engines/bounded_kv.py), and a ``kv_bits`` a text model cannot
+take (only 4 or 8: engines/kv_quant.py) is a load error naming the key instead of a
+setting silently dropped."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(
     """Set per model: that model's load fails with a 500 that says why and where; the other
     models serve on."""
     install_into_store(tmp_path / "models", "tiny-qwen2", tiny_qwen2)
-    srv = start_server(tiny_llama, models={"options": {"tiny-qwen2": {"kv_bits": 4}}})
+    srv = start_server(tiny_llama, models={"options": {"tiny-qwen2": {"kv_bits": 6}}})
     with srv.client() as c:
         bad = c.post(CHAT, json=_body("Hi", 4, model="tiny-qwen2"))
         good = c.post(CHAT, json=_body("Hi", 4))
@@ -65,21 +66,20 @@ def test_kv_bits_on_a_text_model_is_a_load_error_naming_the_key(
     err = bad.json()["error"]
     assert err["code"] == "model_load_failed"
     assert "models.options.tiny-qwen2.kv_bits" in err["message"]
-    assert "cannot batch a quantized KV cache" in err["message"]
+    assert "text models take kv_bits 4 or 8" in err["message"]
     assert good.status_code == 200
 
 
 def test_engine_kv_bits_refuses_a_text_model_and_says_where_it_was_set(tmp_path, tiny_llama):
-    """engine.kv_bits applies to every model: a text model cannot take it, and its load
+    """engine.kv_bits applies to every model: a text model cannot take 6, and its load
     fails (for the default model that is the start: the core's pinned loads stop it)."""
     from mlxd.core.errors import ModelLoadError
     from mlxd.engines.registry import create_engine
 
-    settings = make_settings(tmp_path, tiny_llama, engine={"kv_bits": 4})
+    settings = make_settings(tmp_path, tiny_llama, engine={"kv_bits": 6})
     with pytest.raises(
         ModelLoadError,
-        match=r"engine\.kv_bits is set, but 'tiny-llama' is "
-        r"a text model",
+        match=r"engine\.kv_bits is 6 \(uniform\), but 'tiny-llama' is a text model",
     ):
         create_engine("chat", "tiny-llama", tiny_llama, settings)
 

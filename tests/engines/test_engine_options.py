@@ -54,16 +54,28 @@ def test_text_options_take_the_engine_settings_and_the_models_own(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["engine", "model"])
-def test_kv_bits_are_refused_for_a_text_model_naming_where_they_were_set(tmp_path, where):
+def test_kv_bits_other_than_4_or_8_are_refused_for_a_text_model_naming_where(tmp_path, where):
     sections = (
-        {"engine": {"kv_bits": 4}}
+        {"engine": {"kv_bits": 6}}
         if where == "engine"
-        else {"models": {"options": {"m": {"kv_bits": 4}}}}
+        else {"models": {"options": {"m": {"kv_bits": 6}}}}
     )
     settings = make_settings(tmp_path, "tiny-llama", **sections)
     key = "engine.kv_bits" if where == "engine" else "models.options.m.kv_bits"
-    with pytest.raises(ModelLoadError, match=key.replace(".", r"\.")):
+    with pytest.raises(ModelLoadError, match=key.replace(".", r"\.") + ".*4 or 8"):
         TextEngineOptions.from_settings(settings, "m")
+
+
+def test_text_models_take_kv_bits_4_and_8_with_the_group_and_start(tmp_path):
+    settings = make_settings(
+        tmp_path,
+        "tiny-llama",
+        engine={"kv_bits": 8, "kv_group_size": 32, "kv_quant_start": 100},
+        models={"options": {"m": {"kv_bits": 4.0}}},
+    )
+    o = TextEngineOptions.from_settings(settings, "m")
+    assert (o.kv_bits, o.kv_group_size, o.kv_quant_start) == (4, 32, 100)
+    assert TextEngineOptions.from_settings(settings, "other").kv_bits == 8
 
 
 def test_followers_load_the_same_weights_without_caches_or_speculation(tmp_path):

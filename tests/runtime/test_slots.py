@@ -172,6 +172,27 @@ def _model(tmp_path, config):
     return tmp_path
 
 
+def test_quantized_kv_bytes_are_packed_bits_plus_a_scale_and_bias_per_group():
+    # head dim 64, bf16: 8 bits is 64 bytes + 2 x 2 bytes a head's vector, 4 bits 32 + 4
+    assert kv_bytes_per_sequence(QWEN05, 1, 2, 8) == 24 * 2 * 2 * (64 + 4)
+    assert kv_bytes_per_sequence(QWEN05, 1, 2, 4, 32) == 24 * 2 * 2 * (32 + 2 * 2 * 2)
+
+
+def test_auto_gives_a_quantized_kv_cache_more_slots(tmp_path):
+    """kv_bits (engine's or the model's own, uniform only) divides by the quantized bytes."""
+    path = _model(tmp_path, QWEN05)
+    kw = dict(budget=2 * GiB, weight_bytes=GiB, upcast=False, on_cpu=False)
+    base = {"prefix_cache_bytes": 0, "auto_seq_context": 2048}
+    plain = resolve(Settings(engine=base), "m", "chat", path, **kw).value
+    q8 = resolve(Settings(engine={**base, "kv_bits": 8}), "m", "chat", path, **kw)
+    assert q8.value == int(GiB * 0.9) // (2048 * 24 * 2 * 2 * 68) > plain
+    s = Settings(engine=base, models={"options": {"m": {"kv_bits": 4}}})
+    assert resolve(s, "m", "chat", path, **kw).value > q8.value
+    assert resolve(s, "other", "chat", path, **kw).value == plain
+    turbo = Settings(engine={**base, "kv_bits": 3.5})  # turboquant: not modelled, full size
+    assert resolve(turbo, "m", "vision", path, **kw).value <= plain
+
+
 def test_resolve_reads_the_settings(tmp_path):
     """A number is used as it is (per model over the engine's); auto sizes for
     min(context, auto_seq_context, max_kv_size) tokens, capped by backend."""

@@ -122,10 +122,18 @@ def _window_layers(cfg: dict[str, Any], layers: int) -> list[int | None]:
     return [None] * layers
 
 
-def kv_bytes_per_sequence(config: dict[str, Any], tokens: int, element_bytes: int) -> int:
+def kv_bytes_per_sequence(
+    config: dict[str, Any],
+    tokens: int,
+    element_bytes: int,
+    kv_bits: int | None = None,
+    group_size: int = 64,
+) -> int:
     """KV cache bytes of one sequence of ``tokens`` tokens: per attention layer, keys and
     values of every KV head (``2 x kv heads x head dim x element bytes`` a token), over
-    ``tokens`` or the layer's sliding window if shorter. 0 when the shape is not given."""
+    ``tokens`` or the layer's sliding window if shorter. 0 when the shape is not given.
+    With ``kv_bits`` (uniform quantization), a head's vector takes its packed bits plus a
+    scale and a bias per ``group_size`` elements (engines/kv_quant.py's layout)."""
     cfg = text_config(config)
     layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
     heads = cfg.get("num_attention_heads") or cfg.get("n_head")
@@ -138,7 +146,10 @@ def kv_bytes_per_sequence(config: dict[str, Any], tokens: int, element_bytes: in
         if not isinstance(hidden, int) or hidden <= 0:
             return 0
         head_dim = hidden // heads
-    per_token_layer = 2 * int(kv_heads) * head_dim * element_bytes
+    per_head = head_dim * element_bytes
+    if kv_bits is not None:
+        per_head = head_dim * kv_bits // 8 + 2 * (head_dim // group_size) * element_bytes
+    per_token_layer = 2 * int(kv_heads) * per_head
     total = 0
     for window in _window_layers(cfg, layers):
         if window == 0:
@@ -181,6 +192,22 @@ def auto_max_num_seqs(
         f"per token / {seq_tokens} tokens -> {outcome}"
     )
     return Slots(value, reason)
+
+
+def kv_quantization(settings: Any, name: str) -> tuple[int | None, int]:
+    """(bits, group size) of ``name``'s uniformly quantized KV cache, (None, ...) when it
+    is kept in full precision (or quantized by turboquant, whose size this does not model)."""
+    e = settings.engine
+    opts = settings.models.options.get(name)
+
+    def pick(key: str) -> Any:
+        v = getattr(opts, key, None) if opts is not None else None
+        return v if v is not None else getattr(e, key)
+
+    bits, scheme = pick("kv_bits"), pick("kv_quant_scheme")
+    if bits is None or scheme == "turboquant" or not float(bits).is_integer():
+        return None, pick("kv_group_size")
+    return int(bits), pick("kv_group_size")
 
 
 def setting_for(settings: Any, name: str) -> tuple[int | str, str]:
@@ -232,7 +259,10 @@ def resolve(
     if max_kv is not None:  # a rotating cache never holds more
         target = min(target, max_kv)
     dtype = settings.models.dtype
-    per_seq = kv_bytes_per_sequence(config, target, kv_element_bytes(config, dtype, upcast))
+    bits, group = kv_quantization(settings, name)
+    per_seq = kv_bytes_per_sequence(
+        config, target, kv_element_bytes(config, dtype, upcast), bits, group
+    )
     if per_seq and draft_path is not None:  # the draft keeps a KV cache per sequence too
         draft = read_config(draft_path)
         per_seq += kv_bytes_per_sequence(draft, target, kv_element_bytes(draft, dtype, upcast))

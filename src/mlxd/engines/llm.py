@@ -40,6 +40,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.grammar_mask import GrammarProcessor
+from mlxd.engines.kv_quant import KVQuant
 from mlxd.engines.lora import RowAdapters, read_adapter
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
@@ -118,6 +119,7 @@ class LLMEngine(DecodeEngine):
                     f"max_kv_size is set for '{name}', but none of its layers "
                     "keeps a plain KV cache that a bound could rotate"
                 )
+            self.kv_quant = self._kv_quant(name, o)
             # None: on a GPU only (see _admit, and engines/serving_batch.py for leaves)
             on_gpu = mx.default_device() != mx.cpu
             self._clean_groups = (
@@ -268,6 +270,22 @@ class LLMEngine(DecodeEngine):
         apply_dtype(model, config, dtype)
         return model
 
+    def _kv_quant(self, name: str, o: TextEngineOptions) -> KVQuant | None:
+        """The KV quantization ``o`` asks for, checked against the model's heads:
+        ``mx.quantize`` groups each head's vector by ``kv_group_size``."""
+        if o.kv_bits is None:
+            return None
+        cfg = self.config
+        heads = cfg.get("num_attention_heads") or 1
+        head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // heads
+        if not head_dim or head_dim % o.kv_group_size:
+            raise ModelLoadError(
+                f"kv_bits is set for '{name}', but its attention heads have {head_dim} "
+                f"dimensions, which kv_group_size {o.kv_group_size} does not divide; "
+                "choose kv_group_size 32, 64 or 128 dividing it, or leave kv_bits unset"
+            )
+        return KVQuant(o.kv_bits, o.kv_group_size, o.kv_quant_start)
+
     def _open_disk_tier(
         self, root: Path, max_bytes: int, min_tokens: int
     ) -> DiskPrefixCache | None:
@@ -278,6 +296,11 @@ class LLMEngine(DecodeEngine):
         extra = {
             "dtype": str(self.dtype),
             "max_kv_size": self.options.max_kv_size,
+            **(
+                {"kv_bits": self.options.kv_bits, "kv_group_size": self.options.kv_group_size}
+                if self.options.kv_bits is not None
+                else {}
+            ),
             "mlx_lm": mlx_lm.__version__,
             "adapter": model_fingerprint(Path(self.adapter_path).expanduser(), {})
             if self.adapter_path
@@ -325,6 +348,7 @@ class LLMEngine(DecodeEngine):
             prefill_step_size=o.prefill_step_size,
             prompt_end=self._prompt_end,
             max_step_tokens=self._step_tokens,
+            kv_quant=self.kv_quant,
         )
         plain = dict(defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off")
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
@@ -648,6 +672,29 @@ class LLMEngine(DecodeEngine):
         metrics.spec_decode_events(
             self.name, steps, drafted, accepted, emitted, spec.as_dict(), plain=plain
         )
+
+    def kv_options(self) -> dict[str, Any]:
+        """The decode engines' KV options plus what a token's KV takes here (for /health)."""
+        out = super().kv_options()
+        out["kv_quant_start"] = self.options.kv_quant_start if self.kv_quant else None
+        out["kv_bytes_per_token"] = self.kv_bytes_per_token()
+        return out
+
+    def kv_bytes_per_token(self) -> int | None:
+        """KV bytes a token of a sequence takes over all layers, quantized when it is
+        (packed data, a scale and a bias per group); None when the config hides the shape."""
+        cfg = self.config
+        layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_attention_heads")
+        if not isinstance(layers, int) or not isinstance(heads, int) or heads <= 0:
+            return None
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // heads
+        # the model's float dtype (a quantized model's scales' too) is its activations'
+        leaves: list[Any] = [v for _, v in tree_flatten(self.model.parameters())]  # type: ignore[str-unpack]
+        element = next((v.dtype.size for v in leaves if mx.issubdtype(v.dtype, mx.floating)), 2)
+        if self.kv_quant is not None:
+            return self.kv_quant.bytes_per_token(kv_heads, head_dim, layers, element)
+        return 2 * kv_heads * head_dim * element * layers
 
     def memory_bytes(self) -> dict[str, int]:
         """Memory beyond the weights: the batch's KV cache and the prefix cache. Read from

@@ -16,6 +16,8 @@ from mlxd.config import Settings, resolve_kv_quant_scheme
 from mlxd.core.devices import core_folder_tag
 from mlxd.core.errors import ModelLoadError
 
+TEXT_KV_BITS_ALLOWED = (4, 8)  # engines/kv_quant.py's widths (no MLX imported here)
+
 
 def model_options(name: str, settings: Settings) -> dict[str, Any]:
     """The KV options, prefill chunk and adapter for ``name``: models.options.<name> over
@@ -87,6 +89,9 @@ class TextEngineOptions:
     prefix_cache_dir: Path | None = None
     adapter_path: Path | None = None
     max_kv_size: int | None = None
+    kv_bits: int | None = None  # a quantized KV cache (engines/kv_quant.py): 4 or 8
+    kv_group_size: int = 64
+    kv_quant_start: int = 0
     speculative: str = "off"
     draft_path: Path | None = None
     num_draft_tokens: int = 6
@@ -114,18 +119,20 @@ class TextEngineOptions:
     ) -> TextEngineOptions:
         """``name``'s options on this server (``draft_path``: its draft model, with
         engine.speculative: draft; ``max_num_seqs``: the batch size the model manager
-        resolved, None: :func:`fixed_max_num_seqs`). A quantized KV cache is refused here:
-        mlx-lm's BatchGenerator merges per-sequence caches through each cache class's
-        ``merge``, which QuantizedKVCache lacks (and mlx-lm has no batched quantized
-        cache)."""
+        resolved, None: :func:`fixed_max_num_seqs`). A text model's KV cache is quantized
+        uniformly (engines/kv_quant.py), 4 or 8 bits: other widths and turboquant are
+        refused here, at load, since the same settings serve vision models too."""
         e = settings.engine
         opts = model_options(name, settings)
-        if opts["kv_bits"] is not None:
+        bits = opts["kv_bits"]
+        if bits is not None and (
+            opts["kv_quant_scheme"] != "uniform" or bits not in TEXT_KV_BITS_ALLOWED
+        ):
             raise ModelLoadError(
-                f"{option_key(name, settings, 'kv_bits')} is set, but '{name}' is a text "
-                "model: mlx-lm's BatchGenerator cannot batch a quantized KV cache, so text "
-                "models do not take kv_bits (max_kv_size bounds their KV cache instead). "
-                "Set kv_bits per vision model under models.options.<name>.kv_bits."
+                f"{option_key(name, settings, 'kv_bits')} is {bits}"
+                f" ({opts['kv_quant_scheme']}), but '{name}' is a text model: text models "
+                "take kv_bits 4 or 8 (uniform quantization); fractional bits and "
+                "turboquant are for vision models."
             )
         return cls(
             max_num_seqs=max_num_seqs
@@ -148,6 +155,9 @@ class TextEngineOptions:
             / core_folder_tag(),
             adapter_path=opts["adapter_path"],
             max_kv_size=opts["max_kv_size"],
+            kv_bits=int(bits) if bits is not None else None,
+            kv_group_size=opts["kv_group_size"],
+            kv_quant_start=e.kv_quant_start,
             speculative=e.speculative,
             draft_path=draft_path,
             num_draft_tokens=e.num_draft_tokens,
@@ -169,6 +179,9 @@ class TextEngineOptions:
             trust_remote_code=self.trust_remote_code,
             adapter_path=str(self.adapter_path) if self.adapter_path is not None else None,
             max_kv_size=self.max_kv_size,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            kv_quant_start=self.kv_quant_start,
         )
 
 

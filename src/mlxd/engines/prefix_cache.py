@@ -62,9 +62,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, can_trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    QuantizedKVCache,
+    can_trim_prompt_cache,
+)
 
 from mlxd.core.blocks import chained_block_hashes
+from mlxd.engines.kv_quant import kv_size
 from mlxd.observability import metrics
 
 BLOCK = 16
@@ -120,6 +127,9 @@ def arrays(tree: Any) -> list[mx.array]:
     return found
 
 
+_PLAIN = (KVCache, QuantizedKVCache)  # KV of every token, which a view can cut anywhere
+
+
 def servable_checkpoints(
     cache: list[Any], length: int, checkpoints: dict[int, list[Any]] | None
 ) -> tuple[bool | None, dict[int, list[Any]]]:
@@ -127,9 +137,9 @@ def servable_checkpoints(
     ``checkpoints`` it can resume from); None first when its plain KV misses tokens (the
     checkpoints slice it). A sliding-window cache that no longer holds the whole sequence
     serves only from checkpoints; a recurrent state always stands for the whole sequence."""
-    if any(c.size() != length for c in cache if type(c) is KVCache):
+    if any(kv_size(c) != length for c in cache if type(c) in _PLAIN):
         return None, {}
-    whole = all(c.size() == length for c in cache if not isinstance(c, ArraysCache))
+    whole = all(kv_size(c) == length for c in cache if not isinstance(c, ArraysCache))
     if can_trim_prompt_cache(cache):
         return whole, {}
     kept = {
@@ -137,7 +147,7 @@ def servable_checkpoints(
         for p, s in (checkpoints or {}).items()
         if 0 < p < length
         and len(s) == len(cache)
-        and all(x is not None or type(c) is KVCache for x, c in zip(s, cache, strict=True))
+        and all(x is not None or type(c) in _PLAIN for x, c in zip(s, cache, strict=True))
     }
     return whole, kept
 
@@ -181,6 +191,13 @@ def _view(cache: list[Any], length: int) -> list[Any]:
             v.keys, v.values = c.keys[..., :length, :], c.values[..., :length, :]
             v.offset = length
             out.append(v)
+        elif isinstance(c, QuantizedKVCache):  # a quantized KV cache's triples, the same way
+            held: Any = c
+            q: Any = QuantizedKVCache(group_size=held.group_size, bits=held.bits)
+            q.keys = tuple(x[..., :length, :] for x in held.keys)
+            q.values = tuple(x[..., :length, :] for x in held.values)
+            q.offset = length
+            out.append(q)
         else:  # other cache kinds: a private copy, trimmed if it has to be
             d = copy.deepcopy(c)
             extra = d.size() - length if hasattr(d, "size") else 0

@@ -78,8 +78,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from mlxd.engines.kv_quant import KVQuant, for_batch, joined_kinds, quantized_when_due
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.lora import set_rows
 from mlxd.engines.prefix_cache import snapshot_row
@@ -384,6 +385,9 @@ class ServingBatchGenerator(BatchGenerator):
     Newcomers are merged into the one prompt batch made here (``extend``), and split off
     from it by copies of its class, so this one instance decides how every prefill runs;
     they join the one decode batch made here, which every step runs.
+
+    With ``kv_quant`` (engine.kv_bits), every sequence's plain KV layers enter the batch
+    as quantized caches (engines/kv_quant.py), a prefix-cache hit's too.
     """
 
     def __init__(
@@ -395,9 +399,11 @@ class ServingBatchGenerator(BatchGenerator):
         prompt_end: bool = False,
         max_step_tokens: int = 0,
         checkpoint_tokens: int | None = None,
+        kv_quant: KVQuant | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
+        self.kv_quant = kv_quant
         # None: no checkpoints; 0: at each prompt's end only (see the module docstring)
         self.checkpoint_tokens = checkpoint_tokens
         self._checkpoints: dict[int, dict[int, list[Any]]] = {}  # uid -> position -> states
@@ -409,6 +415,22 @@ class ServingBatchGenerator(BatchGenerator):
         batch.defer_leaves = defer_leaves
         batch.pipeline = pipeline
         self._generation_batch = batch
+
+    def insert_segments(
+        self,
+        segments: list,
+        max_tokens: Any = None,
+        caches: list | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        q = self.kv_quant
+        if q is not None:
+            caches = [
+                for_batch(c if c is not None else make_prompt_cache(self.model), q)
+                for c in (caches or [None] * len(segments))
+            ]
+        return super().insert_segments(segments, max_tokens, caches, *args, **kwargs)
 
     def _empty_prompt_batch(self) -> ServingPromptBatch:
         return ServingPromptBatch.empty(
@@ -444,6 +466,7 @@ class ServingBatchGenerator(BatchGenerator):
         counters = self._counters
         fed = 0
         if len(batch) > 0:
+            batch.prompt_cache = quantized_when_due(batch.prompt_cache, self.kv_quant)
             fed = len(batch.uids)  # held finished rows decode too
             tic = time.perf_counter()
             generation_responses = batch.next()
@@ -465,7 +488,7 @@ class ServingBatchGenerator(BatchGenerator):
             len(self._unprocessed_sequences),
         )
         if n > 0:
-            self._prompt_batch.extend(self._make_batch(n))
+            self._extend(self._prompt_batch, self._make_batch(n))
         joining = self._joining()
         if joining:  # mlx-lm's split: these rows' last tokens go in the decode pass
             self._join(joining, prompt_responses)
@@ -505,6 +528,7 @@ class ServingBatchGenerator(BatchGenerator):
         if not any(ends):
             prompts.prompt(chunks)
             self._checkpoint(prompts, finals)
+            prompts.prompt_cache = quantized_when_due(prompts.prompt_cache, self.kv_quant)
         else:
             logits = prompts.prompt_end(chunks)
             self._checkpoint(prompts, finals)
@@ -514,7 +538,7 @@ class ServingBatchGenerator(BatchGenerator):
             else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
                 group, logits = prompts.split(done), logits[mx.array(done)]
             self._currently_processing = [s for s, end in zip(rows, ends, strict=True) if not end]
-            batch.extend(prefilled_group(self.model, group, logits))
+            self._extend(batch, prefilled_group(self.model, group, logits))
         counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
 
@@ -563,7 +587,15 @@ class ServingBatchGenerator(BatchGenerator):
         gen_batch = self._prompt_batch.split(split).generate(last_inputs)
         for uid, p in zip(gen_batch.uids, progress, strict=True):
             prompt_responses.append(PromptProcessingBatch.Response(uid, p, True, True))
-        self._generation_batch.extend(gen_batch)
+        self._extend(self._generation_batch, gen_batch)
+
+    def _extend(self, batch: Any, other: Any) -> None:
+        """``batch.extend(other)``, both quantized first when either is (a batch under
+        ``kv_quant_start`` holds plain caches until its rows grow past it)."""
+        batch.prompt_cache, other.prompt_cache = joined_kinds(
+            batch.prompt_cache, other.prompt_cache, self.kv_quant
+        )
+        batch.extend(other)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         """mlx-lm's remove (a client gone), which indexes the decode batch by ``len()``:

@@ -1,0 +1,274 @@
+"""A quantized KV cache (engine.kv_bits 4 and 8) against full precision on one text model.
+
+In process, through the engine's own cache classes (engines/kv_quant.py):
+
+* quality: for each prompt the full-precision model's greedy continuation (``--gen``
+  tokens) is the reference; each width then runs the same prompt and continuation through
+  a quantized batch cache of one row (prefill in chunks, then one token a step, teacher
+  forced) and compares, at every continuation position, the log-probability it gives the
+  reference token (mean and max absolute difference) and whether its argmax is that
+  token (greedy agreement);
+* memory: KV bytes per token (engine's /health figure) and what ``max_num_seqs: auto``
+  picks at a fixed budget (core/slots.py);
+* speed: decode tokens per second at C=1 and C=16 (``LLMEngine`` steps after every row
+  has its first token), the widths interleaved, ``--pairs`` rounds.
+
+    python benchmarks/kv_quant.py --model-dir ~/.mlxd/models/smollm2-135m-instruct \\
+        --prompts 64 --out docs/results/cpu-kv-quant-2026-12-04.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mlxd import blas  # noqa: E402
+
+BLAS = blas.preload("auto")  # before MLX: its bundled reference BLAS is ~20x slower
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache  # noqa: E402
+
+from mlxd.core import slots  # noqa: E402
+from mlxd.core.types import SamplingParams  # noqa: E402
+from mlxd.engines.kv_quant import QuantizedBatchKVCache  # noqa: E402
+from mlxd.engines.llm import LLMEngine  # noqa: E402
+from mlxd.engines.options import TextEngineOptions  # noqa: E402
+
+WIDTHS = (None, 8, 4)
+TOPICS = ["rivers", "bread", "trains", "comets", "violins", "glaciers", "markets", "bees"]
+STYLES = ["a short essay", "a list of facts", "a letter to a friend", "a product review"]
+
+
+def prompts(n: int, tokens_of) -> list[list[int]]:
+    """``n`` chat prompts of ~256-1024 tokens: a varied filler passage, then a question."""
+    out = []
+    for i in range(n):
+        topic, style = TOPICS[i % len(TOPICS)], STYLES[(i // len(TOPICS)) % len(STYLES)]
+        sentence = (
+            f"Note {i}: the {topic} of the valley were described in {style}, with care for "
+            f"detail, numbers such as {i * 7 + 3} and {i * 13 + 5}, and the names of places. "
+        )
+        reps = 6 + (i * 37) % 27  # ~256 to ~1024 tokens
+        text = sentence * reps + f"Summarise what was said about the {topic}."
+        out.append(tokens_of(text))
+    return out
+
+
+def cache_for(model, bits: int | None) -> list:
+    n = len(model.layers)
+    if bits is None:
+        return [BatchKVCache([0]) for _ in range(n)]
+    return [QuantizedBatchKVCache([0], bits, 64) for _ in range(n)]
+
+
+def forced(model, ids: list[int], cont: list[int], bits: int | None) -> tuple[list, list]:
+    """Log-probabilities of ``cont`` after ``ids`` and the argmax at each position."""
+    cache = cache_for(model, bits)
+    seq = ids + cont
+    step = 512
+    for s in range(0, len(ids) - 1, step):
+        model(mx.array([ids[s : min(s + step, len(ids) - 1)]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    lps, top = [], []
+    for j in range(len(ids) - 1, len(seq) - 1):
+        logits = model(mx.array([[seq[j]]]), cache=cache)[0, -1].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits)
+        mx.eval(lp)
+        lps.append(lp[seq[j + 1]].item())
+        top.append(int(mx.argmax(lp).item()))
+    return lps, top
+
+
+def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The full-precision greedy continuation and its log-probabilities (one pass)."""
+    cache = cache_for(model, None)
+    out, lps = [], []
+    x = ids
+    for _ in range(n):
+        logits = model(mx.array([x]), cache=cache)[0, -1].astype(mx.float32)
+        lp = logits - mx.logsumexp(logits)
+        t = int(mx.argmax(lp).item())
+        out.append(t)
+        lps.append(lp[t].item())
+        x = [t]
+    return out, lps
+
+
+def quality(engine: LLMEngine, ps: list[list[int]], gen: int, progress=None) -> dict:
+    """Teacher-forced comparison per width, over the prompts done so far (``progress`` is
+    called with the summary after each prompt)."""
+    model = engine.model
+    stats = {b: {"abs": [], "agree": 0, "n": 0} for b in WIDTHS if b is not None}
+    lengths: list[int] = []
+
+    def summary() -> dict:
+        return {
+            "prompts_done": len(lengths),
+            "prompt_tokens_done": {"min": min(lengths), "max": max(lengths)},
+            **{
+                str(b): {
+                    "mean_abs_logprob_diff": statistics.fmean(s["abs"]),
+                    "max_abs_logprob_diff": max(s["abs"]),
+                    "greedy_agreement": s["agree"] / s["n"],
+                    "positions": s["n"],
+                }
+                for b, s in stats.items()
+            },
+        }
+
+    for i, ids in enumerate(ps):
+        ref_cont, ref_lp = reference(model, ids, gen)
+        for b in stats:
+            lp, top = forced(model, ids, ref_cont, b)
+            stats[b]["abs"] += [abs(a - r) for a, r in zip(lp, ref_lp, strict=True)]
+            stats[b]["agree"] += sum(t == r for t, r in zip(top, ref_cont, strict=True))
+            stats[b]["n"] += len(ref_cont)
+        lengths.append(len(ids))
+        print(f"quality {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
+        if progress is not None:
+            progress(summary())
+    return summary()
+
+
+def decode_rate(engine: LLMEngine, ps: list[list[int]], c: int, n: int) -> float:
+    """Decode tokens per second of ``c`` rows once every row has its first token."""
+    seqs = [
+        engine.new_sequence(ps[i % len(ps)], SamplingParams(temperature=0.0, max_tokens=n))
+        for i in range(c)
+    ]
+    for s in seqs:
+        engine.add(s)
+    started: set[int] = set()
+    t0, counted = None, 0
+    while engine.has_work():
+        out = engine.step()
+        for s, _ in out:
+            if id(s) in started and t0 is not None:
+                counted += 1
+            started.add(id(s))
+        if t0 is None and len(started) == c:
+            t0 = time.perf_counter()
+    return counted / (time.perf_counter() - t0) if t0 and counted else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--gen", type=int, default=24, help="reference continuation tokens")
+    ap.add_argument("--pairs", type=int, default=10, help="interleaved speed rounds")
+    ap.add_argument("--speed-tokens", type=int, default=32)
+    ap.add_argument("--budget-gib", type=float, default=4.0)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    engines = {
+        b: LLMEngine("m", args.model_dir, TextEngineOptions(kv_bits=b, max_num_seqs=16))
+        for b in WIDTHS
+    }
+    for e in engines.values():
+        e.bind()
+    base = engines[None]
+    ps = prompts(args.prompts, base.encode_prompt)
+    lengths = sorted(len(p) for p in ps)
+    result: dict = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": __import__("os").cpu_count(),
+        "mlx": mx.__version__,
+        "blas": f"{BLAS.name} {BLAS.version}".strip(),
+        "device": str(mx.default_device()),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+        "model": str(args.model_dir),
+        "prompt_tokens": {
+            "min": lengths[0],
+            "median": lengths[len(lengths) // 2],
+            "max": lengths[-1],
+            "count": len(ps),
+        },
+    }
+    config = slots.read_config(args.model_dir)
+    budget = int(args.budget_gib * (1 << 30))
+    weight_bytes = base.nbytes
+    memory = {}
+    for b, e in engines.items():
+        per_token = e.kv_bytes_per_token()
+        per_seq = slots.kv_bytes_per_sequence(config, 4096, 4, b)  # float32 on the CPU
+        pick = slots.auto_max_num_seqs(
+            budget=budget,
+            weight_bytes=weight_bytes,
+            prefix_cache_bytes=0,
+            kv_bytes_per_seq=per_seq,
+            seq_tokens=4096,
+            cap=10**6,
+        )
+        memory[str(b)] = {"kv_bytes_per_token": per_token, "max_num_seqs_auto": pick.value}
+    result["memory"] = {
+        "budget_bytes": budget,
+        "seq_tokens": 4096,
+        "uncapped": True,
+        "config_layers": config.get("num_hidden_layers"),
+        "by_bits": memory,
+    }
+    print(json.dumps(result["memory"]), file=sys.stderr, flush=True)
+    save(result, args.out)
+
+    def progress(q: dict) -> None:
+        result["quality"] = q
+        save(result, args.out)
+
+    result["quality"] = quality(base, ps, args.gen, progress)
+    print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
+    save(result, args.out)
+    speed: dict = {str(b): {"1": [], "16": []} for b in WIDTHS}
+    short = [p[:64] for p in ps]
+    for r in range(args.pairs):
+        order = WIDTHS if r % 2 == 0 else tuple(reversed(WIDTHS))
+        for c in (1, 16):
+            for b in order:
+                speed[str(b)][str(c)].append(decode_rate(engines[b], short, c, args.speed_tokens))
+        print(f"speed round {r + 1}/{args.pairs}", file=sys.stderr, flush=True)
+        result["decode_tok_s"] = speed_summary(speed)
+        result["speed_rounds_done"] = r + 1
+        save(result, args.out)
+    result["speed_method"] = (
+        f"{args.pairs} interleaved rounds (order alternating), prompts cut to 64 tokens, "
+        f"{args.speed_tokens} greedy tokens a row, rate counted after every row's first token"
+    )
+    save(result, args.out)
+    print(json.dumps(result, indent=2))
+
+
+def save(result: dict, out: Path | None) -> None:
+    """Write what is measured so far (a long run stopped early keeps its finished parts)."""
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def speed_summary(speed: dict) -> dict:
+    return {
+        b: {
+            c: {"median": statistics.median(v), "min": min(v), "max": max(v), "runs": v}
+            for c, v in by_c.items()
+            if v
+        }
+        for b, by_c in speed.items()
+    }
+
+
+if __name__ == "__main__":
+    main()
