@@ -350,7 +350,9 @@ class LLMEngine(DecodeEngine):
             max_step_tokens=self._step_tokens,
             kv_quant=self.kv_quant,
         )
-        plain = dict(defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off")
+        plain: dict[str, Any] = dict(
+            defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off"
+        )
         if self.speculator is not None:  # never with max_kv_size (see _speculator)
             return SpeculativeBatchGenerator(self.model, speculator=self.speculator, **common)
         if o.max_kv_size is not None:
