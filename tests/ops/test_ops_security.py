@@ -47,6 +47,10 @@ def secured(tmp_path_factory, tiny_llama):
     srv.stop()
 
 
+# routes that take an admin key: any other valid key gets a 403 (or a 400 for its body first)
+ADMIN_ONLY = {"/v1/usage", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+
+
 def _auth(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -100,6 +104,9 @@ def test_every_route_is_protected_except_health_and_metrics(secured):
             wrong = c.request(method, url, headers=_auth("sk-wrong"), **kw)
             assert wrong.status_code == 401, (method, path)
             ok = c.request(method, url, headers=_auth(ALICE), **kw)
+            if path in ADMIN_ONLY:  # past the key check, then refused: alice is no admin
+                assert ok.status_code in (400, 403), (method, path, ok.text)
+                continue
             assert ok.status_code not in (401, 403, 500), (method, path, ok.text)
 
 

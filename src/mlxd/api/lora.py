@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -43,7 +44,13 @@ def _admin(request: Request) -> None:
         raise Forbidden("loading and unloading LoRA adapters takes an admin key")
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+# vLLM answers these routes in plain text; errors are OpenAI's JSON, as everywhere
+_TEXT_200: dict[int | str, Any] = {
+    200: {"description": "Success", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
+
+
+@router.post("/v1/load_lora_adapter", responses=_TEXT_200)
 async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextResponse:
     _admin(request)
     rt = runtime(request)
@@ -64,7 +71,7 @@ async def load_lora_adapter(body: LoadLoraBody, request: Request) -> PlainTextRe
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+@router.post("/v1/unload_lora_adapter", responses=_TEXT_200)
 async def unload_lora_adapter(body: UnloadLoraBody, request: Request) -> PlainTextResponse:
     _admin(request)
     rt = runtime(request)

@@ -111,7 +111,7 @@ def core_spans(
     if _tracer is None or not traceparent:
         return
     parent = _parent(traceparent)
-    offset = time.time_ns() - time.monotonic_ns()  # monotonic -> epoch nanoseconds
+    offset = _epoch_offset()
     for name, start, end in phases:
         if start <= 0 or end <= 0:
             continue
@@ -122,3 +122,18 @@ def core_spans(
             attributes={k: v for k, v in attributes.items() if v is not None},
         )
         span.end(end_time=int(max(end, start) * 1e9) + offset)
+
+
+def _epoch_offset() -> int:
+    """Nanoseconds from ``time.monotonic()`` to the epoch: the wall clock read between two
+    monotonic readings, the closest pair of a few (a thread preempted between the readings
+    of one pair would shift every span it converts by the time it lost)."""
+    best: tuple[int, int] | None = None
+    for _ in range(5):
+        a = time.monotonic_ns()
+        wall = time.time_ns()
+        b = time.monotonic_ns()
+        if best is None or b - a < best[0]:
+            best = (b - a, wall - (a + b) // 2)
+    assert best is not None
+    return best[1]
