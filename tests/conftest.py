@@ -158,6 +158,19 @@ def require(module: str):
     return pytest.importorskip(module)
 
 
+def require_chromium() -> str | None:
+    """Debian's chromium for the browser tests: outside CI a machine without it skips them
+    (apt-get install chromium); under CI, which installs it, its absence fails them."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None and not os.environ.get("CI"):
+        pytest.skip(
+            "Debian's chromium is not installed (apt-get install chromium; on CI its "
+            "absence fails these tests)",
+            allow_module_level=True,
+        )
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,9 +5,9 @@ the chosen figure; a number is used as it is."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import httpx
+from conftest import wait_until
 
 from mlxd.runtime.memory import estimate_model_bytes
 
@@ -75,17 +75,9 @@ def test_a_small_budget_gives_fewer_slots_and_admission_follows_them(start_serve
         assert extra.status_code == 429, extra.text
         assert extra.json()["error"]["code"] == "queue_full"
         # the core counts each stream once its Add has arrived (the 200 can come first)
-        deadline = time.time() + 60
-        while True:
-            m = _model(small, "long-llama")
-            if m["running"] + m["waiting"] == 10:
-                break
-            assert time.time() < deadline, m
-            time.sleep(0.05)
-    deadline = time.time() + 30
-    while small.health()["requests_in_flight"]:
-        assert time.time() < deadline
-        time.sleep(0.05)
+        counted = wait_until(lambda: _in_batch(small) == 10)
+        assert counted, _model(small, "long-llama")
+    assert wait_until(lambda: not small.health()["requests_in_flight"], 30)
     ok = httpx.post(
         small.url + "/v1/completions",
         json={"model": "long-llama", "prompt": "x", "max_tokens": 2},
@@ -116,3 +108,8 @@ def test_a_number_is_used_as_it_is_per_model_too(start_server, tiny_llama, tiny_
             },
         )
     assert r.status_code == 200, r.text
+
+
+def _in_batch(srv) -> int:
+    m = _model(srv, "long-llama")
+    return m["running"] + m["waiting"]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import LiveServer, make_settings
+from conftest import LiveServer, make_settings, wait_until
 
 SYSTEM = {
     "role": "system",
@@ -45,13 +44,13 @@ def _disk(srv) -> dict:
 
 def _settled(srv, entries: int | None = None) -> dict:
     """The disk tier's stats once its queued writes are on disk."""
-    deadline = time.time() + 30
-    while True:
+
+    def settled() -> bool:
         d = _disk(srv)
-        if not d["writes_pending"] and (entries is None or d["entries"] >= entries):
-            return d
-        assert time.time() < deadline, d
-        time.sleep(0.05)
+        return not d["writes_pending"] and (entries is None or d["entries"] >= entries)
+
+    assert wait_until(settled, 30), _disk(srv)
+    return _disk(srv)
 
 
 def _metric(srv, name: str) -> float:

@@ -10,7 +10,6 @@ with a cache_salt of its own reuses nothing.
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from pathlib import Path
 
@@ -226,7 +225,7 @@ def test_checkpoints_count_in_the_prefix_cache_budget(start_server, tmp_path):
 def test_checkpoints_survive_a_restart_on_disk(tmp_path, hybrid_models, hybrid_server, arch):
     """The disk tier writes a reused sequence with its checkpoints; after a restart the
     agent's next turn reads them back and resumes from the previous prompt's end."""
-    from conftest import LiveServer, make_settings
+    from conftest import LiveServer, make_settings, wait_until
 
     model = NAMES[arch]
     engine = {
@@ -255,10 +254,8 @@ def test_checkpoints_survive_a_restart_on_disk(tmp_path, hybrid_models, hybrid_s
                 {"role": "assistant", "content": f"Result: {text}"},
                 {"role": "user", "content": f"Now open file number {turn}."},
             ]
-        deadline = time.monotonic() + 60
-        while disk(srv)["writes_pending"] or disk(srv)["entries"] == 0:
-            assert time.monotonic() < deadline, disk(srv)
-            time.sleep(0.05)
+        written = wait_until(lambda: not disk(srv)["writes_pending"] and disk(srv)["entries"])
+        assert written, disk(srv)
     finally:
         srv.stop()
     srv = server()

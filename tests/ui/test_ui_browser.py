@@ -33,7 +33,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 import pytest
-from conftest import require  # noqa: E402
+from conftest import require, require_chromium  # noqa: E402
 
 require("playwright")
 
@@ -41,13 +41,7 @@ from conftest import free_port, wait_healthy  # noqa: E402
 from fixtures.tiny_models import make_tiny_chat_model  # noqa: E402
 from store.fake_hub import FakeHub  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None and not os.environ.get("CI"):
-    pytest.skip(
-        "Debian's chromium is not installed (apt-get install chromium; on CI its "
-        "absence fails these tests)",
-        allow_module_level=True,
-    )
+CHROMIUM = require_chromium()
 
 KEY = "ui-secret-key"
 HUB_REPO = "acme/tiny-chat"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,15 +17,9 @@ from conftest import require
 
 require("playwright")
 
-from conftest import free_port, wait_healthy  # noqa: E402
+from conftest import free_port, require_chromium, wait_healthy  # noqa: E402
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-if CHROMIUM is None and not os.environ.get("CI"):
-    pytest.skip(
-        "Debian's chromium is not installed (apt-get install chromium; on CI its "
-        "absence fails these tests)",
-        allow_module_level=True,
-    )
+CHROMIUM = require_chromium()
 
 ADMIN, OTHER = "ui-admin-key", "ui-other-key"
 
