@@ -10,7 +10,7 @@ In process, through the engine's own cache classes (engines/kv_quant.py):
   token (greedy agreement);
 * memory: KV bytes per token (engine's /health figure) and what ``max_num_seqs: auto``
   picks at a fixed budget (core/slots.py);
-* speed: decode tokens per second at C=1 and C=16 (``LLMEngine`` steps after every row
+* speed: decode tokens per second at ``--concurrency`` levels (``LLMEngine`` steps after every row
   has its first token), the widths interleaved, ``--pairs`` rounds.
 
     python benchmarks/kv_quant.py --model-dir ~/.mlxd/models/smollm2-135m-instruct \\
@@ -46,22 +46,80 @@ from mlxd.engines.llm import LLMEngine  # noqa: E402
 from mlxd.engines.options import TextEngineOptions  # noqa: E402
 
 WIDTHS = (None, 8, 4)
-TOPICS = ["rivers", "bread", "trains", "comets", "violins", "glaciers", "markets", "bees"]
-STYLES = ["a short essay", "a list of facts", "a letter to a friend", "a product review"]
+# Real, varied English (the standard library's own documentation), so the prompts are not one
+# sentence repeated: a repeated text makes every position easy and hides quantization error.
+CORPUS_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "csv",
+    "datetime",
+    "decimal",
+    "email",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "queue",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.request",
+    "uuid",
+    "zipfile",
+)
 
 
-def prompts(n: int, tokens_of) -> list[list[int]]:
-    """``n`` chat prompts of ~256-1024 tokens: a varied filler passage, then a question."""
+def corpus() -> list[str]:
+    """Paragraphs of the standard library's docstrings, in a fixed order."""
+    import importlib
+    import inspect
+
+    out: list[str] = []
+    for name in CORPUS_MODULES:
+        mod = importlib.import_module(name)
+        docs = [inspect.getdoc(mod) or ""]
+        for attr in sorted(dir(mod)):
+            if not attr.startswith("_"):
+                docs.append(inspect.getdoc(getattr(mod, attr, None)) or "")
+        for doc in docs:
+            out += [p.strip() for p in doc.split("\n\n") if len(p.strip()) > 80]
+    return list(dict.fromkeys(out))
+
+
+def prompts(n: int, tokens_of, lo: int = 1024, hi: int = 4096) -> list[list[int]]:
+    """``n`` prompts of ``lo``-``hi`` tokens (spread evenly): consecutive documentation
+    paragraphs from a different starting point each, cut to length, then a question."""
+    paras = corpus()
+    sizes = [len(tokens_of(p)) for p in paras]
+    question = tokens_of("\n\nWhich of the functions described above would you use first, and why?")
     out = []
     for i in range(n):
-        topic, style = TOPICS[i % len(TOPICS)], STYLES[(i // len(TOPICS)) % len(STYLES)]
-        sentence = (
-            f"Note {i}: the {topic} of the valley were described in {style}, with care for "
-            f"detail, numbers such as {i * 7 + 3} and {i * 13 + 5}, and the names of places. "
-        )
-        reps = 6 + (i * 37) % 27  # ~256 to ~1024 tokens
-        text = sentence * reps + f"Summarise what was said about the {topic}."
-        out.append(tokens_of(text))
+        want = lo + (hi - lo) * i // max(n - 1, 1)
+        j = (i * 7919) % len(paras)
+        text, got = [], 0
+        while got < want + 64:  # overshoot, then cut to exactly ``want`` tokens
+            text.append(paras[j % len(paras)])
+            got += sizes[j % len(paras)] + 1
+            j += 1
+        body = tokens_of("\n\n".join(text))[: want - len(question)]
+        out.append(body + question)
     return out
 
 
@@ -77,8 +135,9 @@ def forced(model, ids: list[int], cont: list[int], bits: int | None) -> tuple[li
     cache = cache_for(model, bits)
     seq = ids + cont
     step = 512
+    body = getattr(model, "model", model)  # the layers without the vocabulary head
     for s in range(0, len(ids) - 1, step):
-        model(mx.array([ids[s : min(s + step, len(ids) - 1)]]), cache=cache)
+        body(mx.array([ids[s : min(s + step, len(ids) - 1)]]), cache=cache)
         mx.eval([c.state for c in cache])
     lps, top = [], []
     for j in range(len(ids) - 1, len(seq) - 1):
@@ -94,7 +153,11 @@ def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """The full-precision greedy continuation and its log-probabilities (one pass)."""
     cache = cache_for(model, None)
     out, lps = [], []
-    x = ids
+    body = getattr(model, "model", model)
+    for s in range(0, len(ids) - 1, 512):  # the head runs on the last position only
+        body(mx.array([ids[s : min(s + 512, len(ids) - 1)]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    x = ids[-1:]
     for _ in range(n):
         logits = model(mx.array([x]), cache=cache)[0, -1].astype(mx.float32)
         lp = logits - mx.logsumexp(logits)
@@ -170,17 +233,22 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10, help="interleaved speed rounds")
     ap.add_argument("--speed-tokens", type=int, default=32)
     ap.add_argument("--budget-gib", type=float, default=4.0)
+    ap.add_argument("--prompt-tokens", default="1024-4096", help="quality prompts' range, LO-HI")
+    ap.add_argument("--concurrency", default="1,16,64", help="speed levels")
+    ap.add_argument("--skip", choices=("quality", "speed"), action="append", default=[])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    lo, hi = (int(x) for x in args.prompt_tokens.split("-"))
 
     engines = {
-        b: LLMEngine("m", args.model_dir, TextEngineOptions(kv_bits=b, max_num_seqs=16))
+        b: LLMEngine("m", args.model_dir, TextEngineOptions(kv_bits=b, max_num_seqs=max(levels)))
         for b in WIDTHS
     }
     for e in engines.values():
         e.bind()
     base = engines[None]
-    ps = prompts(args.prompts, base.encode_prompt)
+    ps = prompts(args.prompts, base.encode_prompt, lo, hi)
     lengths = sorted(len(p) for p in ps)
     result: dict = {
         "command": " ".join(["python", *sys.argv]),
@@ -231,14 +299,17 @@ def main() -> None:
         result["quality"] = q
         save(result, args.out)
 
-    result["quality"] = quality(base, ps, args.gen, progress)
-    print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
-    save(result, args.out)
-    speed: dict = {str(b): {"1": [], "16": []} for b in WIDTHS}
+    if "quality" not in args.skip:
+        result["quality"] = quality(base, ps, args.gen, progress)
+        print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
+        save(result, args.out)
+    if "speed" in args.skip:
+        return
+    speed: dict = {str(b): {str(c): [] for c in levels} for b in WIDTHS}
     short = [p[:64] for p in ps]
     for r in range(args.pairs):
         order = WIDTHS if r % 2 == 0 else tuple(reversed(WIDTHS))
-        for c in (1, 16):
+        for c in levels:
             for b in order:
                 speed[str(b)][str(c)].append(decode_rate(engines[b], short, c, args.speed_tokens))
         print(f"speed round {r + 1}/{args.pairs}", file=sys.stderr, flush=True)
