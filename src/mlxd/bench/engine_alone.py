@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 
 def encode(tokenizer: Any, prompt: str) -> list[int]:
@@ -139,12 +139,13 @@ def main(model_dir: str, options: dict[str, Any]) -> None:
     from mlxd.engines.backend import apply_dtype, backend_name
 
     trust = bool(options.get("trust_remote_code", False))
-    model, tokenizer, config = load(
+    loaded = load(
         model_dir,
         return_config=True,
         trust_remote_code=trust,
         tokenizer_config={"trust_remote_code": trust},
     )
+    model, tokenizer, config = cast("tuple[Any, Any, dict[str, Any]]", loaded)
     dtype = apply_dtype(model, config, options.get("dtype", "auto"))
     # the default device's own stream: mlx-lm's generation stream is not the CPU's
     stream = mx.default_stream(mx.default_device())
