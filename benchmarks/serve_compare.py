@@ -5,7 +5,7 @@
 
 - engine: mlx-lm's BatchGenerator without HTTP (at most C sequences in flight, the same
   prompts through the same chat template), loaded after the same BLAS preload mlxd does;
-  this is the ceiling.
+  the loop is ``mlxd bench --peer engine``'s (mlxd.bench.engine_alone.closed_loop).
 - mlxd: `python -m mlxd serve --model DIR`.
 - mlx_lm.server as shipped (`python -m mlx_lm.server --model DIR`); with --mlx-lm-blas also
   a second run of it with the BLAS mlxd picked preloaded (LD_PRELOAD), to separate what
@@ -194,7 +194,7 @@ from mlxd import blas
 blas.preload("auto")
 import mlx.core as mx
 from mlx_lm.utils import load
-from mlx_lm.generate import BatchGenerator
+from mlxd.bench.engine_alone import closed_loop, encode
 sys.path.insert(0, sys.argv[2])
 import serve_bench
 a = json.loads(sys.argv[3])
@@ -202,33 +202,16 @@ model, tok = load(sys.argv[1])
 if mx.default_device() == mx.cpu:
     # the server's dtype policy on CPU: float32
     model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x)
-eos = sorted(tok.eos_token_ids)
 out = []
 stream = mx.default_stream(mx.default_device())
 
 
 def level(c, per_client, max_tokens, seed):
     prompts = serve_bench.make_prompts(c * per_client, seed, a["min_words"], a["max_words"])
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-           for p in prompts]
-    g = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[e] for e in eos],
-                       completion_batch_size=max(c, 1), prefill_batch_size=min(8, c),
-                       stream=stream)
-    pending = list(ids)
-    t_submit, seen, done, tokens = {}, {}, 0, 0
-    t0 = time.perf_counter()
-    for _ in range(min(c, len(pending))):
-        (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
-    while done < len(ids):
-        for r in g.next_generated():
-            tokens += 1
-            seen.setdefault(r.uid, []).append((r.token, time.perf_counter(), r.finish_reason))
-            if r.finish_reason is not None:
-                done += 1
-                if pending:
-                    (u,) = g.insert([pending.pop(0)], max_tokens=[max_tokens]); t_submit[u] = time.perf_counter()
-    wall = time.perf_counter() - t0
-    g.close()
+    ids = [encode(tok, p) for p in prompts]
+    # mlxd bench's engine-alone loop: client i's next prompt inserted when its row ends
+    seen, t_submit, wall = closed_loop(model, tok, ids, c, max_tokens, stream)
+    tokens = sum(len(rows) for rows in seen.values())
     # TTFT and inter-token gaps as a streaming client sees them (serve_bench): at the tokens
     # that make text visible, found by replaying the detokenizer after the run (no cost
     # inside the loop). A byte-level token that completes no character shows nothing.

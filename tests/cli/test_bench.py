@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import free_port, wait_until
 
 SMALL = ["--concurrency", "1,2", "--pairs", "2", "--max-tokens", "8", "--prompt-tokens", "16"]
@@ -145,11 +146,42 @@ def test_bench_starts_mlx_lm_server_on_the_same_directory(tmp_path, tiny_llama):
             _check_side(side, pairs=2, requests=2 * lv["concurrency"] * 2)
 
 
+def test_bench_against_the_engine_alone_on_the_same_directory(tmp_path, tiny_llama):
+    out = tmp_path / "out.json"
+    small = ["--concurrency", "1,2", "--pairs", "2", "--max-tokens", "4", "--prompt-tokens", "16"]
+    r = _bench(str(tiny_llama), "--peer", "engine", *small, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    _check_common(data, "--peer engine")
+    peer = data["peer"]
+    assert peer["kind"] == "engine" and str(tiny_llama) in peer["command"]
+    # the engine core's settings: its MLX environment, its BLAS, models.dtype's choice
+    assert peer["env"] == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    assert peer["blas"] and peer["backend"] in ("cpu", "cuda", "metal")
+    assert (peer["backend"] == "cpu") == ("cpu" in data["machine"]["mlx_default_device"])
+    assert peer["dtype"] == ("float32" if peer["backend"] == "cpu" else "native")
+    for lv in data["levels"]:
+        c = lv["concurrency"]
+        assert list(lv["sides"]) == ["mlxd", "engine"]
+        mlxd, engine = lv["sides"]["mlxd"], lv["sides"]["engine"]
+        for side in (mlxd, engine):
+            _check_side(side, pairs=2, requests=2 * c * 2)
+        # the same prompts through the same template, greedy: the same tokens both sides
+        assert engine["prompt_tokens_mean"] == mlxd["prompt_tokens_mean"]
+        assert engine["finished_by_length"] == mlxd["finished_by_length"]
+        assert lv["ratio"]["of"] == "mlxd/engine output tok/s"
+        assert [p["order"] for p in lv["pairs"]] == [["mlxd", "engine"], ["engine", "mlxd"]]
+        for p, x in zip(lv["pairs"], lv["ratio"]["per_pair"], strict=True):
+            assert p["engine"]["output_tokens"] == p["mlxd"]["output_tokens"]
+            assert x == p["ratio"] == p["mlxd"]["output_tps"] / p["engine"]["output_tps"]
+    assert "| 1 | engine |" in r.stdout
+
+
 def test_bench_refuses_bad_options_before_starting_anything(tmp_path, tiny_llama):
     for args, says in (
         (["--concurrency", "0,2"], "--concurrency takes positive integers"),
         (["--concurrency", "a"], "--concurrency takes positive integers"),
-        (["--peer", "vllm"], "--peer takes mlx_lm, none or an http(s) URL"),
+        (["--peer", "vllm"], "--peer takes mlx_lm, engine, none or an http(s) URL"),
     ):
         r = _bench(str(tiny_llama), *args, "--json", str(tmp_path / "out.json"), timeout=60)
         assert r.returncode == 2, r.stderr
@@ -187,9 +219,10 @@ def test_bench_against_a_url_nothing_answers_says_so_before_starting_mlxd(tmp_pa
     assert "starting mlxd" not in r.stderr
 
 
-def test_ctrl_c_stops_both_servers(tmp_path, tiny_llama):
+@pytest.mark.parametrize("peer", ["mlx_lm", "engine"])
+def test_ctrl_c_stops_both_sides(tmp_path, tiny_llama, peer):
     p = subprocess.Popen(
-        [sys.executable, "-m", "mlxd", "bench", str(tiny_llama), "--peer", "mlx_lm"]
+        [sys.executable, "-m", "mlxd", "bench", str(tiny_llama), "--peer", peer]
         + ["--concurrency", "1", "--pairs", "100000", "--max-tokens", "8", "--prompt-tokens", "16"],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.PIPE,
@@ -202,9 +235,9 @@ def test_ctrl_c_stops_both_servers(tmp_path, tiny_llama):
         assert p.stderr is not None
         for line in p.stderr:
             seen.append(line)
-            m = re.search(r"ready at (\S+) \(pid (\d+)\)", line)
+            m = re.search(r"ready (?:at \S+ )?\(pid (\d+)\)", line)
             if m:
-                pids.append(int(m.group(2)))
+                pids.append(int(m.group(1)))
             if "pair 1/" in line:
                 break
         assert len(pids) == 2, "".join(seen)

@@ -30,10 +30,11 @@ from typing import Any
 import httpx
 
 from mlxd import __version__
+from mlxd.bench.engine_peer import EnginePeer
 from mlxd.bench.load import Target, make_prompts, pct, run_pass
 from mlxd.bench.servers import BenchError, Server, mlx_lm_command, mlxd_command, wait_ready
 
-PEER_KINDS = ("mlx_lm", "none")
+PEER_KINDS = ("mlx_lm", "engine", "none")
 URL_PEER_TIMEOUT = 30.0  # a server said to be running answers at once; a wrong URL never
 
 
@@ -60,7 +61,9 @@ class BenchOptions:
 def run(opts: BenchOptions, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the servers, run every level, stop them; returns (and writes) the results."""
     if opts.peer not in PEER_KINDS and not opts.peer.startswith(("http://", "https://")):
-        raise BenchError(f"--peer must be mlx_lm, none or an http(s) URL, not {opts.peer!r}")
+        raise BenchError(
+            f"--peer must be mlx_lm, engine, none or an http(s) URL, not {opts.peer!r}"
+        )
     if opts.model.startswith(("/", ".", "~")) and not Path(opts.model).expanduser().is_dir():
         raise BenchError(f"no model directory at {opts.model}")
     if opts.seed is None:
@@ -99,7 +102,7 @@ def _start(
     stack: contextlib.ExitStack,
     results: dict[str, Any],
     say: Callable[[str], None],
-) -> list[Target]:
+) -> list[Target | EnginePeer]:
     """mlxd first (it pulls a store model that is not there yet), then the peer; a peer
     already running is asked first, so that a wrong URL costs no server start."""
     seqs = max(opts.concurrency)
@@ -128,12 +131,14 @@ def _start(
         {str(c.get("device")) for c in health.get("engine_cores", [])}
     )
     results["mlxd"] = {"url": mlxd.url, "command": shlex.join(mlxd.cmd)}
-    targets = [Target("mlxd", mlxd.url, _served_name(opts.model), opts.mlxd_headers)]
+    targets: list[Target | EnginePeer] = [
+        Target("mlxd", mlxd.url, _served_name(opts.model), opts.mlxd_headers)
+    ]
     if opts.peer == "none":
         results["peer"] = None
         return targets
     if opts.peer == "mlx_lm":
-        model_dir = _model_dir(opts.model)
+        model_dir = _model_dir(opts.model, opts.peer)
         peer_env, preload = _peer_env(opts.peer_blas)
         peer = Server(
             "mlx_lm",
@@ -155,7 +160,25 @@ def _start(
             "ld_preload": preload,
         }
         return targets
-    model = _peer_model(url, targets[0].model)
+    if opts.peer == "engine":
+        from mlxd.config import load_settings
+
+        engine = EnginePeer(
+            _model_dir(opts.model, opts.peer), load_settings(None), tmp / "engine.log"
+        )
+        say(f"starting the engine alone: {shlex.join(engine.cmd)}")
+        stack.callback(engine.stop)
+        engine.start(opts.start_timeout)
+        say(f"engine alone ready (pid {engine.pid}): {engine.loaded}")
+        targets.append(engine)
+        results["peer"] = {
+            "kind": "engine",
+            "command": shlex.join(engine.cmd),
+            "env": engine.mlx_env,
+            **engine.loaded,
+        }
+        return targets
+    model = _peer_model(url, _served_name(opts.model))
     targets.append(Target("peer", url, model))
     results["peer"] = {"kind": "url", "url": url, "model": model}
     return targets
@@ -184,7 +207,7 @@ def _served_name(model: str) -> str:
     return model
 
 
-def _model_dir(model: str) -> Path:
+def _model_dir(model: str, peer: str) -> Path:
     """MODEL's directory, for a peer that loads from disk: MODEL itself, or its store entry
     (after mlxd started, which pulls a model the store lacks)."""
     p = Path(model).expanduser()
@@ -197,7 +220,7 @@ def _model_dir(model: str) -> Path:
     found = ModelCatalog.from_settings(settings).path(model)
     if found is None:
         raise BenchError(
-            f"--peer mlx_lm needs a model directory: {model!r} is not one, nor in the store "
+            f"--peer {peer} needs a model directory: {model!r} is not one, nor in the store "
             f"at {settings.models_dir}"
         )
     return found
@@ -213,14 +236,20 @@ def _peer_model(url: str, fallback: str) -> str:
     return ids[0] if len(ids) == 1 else fallback
 
 
+def _pass(t: Target | EnginePeer, prompts: list[str], c: int, max_tokens: int) -> dict[str, Any]:
+    if isinstance(t, EnginePeer):
+        return t.run_pass(prompts, c, max_tokens)
+    return asyncio.run(run_pass(t, prompts, c, max_tokens))
+
+
 def _level(
-    opts: BenchOptions, targets: list[Target], c: int, say: Callable[[str], None]
+    opts: BenchOptions, targets: list[Target | EnginePeer], c: int, say: Callable[[str], None]
 ) -> dict[str, Any]:
     n = c * opts.requests_per_client
     assert opts.seed is not None
     warm = make_prompts(c, _prompt_seed(opts.seed, c, -1), opts.prompt_tokens)
     for t in targets:
-        w = asyncio.run(run_pass(t, warm, c, min(opts.max_tokens, 8)))
+        w = _pass(t, warm, c, min(opts.max_tokens, 8))
         if w["errors"] == w["requests"]:  # nothing to measure: say why now, not at the end
             raise BenchError(f"{t.name} ({t.url}) failed every request: {w['error_samples'][0]}")
     pairs = []
@@ -229,7 +258,7 @@ def _level(
         order = targets if k % 2 == 0 else targets[::-1]
         pair: dict[str, Any] = {"order": [t.name for t in order]}
         for t in order:
-            pair[t.name] = asyncio.run(run_pass(t, prompts, c, opts.max_tokens))
+            pair[t.name] = _pass(t, prompts, c, opts.max_tokens)
         if len(targets) == 2:
             a, b = (pair[t.name]["output_tps"] for t in targets)
             pair["ratio"] = a / b if b else None

@@ -23,9 +23,9 @@ def _levels(text: str) -> list[int]:
 
 
 def _peer(text: str) -> str:
-    if text in ("mlx_lm", "none") or text.startswith(("http://", "https://")):
+    if text in ("mlx_lm", "engine", "none") or text.startswith(("http://", "https://")):
         return text
-    raise CliError(f"--peer takes mlx_lm, none or an http(s) URL, not {text!r}", 2)
+    raise CliError(f"--peer takes mlx_lm, engine, none or an http(s) URL, not {text!r}", 2)
 
 
 def _model(text: str) -> str:
@@ -41,7 +41,8 @@ def bench(
         str,
         typer.Option(
             help="What to compare with: mlx_lm (mlx-lm's server, started on the same model "
-            "directory), an OpenAI-compatible URL already running, or none.",
+            "directory), engine (mlx-lm's BatchGenerator alone, no HTTP, in a process of its "
+            "own on the same directory), an OpenAI-compatible URL already running, or none.",
         ),
     ] = "mlx_lm",
     concurrency: Annotated[
