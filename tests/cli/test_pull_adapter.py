@@ -234,3 +234,29 @@ def test_a_peft_directory_loads_at_run_time(tiny_llama, loras, expected, start_s
         assert feature in err["message"] and err["param"] == "lora_path", err
     names = {m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]}
     assert names >= {"sql-peft", "rs"} and not names & {"dora", "alpha-pattern", "saved", "bias"}
+
+
+def test_the_base_may_be_named_by_the_config_or_be_a_configured_directory(
+    tiny_llama, loras, tmp_path
+):
+    """mlx-lm's ``model`` key naming a store entry is the base; so may ``--base`` name the
+    default model served from a directory (models.default) that is not in the store."""
+    home = tmp_path / "home"
+    env = _env(home)
+    served = dict(env, MLXD_MODELS__DEFAULT=str(tiny_llama))
+    p = mlxd(served, "pull", str(loras["mlx"]), "--base", "tiny-llama")
+    assert p.stdout.startswith("sql-helper: adapter of tiny-llama, ")
+    assert _registry(home)["sql-helper"]["base"] == "tiny-llama"
+
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "adapters.safetensors").write_bytes(
+        (loras["mlx"] / "adapters.safetensors").read_bytes()
+    )
+    cfg = json.loads((loras["mlx"] / "adapter_config.json").read_text())
+    (named / "adapter_config.json").write_text(json.dumps({**cfg, "model": "tiny-llama"}))
+    line = error_line(mlxd(env, "pull", str(named), ok=False))
+    assert "its config names 'tiny-llama', which is not in the store" in line, line
+    mlxd(env, "pull", str(tiny_llama))
+    p = mlxd(env, "pull", str(named))
+    assert p.stdout.startswith("named: adapter of tiny-llama, ")

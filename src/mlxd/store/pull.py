@@ -263,11 +263,10 @@ def _base_finder(
     def known(model: str) -> bool:
         if model in settings.aliases or model in BUILTIN_ALIASES:
             return True
-        served = [settings.default, *settings.preload]
-        if any(
-            Path(p).expanduser().is_dir() and Path(p).expanduser().name == model for p in served
-        ):
-            return True
+        for p in (settings.default, *settings.preload):  # as ModelCatalog names directories
+            if ("/" in p or p.startswith(".")) and Path(p).expanduser().is_dir():
+                if Path(p).expanduser().resolve().name == model:
+                    return True
         try:
             return store.get(model) is not None
         except InvalidRequest:
