@@ -260,3 +260,17 @@ def test_the_base_may_be_named_by_the_config_or_be_a_configured_directory(
     mlxd(env, "pull", str(tiny_llama))
     p = mlxd(env, "pull", str(named))
     assert p.stdout.startswith("named: adapter of tiny-llama, ")
+
+
+def test_a_pulled_peft_adapter_is_mlx_lms_format(
+    tiny_llama, loras, expected, tmp_path, start_server
+):
+    """The store holds PEFT adapters converted: mlx-lm's own loader (``--adapter``) reads
+    the stored directory and answers as with the original mlx-lm adapter."""
+    home = tmp_path / "home"
+    env = _env(home)
+    mlxd(env, "pull", str(tiny_llama))
+    mlxd(env, "pull", str(loras["peft"]))
+    stored = home / "models" / "sql-helper-peft"
+    srv = start_server(tiny_llama, models={"adapter_path": str(stored)})
+    assert _text(_chat(srv.url, "tiny-llama")) == expected["mlx"]

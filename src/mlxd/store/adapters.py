@@ -282,11 +282,10 @@ def _convert_peft(
     if not mods:
         raise InvalidRequest(f"adapter '{name}' holds no LoRA weights", param="model")
     _write_safetensors(out / MLX_WEIGHTS, tensors)
-    layers = sorted({int(m) for m in re.findall(r"\blayers\.(\d+)\.", " ".join(mods))})
     keys = sorted({re.sub(r"^.*\blayers\.\d+\.", "", m) for m in mods})
-    mlx_config = {
+    mlx_config = {  # what mlx-lm's --adapter reads too: -1 wraps every layer (zero where untrained)
         "fine_tune_type": "lora",
-        "num_layers": layers[-1] + 1 if layers else 0,
+        "num_layers": -1,
         "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0, "keys": keys},
         "base": base,
         "peft": {k: config.get(k) for k in ("base_model_name_or_path", "r", "lora_alpha")},
