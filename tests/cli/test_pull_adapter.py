@@ -144,6 +144,9 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
         # pulled while the server runs: a model name at once, no restart
         mlxd(env, "pull", str(loras["beta"]), "--base", "tiny-llama")
         assert _text(_chat(url, "beta")) == expected["beta"]
+        line = error_line(mlxd(env, "pull", str(loras["beta"]), "--as", "sql-peft", ok=False))
+        assert "'sql-peft' already exists" in line, line
+        assert _text(_chat(url, "sql-peft")) == expected["mlx"]
 
         mlxd(env, "rm", "sql-helper")
         assert "sql-helper" not in _registry(home) and not (home / "models" / "sql-helper").exists()

@@ -207,7 +207,9 @@ def pull(
     with store.lock(
         target, on_wait=lambda: emit({"status": f"waiting for another write of {target}"})
     ):
-        existing = store.manifest(target) if store.get(target) is not None else None
+        existing = store.manifest(target) if store.exists(target) else None
+        if existing is not None and existing.get("kind") != "adapter" and store.get(target) is None:
+            existing = None  # a model directory without its config.json: written again
         if existing is not None and not force:
             if existing.get("source") in r.sources:
                 _register(registry, store, existing)
