@@ -27,7 +27,9 @@ router = APIRouter(route_class=ApiRoute)
 
 class LoadLoraBody(WireModel):
     lora_name: ModelName = Field(description="The model name requests use for the adapter.")
-    lora_path: str = Field(min_length=1, description="An mlx-lm adapter directory on the server.")
+    lora_path: str = Field(
+        min_length=1, description="An adapter directory on the server (mlx-lm's or PEFT's)."
+    )
     base_model: ModelName | None = Field(
         None, description="mlxd: the model it adapts (default: the default model)."
     )

