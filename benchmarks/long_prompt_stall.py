@@ -1,5 +1,6 @@
 """What a long prompt arriving beside running streams costs them: mlxd with its step budget
-(engine.max_step_tokens) on and off, and mlx_lm.server when it runs here.
+(engine.max_step_tokens) on and off, mlx_lm.server when it runs here, and vllm-mlx with
+its chunked prefill on and off where ``--vllm-mlx-python`` names a venv that has it.
 
 Per trial: 8 streaming chat clients decode; once each has its first tokens, one long prompt
 arrives (``--prompt-tokens``: 2k by default, 16384 for a GPU). Reported per side:
@@ -13,6 +14,12 @@ answers one.
     python benchmarks/long_prompt_stall.py --pairs 10 --out stall.json
     python benchmarks/long_prompt_stall.py --model-dir /tmp/q05 --prompt-tokens 16384 \\
         --pairs 10 --out stall.json
+    bash benchmarks/peers/vllm_mlx_env.sh /tmp/vmlx
+    PYTHONPATH=src python benchmarks/long_prompt_stall.py --vllm-mlx-python /tmp/vmlx/bin/python \\
+        --peer-blas --pairs 10 --out stall.json
+
+``--peer-blas`` preloads the BLAS mlxd loads (``LD_PRELOAD``) into mlx_lm.server and
+vllm-mlx: on a Linux CPU MLX's own is ~20x slower at float32 matmuls.
 
 Without ``--model-dir`` it writes ``make_random_model.py --shape qwen2.5-vocab-tiny``
 (float32) to a temporary folder: a 2k-token prefill there takes measurable time on a CPU
@@ -25,7 +32,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -87,7 +96,10 @@ async def stream(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choices = json.loads(line[6:]).get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):
+            # a reply that is only an end of text still marks its first token
+            if choices[0].get("delta", {}).get("content") or (
+                not stamps and choices[0].get("finish_reason")
+            ):
                 stamps.append(time.monotonic())
 
 
@@ -164,7 +176,77 @@ def loaded_model(url: str) -> dict:
     return httpx.get(url + "/health", timeout=30).json()["models"][0]
 
 
-def start_mlx_lm(model_dir: str, streams: int) -> tuple[subprocess.Popen, str] | None:
+def peer_env(same_blas: bool) -> dict[str, str]:
+    """The peers' environment: inherited, plus the BLAS mlxd loads preloaded with ``same_blas``."""
+    env = dict(os.environ)
+    if not same_blas:
+        return env
+    from mlxd import blas
+    from mlxd.config import load_settings
+
+    info = blas.preload(load_settings(None).backend.blas)
+    if not info.loaded or info.path is None:
+        sys.exit(f"--peer-blas: mlxd loads no BLAS of its own here ({info.name})")
+    before = env.get("LD_PRELOAD")
+    env["LD_PRELOAD"] = f"{info.path} {before}" if before else info.path
+    return env
+
+
+def start_vllm_mlx(
+    python: str,
+    model_dir: str,
+    name: str,
+    args: argparse.Namespace,
+    chunk: int,
+    tmp: Path,
+    env: dict[str, str],
+) -> tuple[subprocess.Popen, str]:
+    """``vllm-mlx serve`` with continuous batching and ``chunk`` prefill tokens per step
+    (0: off); HOME is a temporary folder, so its prefix-cache files stay out of the real one."""
+    port = mlxd_proc.free_port()
+    home = tmp / f"vllm-mlx-{chunk}"
+    home.mkdir()
+    cmd = [
+        python,
+        "-m",
+        "vllm_mlx.cli",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+        "--continuous-batching",
+        "--max-num-seqs",
+        str(max(16, args.streams + 1)),
+        "--disable-prefix-cache",
+        "--chunked-prefill-tokens",
+        str(chunk),
+        *shlex.split(args.vllm_mlx_args),
+    ]
+    log = (home / "server.log").open("wb")  # it logs every request: a pipe would fill
+    env = {**env, "HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                print(f"vllm-mlx ready: {shlex.join(cmd)}", flush=True)
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(
+        f"vllm-mlx did not start ({shlex.join(cmd)}):\n"
+        + (home / "server.log").read_text(errors="replace")[-2000:]
+    )
+
+
+def start_mlx_lm(
+    model_dir: str, streams: int, env: dict[str, str]
+) -> tuple[subprocess.Popen, str] | None:
     port = mlxd_proc.free_port()
     proc = subprocess.Popen(
         [
@@ -180,6 +262,7 @@ def start_mlx_lm(model_dir: str, streams: int) -> tuple[subprocess.Popen, str] |
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
@@ -218,8 +301,24 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--budget", default="auto", help="engine.max_step_tokens of the 'on' side")
     ap.add_argument("--skip-mlx-lm", action="store_true")
+    ap.add_argument(
+        "--vllm-mlx-python",
+        help="python of a venv with vllm-mlx (benchmarks/peers/vllm_mlx_env.sh): adds its sides",
+    )
+    ap.add_argument(
+        "--vllm-mlx-chunk",
+        default="256,0",
+        help="vllm-mlx --chunked-prefill-tokens, one side per value, comma-separated (0: off)",
+    )
+    ap.add_argument("--vllm-mlx-args", default="", help="more `vllm-mlx serve` arguments")
+    ap.add_argument(
+        "--peer-blas",
+        action="store_true",
+        help="preload the BLAS mlxd loads into mlx_lm.server and vllm-mlx (Linux CPU)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
+    penv = peer_env(args.peer_blas)  # before MLX is imported here: mlxd.blas loads it first
 
     tmp = tempfile.TemporaryDirectory(prefix="stall-")
     model_dir = args.model_dir
@@ -240,13 +339,20 @@ def main() -> None:
             procs[side], urls[side] = mlxd_proc.start(
                 str(home), model_dir, {**common, "MLXD_ENGINE__MAX_STEP_TOKENS": budget}
             )
+        mlxd_sides = list(urls)
+        models = {side: loaded_model(urls[side])["name"] for side in mlxd_sides}
         if not args.skip_mlx_lm:
-            started = start_mlx_lm(model_dir, args.streams)
+            started = start_mlx_lm(model_dir, args.streams, penv)
             if started is not None:
                 procs["mlx_lm"], urls["mlx_lm"] = started
-        mlxd_sides = [s for s in urls if s != "mlx_lm"]
-        models = {side: loaded_model(urls[side])["name"] for side in mlxd_sides}
-        models["mlx_lm"] = model_dir  # mlx_lm.server names its model by its path
+                models["mlx_lm"] = model_dir  # mlx_lm.server names its model by its path
+        if args.vllm_mlx_python:
+            for chunk in (int(c) for c in args.vllm_mlx_chunk.split(",") if c.strip()):
+                side = f"vllm_mlx_chunk{chunk}"
+                models[side] = Path(model_dir).name
+                procs[side], urls[side] = start_vllm_mlx(
+                    args.vllm_mlx_python, model_dir, models[side], args, chunk, Path(tmp.name), penv
+                )
         budgets = {side: loaded_model(urls[side])["step_budget"]["budget"] for side in mlxd_sides}
         sides = list(urls)
         rng = random.Random(0)
@@ -286,6 +392,8 @@ def main() -> None:
                     "prompt_tokens": args.prompt_tokens,
                     "streams": args.streams,
                     "budgets": budgets,
+                    "vllm_mlx_python": args.vllm_mlx_python,
+                    "peer_ld_preload": penv.get("LD_PRELOAD") if args.peer_blas else None,
                     "summary": summary,
                     "trials": trials,
                 },
