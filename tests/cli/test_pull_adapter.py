@@ -7,32 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import LiveServer, make_settings
+from conftest import LiveServer, cli_env, make_settings, run_mlxd
 from fixtures.lora import make_lora_adapter, make_peft_adapter
 
 MSG = [{"role": "user", "content": "hello there"}]
-
-
-def _env(home: Path) -> dict:
-    env = dict(os.environ, MLXD_HOME=str(home), HF_HUB_OFFLINE="1")
-    env.pop("MLXD_MODELS__DIR", None)
-    return env
-
-
-def mlxd(env: dict, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "mlxd", *args], env=env, capture_output=True, text=True, timeout=180
-    )
-    assert "Traceback" not in p.stderr + p.stdout, p.stderr
-    assert (p.returncode == 0) == ok, f"mlxd {' '.join(args)}: {p.stderr}"
-    return p
 
 
 def error_line(p: subprocess.CompletedProcess) -> str:
@@ -100,12 +83,12 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
     tiny_llama, loras, expected, tmp_path
 ):
     home = tmp_path / "home"
-    env = _env(home)
-    mlxd(env, "pull", str(tiny_llama))
-    p = mlxd(env, "pull", str(loras["mlx"]), "--base", "tiny-llama")
+    env = cli_env(home)
+    run_mlxd(env, "pull", str(tiny_llama))
+    p = run_mlxd(env, "pull", str(loras["mlx"]), "--base", "tiny-llama")
     assert p.stdout.startswith("sql-helper: adapter of tiny-llama, ")
     # PEFT's config names the directory tiny-llama was pulled from: its base, found
-    p = mlxd(env, "pull", str(loras["peft"]), "--as", "sql-peft")
+    p = run_mlxd(env, "pull", str(loras["peft"]), "--as", "sql-peft")
     assert p.stdout.startswith("sql-peft: adapter of tiny-llama, ")
     stored = home / "models" / "sql-peft"
     assert sorted(f.name for f in stored.iterdir()) == [
@@ -116,14 +99,14 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
     cfg = json.loads((stored / "adapter_config.json").read_text())
     assert cfg["fine_tune_type"] == "lora" and cfg["lora_parameters"]["scale"] == 20.0
 
-    rows = {m["name"]: m for m in json.loads(mlxd(env, "list", "--json").stdout)}
+    rows = {m["name"]: m for m in json.loads(run_mlxd(env, "list", "--json").stdout)}
     assert rows["sql-helper"]["kind"] == rows["sql-peft"]["kind"] == "adapter"
     assert rows["sql-helper"]["base"] == rows["sql-peft"]["base"] == "tiny-llama"
     assert rows["sql-peft"]["format"] == "peft"
-    table = mlxd(env, "list").stdout.splitlines()
+    table = run_mlxd(env, "list").stdout.splitlines()
     assert table[0].split() == ["NAME", "KIND", "SIZE", "QUANTIZATION", "MODIFIED", "BASE"]
     assert any(r.split()[:2] == ["sql-peft", "adapter"] and r.endswith("tiny-llama") for r in table)
-    shown = json.loads(mlxd(env, "show", "sql-peft", "--json").stdout)
+    shown = json.loads(run_mlxd(env, "show", "sql-peft", "--json").stdout)
     assert shown["manifest"]["base"] == "tiny-llama" and shown["path"] == str(stored)
     assert {e["base"] for e in _registry(home).values()} == {"tiny-llama"}
 
@@ -142,13 +125,13 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
         assert cards["sql-peft"]["parent"] == "tiny-llama" and "parent" not in cards["tiny-llama"]
 
         # pulled while the server runs: a model name at once, no restart
-        mlxd(env, "pull", str(loras["beta"]), "--base", "tiny-llama")
+        run_mlxd(env, "pull", str(loras["beta"]), "--base", "tiny-llama")
         assert _text(_chat(url, "beta")) == expected["beta"]
-        line = error_line(mlxd(env, "pull", str(loras["beta"]), "--as", "sql-peft", ok=False))
+        line = error_line(run_mlxd(env, "pull", str(loras["beta"]), "--as", "sql-peft", ok=False))
         assert "'sql-peft' already exists" in line, line
         assert _text(_chat(url, "sql-peft")) == expected["mlx"]
 
-        mlxd(env, "rm", "sql-helper")
+        run_mlxd(env, "rm", "sql-helper")
         assert "sql-helper" not in _registry(home) and not (home / "models" / "sql-helper").exists()
         r = _chat(url, "sql-helper")
         assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
@@ -158,7 +141,7 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
         assert _text(_chat(url, "sql-peft")) == expected["mlx"]  # the others still serve
 
         # the name again, other weights: the core reads the new files, not the ones it held
-        mlxd(env, "pull", str(loras["beta"]), "--as", "sql-helper", "--base", "tiny-llama")
+        run_mlxd(env, "pull", str(loras["beta"]), "--as", "sql-helper", "--base", "tiny-llama")
         assert _text(_chat(url, "sql-helper")) == expected["beta"]
     finally:
         srv.stop()
@@ -188,8 +171,8 @@ def _neither(d: Path) -> Path:
 )
 def test_bad_adapters_are_refused_and_change_nothing(tiny_llama, loras, tmp_path, case, message):
     home = tmp_path / "home"
-    env = _env(home)
-    mlxd(env, "pull", str(tiny_llama))
+    env = cli_env(home)
+    run_mlxd(env, "pull", str(tiny_llama))
     before = sorted(p.name for p in (home / "models").iterdir())
     args = {
         "no-base": [str(loras["mlx"])],
@@ -200,10 +183,10 @@ def test_bad_adapters_are_refused_and_change_nothing(tiny_llama, loras, tmp_path
         "neither": [str(_neither(tmp_path / "notes"))],
         "model-as-adapter": [str(tiny_llama), "--type", "adapter", "--as", "x"],
     }[case]
-    line = error_line(mlxd(env, "pull", *args, ok=False))
+    line = error_line(run_mlxd(env, "pull", *args, ok=False))
     assert line.startswith("mlxd: ") and message in line, line
     assert sorted(p.name for p in (home / "models").iterdir()) == before
-    assert [m["name"] for m in json.loads(mlxd(env, "list", "--json").stdout)] == ["tiny-llama"]
+    assert [m["name"] for m in json.loads(run_mlxd(env, "list", "--json").stdout)] == ["tiny-llama"]
     assert _registry(home) == {}
 
 
@@ -245,9 +228,9 @@ def test_the_base_may_be_named_by_the_config_or_be_a_configured_directory(
     """mlx-lm's ``model`` key naming a store entry is the base; so may ``--base`` name the
     default model served from a directory (models.default) that is not in the store."""
     home = tmp_path / "home"
-    env = _env(home)
+    env = cli_env(home)
     served = dict(env, MLXD_MODELS__DEFAULT=str(tiny_llama))
-    p = mlxd(served, "pull", str(loras["mlx"]), "--base", "tiny-llama")
+    p = run_mlxd(served, "pull", str(loras["mlx"]), "--base", "tiny-llama")
     assert p.stdout.startswith("sql-helper: adapter of tiny-llama, ")
     assert _registry(home)["sql-helper"]["base"] == "tiny-llama"
 
@@ -258,10 +241,10 @@ def test_the_base_may_be_named_by_the_config_or_be_a_configured_directory(
     )
     cfg = json.loads((loras["mlx"] / "adapter_config.json").read_text())
     (named / "adapter_config.json").write_text(json.dumps({**cfg, "model": "tiny-llama"}))
-    line = error_line(mlxd(env, "pull", str(named), ok=False))
+    line = error_line(run_mlxd(env, "pull", str(named), ok=False))
     assert "its config names 'tiny-llama', which is not in the store" in line, line
-    mlxd(env, "pull", str(tiny_llama))
-    p = mlxd(env, "pull", str(named))
+    run_mlxd(env, "pull", str(tiny_llama))
+    p = run_mlxd(env, "pull", str(named))
     assert p.stdout.startswith("named: adapter of tiny-llama, ")
 
 
@@ -271,9 +254,9 @@ def test_a_pulled_peft_adapter_is_mlx_lms_format(
     """The store holds PEFT adapters converted: mlx-lm's own loader (``--adapter``) reads
     the stored directory and answers as with the original mlx-lm adapter."""
     home = tmp_path / "home"
-    env = _env(home)
-    mlxd(env, "pull", str(tiny_llama))
-    mlxd(env, "pull", str(loras["peft"]))
+    env = cli_env(home)
+    run_mlxd(env, "pull", str(tiny_llama))
+    run_mlxd(env, "pull", str(loras["peft"]))
     stored = home / "models" / "sql-helper-peft"
     srv = start_server(tiny_llama, models={"adapter_path": str(stored)})
     assert _text(_chat(srv.url, "tiny-llama")) == expected["mlx"]
