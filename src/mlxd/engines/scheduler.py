@@ -1,11 +1,11 @@
 """Who gets the next free slot of a decode engine: priorities, then fair shares by key.
 
 A waiting sequence with the best (smallest) priority goes first. Among equal priorities,
-the tenant (the API key's owner id, api/owner.py) with the least service received goes
-first: prompt tokens prefilled plus tokens decoded, decaying with a half-life of
-:data:`HALF_LIFE_S` and divided by the key's weight. Within one tenant, first come, first
-served; with no keys configured every caller is one tenant, so the order is FIFO within
-a priority.
+a tenant (the API key's owner id, api/owner.py) with no running row goes first, then the
+one with the least service received: prompt tokens prefilled plus tokens decoded, decaying
+with a half-life of :data:`HALF_LIFE_S` and divided by the key's weight. Within one tenant,
+first come, first served; with no keys configured every caller is one tenant, so the order
+is FIFO within a priority.
 
 A waiting sequence with a strictly better priority than a running one may take that row's
 slot (:meth:`FairScheduler.victims`): the engine moves the row's KV to the prefix cache and
@@ -15,9 +15,10 @@ Fairness preempts only for a starved tenant (:meth:`FairScheduler.fair_victims`)
 waiting sequences and no running row, first in line for the next slot, while another tenant
 holds more than its weighted share of the slots and at least two rows. That tenant gives up
 one row (at the starved one's priority or worse) per starved tenant and round. It cannot
-thrash: a tenant is preempted at most down to its share and never to zero rows, so it still
-runs and never counts as starved itself; and a tenant with no running row goes first for a
-free slot (:meth:`FairScheduler.pick`), so tenants that all have rows never preempt.
+thrash: a tenant gives up rows only while it holds more than its share, never its last, so
+it still runs and never counts as starved itself; and a free slot goes first to a tenant
+with no running row (:meth:`FairScheduler.pick`), so tenants that all have rows never
+preempt one another.
 """
 
 from __future__ import annotations
