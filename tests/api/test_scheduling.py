@@ -141,13 +141,10 @@ def test_a_better_priority_overtakes_the_queue(start_server, long_llama):
 
 
 def test_another_key_gets_the_next_slot_ahead_of_a_flood(start_server, long_llama):
-    """Key A queues 16 requests; key B's one request, sent after them at the same priority,
-    gets the next free slot: B has received no service, A a lot."""
-    srv = start_server(
-        long_llama,
-        engine={"max_num_seqs": 2},
-        security={"api_keys": [{"key": KEY_A, "name": "a"}, {"key": KEY_B, "name": "b"}]},
-    )
+    """With fair preemption off, key A queues 16 requests; key B's one request, sent after
+    them at the same priority, gets the next free slot: B has received no service, A a lot.
+    No row gives up its slot for it."""
+    srv = _keys_server(start_server, long_llama, fair_preemption=False)
     flood = Streams(srv, KEY_A)
     for i in range(16):
         flood.start(f"a-{i}", _body(long_llama, f"flood {i}", 200))
@@ -164,6 +161,8 @@ def test_another_key_gets_the_next_slot_ahead_of_a_flood(start_server, long_llam
     assert len(ahead) <= 5, ahead  # the two running, the slot B's wait freed, B's own
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'mlxd:request_queue_time_by_priority_seconds_count{key="b",' in metrics
+    assert _preemptions(metrics, "fair") == 0
+    assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 0
 
 
 def test_a_preempted_stream_completes_with_its_own_text(start_server, long_llama):
@@ -260,26 +259,6 @@ def test_two_flooding_keys_never_preempt_each_other(start_server, long_llama):
     b.join()
     assert len(a.texts) == len(b.texts) == 5
     assert ended.index("a-1") < ended.index("b-0")  # slots changed hands while b-0 ran
-    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert _preemptions(metrics, "fair") == 0
-    assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 0
-
-
-def test_fair_preemption_off_leaves_a_flood_its_slots(start_server, long_llama):
-    """engine.fair_preemption: false: key B waits for one of A's rows to end."""
-    srv = _keys_server(start_server, long_llama, fair_preemption=False)
-    flood = Streams(srv, KEY_A)
-    for i in range(3):
-        flood.start(f"a-{i}", _body(long_llama, f"flood {i}", 60))
-    assert wait_until(lambda: _queue(srv, "long-llama", KEY_A)["by_priority"].get("0", 0) == 1)
-    r = httpx.post(
-        srv.url + "/v1/completions",
-        json=_body(long_llama, "single", 4),
-        headers={"Authorization": f"Bearer {KEY_B}"},
-        timeout=600,
-    )
-    assert r.status_code == 200, r.text
-    flood.join()
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert _preemptions(metrics, "fair") == 0
     assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 0
