@@ -13,8 +13,10 @@ tests/fixtures) with two API keys, then, interleaved, ``--repeats`` times each:
   own flood in arrival order (what every caller met before fair queuing).
 
 Each arm's time to first token (request sent -> first streamed token) is reported as
-median, quartiles and range. After each loaded measurement the flood's streams hang up
-and the server is idle again before the next arm. The random model's end tokens are
+median, quartiles and range, with per-repeat ratios (flood over idle, same key over other
+key), the load average before and after, and the preemptions the server counted. After
+each loaded measurement the flood's streams hang up and the server is idle again before
+the next arm. The random model's end tokens are
 banned, so every request runs its max_tokens out.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -174,6 +177,8 @@ def main() -> None:
         "logit_bias": eos_ban(model),
     }
     arms: dict[str, list[float]] = {"idle": [], "flood_other_key": [], "flood_same_key": []}
+    load_before = os.getloadavg()
+    preempted: dict[str, float] = {}
     try:
         ttft(url, KEYS["b"], body)  # warm: the first request's one-off costs
         for i in range(args.repeats):
@@ -181,13 +186,16 @@ def main() -> None:
             arms["flood_other_key"].append(loaded(url, name, args, KEYS["b"], body))
             arms["flood_same_key"].append(loaded(url, name, args, KEYS["a"], body))
             print(i, {k: round(v[-1], 3) for k, v in arms.items()}, flush=True)
+        preempted = preemptions(url, name)
     finally:
         stop(proc)
     result = {
         "what": "TTFT of one request of key B: idle server, behind key A's flood (fair "
-        "queuing), and the same request from key A itself (behind its own flood, FIFO)",
+        "share and fair preemption), and the same request from key A itself (behind its "
+        "own flood, FIFO)",
         "command": "python " + " ".join(sys.argv),
-        "machine": f"{platform.system()} {platform.machine()}, {_cores()} cores (shared)",
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores (shared; "
+        f"load average {_load(load_before)} before the run, {_load(os.getloadavg())} after)",
         "model": str(args.model) if args.model else "tiny random llama (tests/fixtures)",
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit,
@@ -199,6 +207,11 @@ def main() -> None:
             "single_max_tokens": body["max_tokens"],
         },
         "ttft": {k: summary(v) for k, v in arms.items()},
+        "other_key_over_idle_per_repeat": ratios(arms["flood_other_key"], arms["idle"]),
+        "same_key_over_other_key_per_repeat": ratios(
+            arms["flood_same_key"], arms["flood_other_key"]
+        ),
+        "preemptions": preempted,
     }
     text = json.dumps(result, indent=1)
     print(text)
@@ -206,10 +219,29 @@ def main() -> None:
         args.out.write_text(text + "\n")
 
 
-def _cores() -> int:
-    import os
+def ratios(num: list[float], den: list[float]) -> dict[str, float]:
+    """Median and range of ``num[i] / den[i]``: the same repeat's arms, run back to back."""
+    rs = [n / d for n, d in zip(num, den, strict=True)]
+    return {
+        "median": round(statistics.median(rs), 2),
+        "min": round(min(rs), 2),
+        "max": round(max(rs), 2),
+    }
 
-    return os.cpu_count() or 0
+
+def preemptions(url: str, model: str) -> dict[str, float]:
+    """mlxd:preemptions_total by reason, from /metrics."""
+    head = f'mlxd:preemptions_total{{model="{model}",reason="'
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(head):
+            reason, value = line[len(head) :].split('"} ')
+            out[reason] = float(value)
+    return out
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{x:.1f}" for x in avg)
 
 
 if __name__ == "__main__":

@@ -509,6 +509,15 @@ class EngineSettings(_Section):
             "(docs/benchmarks.md, pipelined decode)."
         ),
     )
+    fair_preemption: bool = Field(
+        True,
+        description=(
+            "Text models: when an API key with requests waiting has none running and "
+            "another key holds more than its weighted share of the slots (and two or more), "
+            "that key's latest request gives up its slot and resumes later from the prefix "
+            "cache (docs/scheduling.md). false: a waiting key gets the next slot that frees."
+        ),
+    )
     max_queued_requests: int = Field(
         256,
         ge=0,

@@ -36,11 +36,13 @@ def _queue(srv, model: str, key: str | None = None) -> dict:
 
 
 class Streams:
-    """Streaming completions in threads; ``started`` records the order of first tokens."""
+    """Streaming completions in threads; ``started`` records the order of first tokens,
+    ``ended`` that of completed streams (a list that several may share)."""
 
-    def __init__(self, srv, key: str | None = None) -> None:
+    def __init__(self, srv, key: str | None = None, ended: list[str] | None = None) -> None:
         self.srv, self.key = srv, key
         self.started: list[str] = []
+        self.ended: list[str] = [] if ended is None else ended
         self.texts: dict[str, str] = {}
         self.usage: dict[str, dict] = {}
         self.errors: list[str] = []
@@ -84,6 +86,8 @@ class Streams:
         except httpx.HTTPError as exc:
             self.errors.append(f"{tag}: {exc!r}")
         self.texts[tag] = "".join(text)
+        with self._lock:
+            self.ended.append(tag)
 
     def join(self, stop: bool = False) -> None:
         if stop:
@@ -91,6 +95,20 @@ class Streams:
         for t in self.threads:
             t.join(600)
         assert not self.errors, self.errors
+
+
+def _preemptions(metrics: str, reason: str, model: str = "long-llama") -> float:
+    """mlxd:preemptions_total for ``model`` and ``reason`` in a /metrics text (0: none yet)."""
+    head = f'mlxd:preemptions_total{{model="{model}",reason="{reason}"}} '
+    return sum(float(x[len(head) :]) for x in metrics.splitlines() if x.startswith(head))
+
+
+def _keys_server(start_server, model: Path, **engine):
+    return start_server(
+        model,
+        engine={"max_num_seqs": 2, **engine},
+        security={"api_keys": [{"key": KEY_A, "name": "a"}, {"key": KEY_B, "name": "b"}]},
+    )
 
 
 def _body(model: Path, prompt: str, max_tokens: int, **kw) -> dict:
@@ -123,13 +141,10 @@ def test_a_better_priority_overtakes_the_queue(start_server, long_llama):
 
 
 def test_another_key_gets_the_next_slot_ahead_of_a_flood(start_server, long_llama):
-    """Key A queues 16 requests; key B's one request, sent after them at the same priority,
-    gets the next free slot: B has received no service, A a lot."""
-    srv = start_server(
-        long_llama,
-        engine={"max_num_seqs": 2},
-        security={"api_keys": [{"key": KEY_A, "name": "a"}, {"key": KEY_B, "name": "b"}]},
-    )
+    """With fair preemption off, key A queues 16 requests; key B's one request, sent after
+    them at the same priority, gets the next free slot: B has received no service, A a lot.
+    No row gives up its slot for it."""
+    srv = _keys_server(start_server, long_llama, fair_preemption=False)
     flood = Streams(srv, KEY_A)
     for i in range(16):
         flood.start(f"a-{i}", _body(long_llama, f"flood {i}", 200))
@@ -146,6 +161,8 @@ def test_another_key_gets_the_next_slot_ahead_of_a_flood(start_server, long_llam
     assert len(ahead) <= 5, ahead  # the two running, the slot B's wait freed, B's own
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'mlxd:request_queue_time_by_priority_seconds_count{key="b",' in metrics
+    assert _preemptions(metrics, "fair") == 0
+    assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 0
 
 
 def test_a_preempted_stream_completes_with_its_own_text(start_server, long_llama):
@@ -184,7 +201,67 @@ def test_a_preempted_stream_completes_with_its_own_text(start_server, long_llama
     cached = (used.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     assert cached <= used["prompt_tokens"]
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert 'mlxd:preemptions_total{model="long-llama"}' in metrics
+    assert _preemptions(metrics, "priority") >= 1
+    assert _preemptions(metrics, "fair") == 0  # without keys every caller is one tenant
+
+
+def test_a_key_with_nothing_running_takes_a_slot_from_a_flood(start_server, long_llama):
+    """Key A holds both slots with long streams and has more queued; key B's one request
+    gets a slot at once (A's latest row gives it up) and ends while A's first rows still
+    stream. Every A stream, the preempted one too, completes with the text it has alone."""
+    srv = _keys_server(start_server, long_llama)
+    body = _body(long_llama, "a long story", 400)
+    alone = Streams(srv, KEY_A)
+    alone.start("alone", body)
+    alone.join()
+
+    flood = Streams(srv, KEY_A)
+    for i in range(4):
+        flood.start(f"a-{i}", body)
+    assert wait_until(lambda: len(flood.started) == 2)
+    assert wait_until(lambda: _queue(srv, "long-llama", KEY_A)["by_priority"].get("0", 0) == 2)
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        json=_body(long_llama, "single", 8),
+        headers={"Authorization": f"Bearer {KEY_B}"},
+        timeout=600,
+    )
+    assert r.status_code == 200, r.text
+    ahead, done = list(flood.started), dict(flood.texts)
+    assert len(ahead) == 2, ahead  # no third A stream started: the freed slot went to B
+    assert done == {}  # B did not wait for an A row to end
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert _preemptions(metrics, "fair") == 1
+    assert _preemptions(metrics, "priority") == 0
+    flood.join()
+    assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 1
+    assert len(alone.texts["alone"]) > 0
+    assert flood.texts == {f"a-{i}": alone.texts["alone"] for i in range(4)}
+
+
+def test_two_flooding_keys_never_preempt_each_other(start_server, long_llama):
+    """Keys A and B each keep requests queued behind the two slots. When A's first row ends,
+    B has received less service than A (its long row started later), yet the free slot goes
+    to A, which has no row running: had it gone to B, A would be starved and preempt one of
+    B's rows. Slots change hands many times, and no row is preempted for fairness."""
+    srv = _keys_server(start_server, long_llama)
+    ended: list[str] = []
+    a, b = Streams(srv, KEY_A, ended), Streams(srv, KEY_B, ended)
+    a.start("a-0", _body(long_llama, "flood a 0", 200))
+    assert wait_until(lambda: "a-0" in a.started)
+    b.start("b-0", _body(long_llama, "flood b 0", 400))
+    assert wait_until(lambda: "b-0" in b.started)
+    for i in range(1, 5):
+        a.start(f"a-{i}", _body(long_llama, f"flood a {i}", 60))
+        b.start(f"b-{i}", _body(long_llama, f"flood b {i}", 60))
+    assert wait_until(lambda: _queue(srv, "long-llama", KEY_A)["by_priority"].get("0", 0) == 8)
+    a.join()
+    b.join()
+    assert len(a.texts) == len(b.texts) == 5
+    assert ended.index("a-1") < ended.index("b-0")  # slots changed hands while b-0 ran
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert _preemptions(metrics, "fair") == 0
+    assert _queue(srv, "long-llama", KEY_A)["preemptions"] == 0
 
 
 BAD_PRIORITIES = ["high", 1.5, True, 5000, -5000, [0]]

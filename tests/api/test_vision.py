@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import require  # noqa: E402
+from conftest import require, wait_until  # noqa: E402
 
 require("mlx_vlm")  # the [vision] extra
 
@@ -534,6 +534,49 @@ def test_sequential_mode_with_kv_options_lazy_load(private):
     assert all(r.status_code == 200 for r in rs) and text.status_code == 200
     eng = engine(srv)
     assert not eng["vision_feature_cache"]["batching"] and eng["max_batch_size_seen"] == 1
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_better_priority_overtakes_queued_vision_requests(private, vlm_dir, batching):
+    """One slot: while a priority-10 request runs and three more wait, a priority-0 one
+    sent after them runs next (batched and one at a time alike); /health counts the
+    waiting requests by priority."""
+    srv = private(
+        engine={"max_num_seqs": 1}, models={"preload": [VLM]}, vision={"batching": batching}
+    )
+    added = json.loads((vlm_dir / "tokenizer.json").read_text())["added_tokens"]
+    ban = {str(t["id"]): -100.0 for t in added if t["content"] in ("<|im_end|>", "<|endoftext|>")}
+    assert ban
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def low(i: int) -> None:
+        body = ask(text=f"story {i}", max_tokens=300, priority=10, logit_bias=ban, stream=True)
+        with httpx.stream("POST", srv.url + CHAT, json=body, timeout=600) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):  # a token, not the role
+                    with lock:
+                        if f"low-{i}" not in started:
+                            started.append(f"low-{i}")
+
+    threads = [threading.Thread(target=low, args=(i,), daemon=True) for i in range(4)]
+    threads[0].start()
+    assert wait_until(lambda: started == ["low-0"])
+    for t in threads[1:]:
+        t.start()
+    assert wait_until(lambda: engine(srv)["queue"]["by_priority"] == {"10": 3})
+    r = httpx.post(srv.url + CHAT, json=ask(max_tokens=4, priority=0), timeout=600)
+    assert r.status_code == 200, r.text
+    ahead = list(started)
+    for t in threads:
+        t.join(600)
+    assert len(ahead) <= 2, ahead  # low-0, and at most the one that took the slot it left
+    assert len(started) == 4
+    assert engine(srv)["queue"] == {"by_priority": {}, "preemptions": 0}
 
 
 def test_kv_options_per_model_and_adapter_on_the_default_model(

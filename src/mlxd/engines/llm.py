@@ -487,8 +487,9 @@ class LLMEngine(DecodeEngine):
         Newcomers go to mlx-lm only while a slot (``max_num_seqs``) is free, so that they
         wait here, where :class:`FairScheduler` orders them (priority, then each key's fair
         share), rather than first come, first served in mlx-lm's queue; a newcomer of a
-        strictly better priority than a running row takes that row's slot
-        (:meth:`_preempt`).
+        strictly better priority than a running row takes that row's slot, and a key with
+        no running row takes one from a key over its fair share of the slots
+        (:meth:`_preempt`, :meth:`FairScheduler.fair_victims`).
 
         Each newcomer's state (sampler, processors, cached prefix) is built in its own
         ``try``: a sequence whose state cannot be built fails alone, never the batch.
@@ -501,13 +502,24 @@ class LLMEngine(DecodeEngine):
         for victim in self.scheduler.victims(
             self._pending, [s for s in self._seqs.values() if _preemptible(s)], free
         ):
-            self._preempt(victim)
+            self._preempt(victim, "priority")
             free += 1
+        if self.options.fair_preemption:
+            running = list(self._seqs.values())
+            for victim in self.scheduler.fair_victims(
+                self._pending,
+                running,
+                [s for s in running if _preemptible(s)],
+                self.options.max_num_seqs,
+                free,
+            ):
+                self._preempt(victim, "fair")
+                free += 1
         room = self._gen.clean_group_room() if self._clean_groups else len(self._pending)
         room = min(room, free)
         if room <= 0 or time.monotonic() < self._admit_at():
             return failed
-        batch = self.scheduler.pick(self._pending, room)
+        batch = self.scheduler.pick(self._pending, room, self._seqs.values())
         chosen = {id(s) for s in batch}
         self._pending = [s for s in self._pending if id(s) not in chosen]
         ready: list[tuple[Sequence, Any, Any, list]] = []
@@ -551,10 +563,11 @@ class LLMEngine(DecodeEngine):
                 self._register_speculation(seq, bool(processors))
         return failed
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Give ``seq``'s slot to a better priority: its KV goes to the prefix cache, and it
-        queues again with its output so far appended to its prompt, so that it resumes
-        from the cache where it stopped; its client sees one stream, a pause at most."""
+    def _preempt(self, seq: Sequence, reason: str) -> None:
+        """Give ``seq``'s slot to a better priority or a starved key (``reason``: priority
+        or fair): its KV goes to the prefix cache, and it queues again with its output so
+        far appended to its prompt, so that it resumes from the cache where it stopped;
+        its client sees one stream, a pause at most."""
         del self._seqs[seq.uid]
         self._forget(seq.uid)
         caches = self._gen.remove([seq.uid], return_prompt_caches=self.prefix_cache.enabled)
@@ -569,7 +582,7 @@ class LLMEngine(DecodeEngine):
         seq.uid = -1
         seq.t_added = time.monotonic()
         self.scheduler.preemptions += 1
-        metrics.preempted(self.name)
+        metrics.preempted(self.name, reason)
         self._pending.append(seq)
 
     def _register_speculation(self, seq: Sequence, has_processors: bool) -> None:

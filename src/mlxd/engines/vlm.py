@@ -16,6 +16,10 @@ Work splits three ways:
   by a batched warm-up; otherwise one request at a time with mlx-vlm's ``generate_step``,
   one token per step. Either way the worker interleaves these steps with other engines.
 
+Waiting requests join in the order of engines/scheduler.py's :class:`FairScheduler`
+(priority, then each API key's fair share), as text models' do; a running row is never
+preempted here: mlx-vlm's batch cannot hand a row's KV back to resume it later.
+
 mlx-vlm's batch shares one sampler across rows; per-request sampling (temperature, top-k/p,
 min-p, seed) is a per-row logits processor here that draws the row's token and hands back a
 one-hot row for the batch's argmax (and keeps the raw log-probabilities for ``logprobs``).
@@ -41,6 +45,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.decode import DecodeEngine, Sequence, StepOutput
 from mlxd.engines.options import VisionEngineOptions
 from mlxd.engines.sampling import build_logits_processors, build_sampler
+from mlxd.engines.scheduler import FairScheduler, queue_by_priority
 from mlxd.engines.vlm_features import FeatureCache, FeatureEncoder
 
 log = logging.getLogger(__name__)
@@ -177,7 +182,8 @@ class VisionEngine(DecodeEngine):
             model, FeatureCache(o.feature_cache_entries, o.feature_cache_bytes)
         )
         self._prep_lock = threading.Lock()
-        self._pending: deque[VisionSequence] = deque()  # admitted, not yet in the batch
+        self._pending: list[VisionSequence] = []  # admitted, not yet in the batch
+        self.scheduler = FairScheduler()  # who joins the batch next (engines/scheduler.py)
         self._active: dict[int, VisionSequence] = {}  # in the batch (batch mode)
         self._current: VisionSequence | None = None  # running (sequential mode)
         self._gen: Any = None
@@ -378,12 +384,13 @@ class VisionEngine(DecodeEngine):
     def add(self, seq: VisionSequence) -> None:
         seq._row = _RowSampler(seq.params, self.vocab_size)
         seq.t_added = time.monotonic()
+        self.scheduler.arrive(seq)
         self._pending.append(seq)
 
     def cancel(self, seq: VisionSequence) -> None:
         seq.finished = True
-        if seq in self._pending:
-            self._pending.remove(seq)
+        if any(s is seq for s in self._pending):
+            self._pending = [s for s in self._pending if s is not seq]
         elif self._current is seq:
             self._end_current()
         elif self._active.pop(seq.uid, None) is not None and self._gen is not None:
@@ -426,7 +433,10 @@ class VisionEngine(DecodeEngine):
         return freed
 
     def stats(self) -> dict[str, Any]:
-        return {"vision_feature_cache": self.feature_cache_stats()}
+        return {
+            "vision_feature_cache": self.feature_cache_stats(),
+            "queue": {"by_priority": queue_by_priority(self._pending), "preemptions": 0},
+        }
 
     def feature_cache_stats(self) -> dict[str, Any]:
         """For /health: the image-feature cache and how often the vision encoder ran."""
@@ -456,17 +466,17 @@ class VisionEngine(DecodeEngine):
 
     # batch mode ------------------------------------------------------------------------
     def _admit(self, out: list) -> None:
-        """Encode waiting requests into the batch: all whose images are cached (or that
-        have none), and at most one whose images need the vision encoder."""
+        """Encode waiting requests into the batch in the scheduler's order: all whose
+        images are cached (or that have none), and at most one whose images need the vision
+        encoder; the first that would be a second one waits, and those behind it too."""
         room = self.options.max_num_seqs - len(self._active)
         encoded_new = False
-        while self._pending and room > 0:
-            seq = self._pending[0]
+        for seq in self.scheduler.pick(self._pending, room, self._active.values()):
             digests = seq.prompt_tokens.digests
             needs_encoder = bool(digests) and self.features.cached_count(digests) < len(digests)
             if needs_encoder and encoded_new:
                 break
-            self._pending.popleft()
+            self._pending = [s for s in self._pending if s is not seq]
             try:
                 ids, kwargs = self._embed(seq)
                 (uid,) = self._gen.insert(
@@ -480,8 +490,8 @@ class VisionEngine(DecodeEngine):
                 continue
             seq.uid = uid
             seq.t_scheduled = time.monotonic()
+            self.scheduler.charge(seq.tenant, len(seq.prompt_tokens), seq.t_scheduled)
             self._active[uid] = seq
-            room -= 1
             encoded_new = encoded_new or needs_encoder
 
     def _embed(self, seq: VisionSequence) -> tuple[list[int], dict]:
@@ -530,6 +540,7 @@ class VisionEngine(DecodeEngine):
             if seq is None:
                 continue
             event = self._on_token(seq, r.token, r.finish_reason)
+            self.scheduler.charge(seq.tenant, 1)
             out.append((seq, event))
             if event.finish_reason is not None:
                 del self._active[r.uid]
@@ -542,8 +553,11 @@ class VisionEngine(DecodeEngine):
         if self._current is None:
             if not self._pending:
                 return
-            self._current = self._pending.popleft()
-            self._current.t_scheduled = time.monotonic()
+            (nxt,) = self.scheduler.pick(self._pending, 1)
+            self._pending = [s for s in self._pending if s is not nxt]
+            self._current = nxt
+            nxt.t_scheduled = time.monotonic()
+            self.scheduler.charge(nxt.tenant, len(nxt.prompt_tokens), nxt.t_scheduled)
             self.max_batch_seen = max(self.max_batch_seen, 1)
         seq = self._current
         try:
@@ -566,6 +580,7 @@ class VisionEngine(DecodeEngine):
                 else ("length" if seq.generated + 1 >= seq.params.max_tokens else None)
             )
             event = self._on_token(seq, token, finish)
+        self.scheduler.charge(seq.tenant, 1)
         out.append((seq, event))
         if event.finish_reason is not None:
             seq.finished = True
@@ -671,6 +686,7 @@ class VisionEngine(DecodeEngine):
             ) from exc
         finally:
             self._warming = False
+            self.scheduler = FairScheduler()  # the warm-up's tokens are no one's service
             self.features.cache.clear()
             self.features.encoder_runs = 0
             self.max_batch_seen = 0

@@ -212,8 +212,9 @@ request_queue_time_by_priority = Histogram(
 )
 preemptions_total = Counter(
     "mlxd:preemptions",
-    "Running requests that gave their slot to a better priority (and resumed later).",
-    ["model"],
+    "Running requests that gave their slot (and resumed later), by reason: priority (a "
+    "better one waited) or fair (a key with no running request waited).",
+    ["model", "reason"],
     registry=REGISTRY,
 )
 prompt_tokens_total = Counter(
@@ -489,8 +490,8 @@ def spec_decode_events(
         spec_decode_tokens_per_step.labels(model).set(totals["tokens_per_step"])
 
 
-def preempted(model: str) -> None:
-    preemptions_total.labels(model).inc()
+def preempted(model: str, reason: str) -> None:
+    preemptions_total.labels(model, reason).inc()
 
 
 def model_loaded(name: str, kind: str, size: int, seconds: float) -> None:
