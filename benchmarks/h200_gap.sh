@@ -16,6 +16,12 @@
 #                                                #     ROUNDS, TOKENS)
 #   bash benchmarks/h200_gap.sh stall [LABEL]    # a 16k prompt beside 8 streams, the step
 #                                                #     budget on and off (PAIRS, PROMPT_TOKENS)
+#   bash benchmarks/h200_gap.sh lora [LABEL]     # LoRA per request: 4 adapters + base
+#                                                #     against the base alone (LEVELS, PAIRS)
+#   bash benchmarks/h200_gap.sh kvq [LABEL]      # kv_bits 8 and 4 decode speed against full
+#                                                #     precision (LEVELS=1,16,64, PAIRS)
+#   bash benchmarks/h200_gap.sh hybrid [LABEL]   # turn-10 TTFT of hybrid models, prefix
+#                                                #     reuse against none (PAIRS)
 #   bash benchmarks/h200_gap.sh trace [LABEL]    # the step trace at C=16 and C=64
 #   bash benchmarks/h200_gap.sh prefix [LABEL]   # the prefix cache's tiers at C=64, traced
 #   bash benchmarks/h200_gap.sh diag [LABEL]     # carries .gpu/b: engine vs mlxd, disk tier
@@ -153,6 +159,29 @@ stall)
     --prompt-tokens ${PROMPT_TOKENS:-16384} --pairs ${PAIRS:-10} ${STALL_ARGS:-} \
     --out "$OUT/stall-$label.json" 2>&1 | tail -40
   ;;
+lora)
+  # LoRA adapters per request (lora_mixed.py): C=16 over 4 random adapters and the base
+  # against the same clients on the base alone, one server, ABBA passes
+  python3 -c "import mlx.core" 2>/dev/null || install
+  timeout ${LORA_TIMEOUT:-540} python3 "$here/lora_mixed.py" --model $Q05 \
+    --concurrency ${LEVELS:-16} --pairs ${PAIRS:-10} --max-tokens 128 \
+    --out "$OUT/lora-$label.json" 2>&1 | tail -30
+  ;;
+kvq)
+  # the quantized KV cache's decode speed (kv_quant.py, speed only): kv_bits 8 and 4
+  # against full precision at C=1, 16 and 64, interleaved rounds
+  python3 -c "import mlx.core" 2>/dev/null || install
+  timeout ${KVQ_TIMEOUT:-540} python3 "$here/kv_quant.py" --model-dir $Q05 --skip quality \
+    --concurrency ${LEVELS:-1,16,64} --pairs ${PAIRS:-10} --speed-tokens 128 \
+    --out "$OUT/kvq-$label.json" 2>&1 | tail -30
+  ;;
+hybrid)
+  # turn 10 of an agent chat on tiny Qwen3-Next, Gemma 3 and Mamba-2 models, prefix reuse
+  # through checkpoints against none (hybrid_agent.py)
+  python3 -c "import mlx.core" 2>/dev/null || install
+  timeout ${HYBRID_TIMEOUT:-540} python3 "$here/hybrid_agent.py" --pairs ${PAIRS:-10} \
+    --out "$OUT/hybrid-$label.json" 2>&1 | tail -30
+  ;;
 spec)
   # prompt lookup at batch 1 against the engine alone (mlx-lm's
   # BatchGenerator on the same model directory) and against plain decoding, SmolLM2-135M
@@ -217,6 +246,6 @@ diag)
   tar czf "$OUT/gap-$label.tgz" -C /tmp gap 2>/dev/null
   ;;
 *)
-  echo "usage: $0 upload [a|c|d] | pairs|trace|prefix|diag|spec|draft [LABEL]" >&2
+  echo "usage: $0 upload [a|c|d] | pairs|engine|stall|lora|kvq|hybrid|trace|prefix|diag|spec|draft [LABEL]" >&2
   exit 2 ;;
 esac
