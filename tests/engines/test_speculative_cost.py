@@ -66,7 +66,29 @@ def test_where_speculating_is_slower_almost_no_step_speculates():
     assert sum(sim.choices) / len(sim.choices) < 0.01
     starts = [i for i in range(1, len(sim.choices)) if sim.choices[i] and not sim.choices[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert gaps == sorted(gaps) and gaps[-1] > 4 * gaps[0]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0]
+
+
+def test_tries_of_the_losing_kind_lose_at_most_the_budget():
+    """A verify pass four times a plain step's cost (16 rows on a CPU): the tries of
+    speculation are spaced so that they cost about ``explore_budget`` of the time that
+    plain decoding alone would take, not a quarter of it."""
+    sim = Sim(plain=0.010, spec=0.040, tokens=1.3)
+    sim.run(4000, n=16)
+    plain_only = 4000 * (0.010 + 0.0001)  # each step waits for the one in flight
+    assert not sim.cost.buckets[16].speculate
+    assert sim.now / plain_only < 1 + 1.5 * sim.cost.explore_budget
+
+
+def test_a_larger_batch_waits_to_try_where_a_smaller_one_lost():
+    """Eight rows found speculating slower; sixteen rows' first try waits as long as the
+    retries at eight do instead of coming with their first decision."""
+    sim = Sim(plain=0.010, spec=0.040, tokens=1.3)
+    sim.run(500, n=8)
+    assert not sim.cost.buckets[8].speculate
+    assert not any(sim.run(sim.cost.explore_min * 4, n=16))
+    fresh = Sim(plain=0.010, spec=0.040, tokens=1.3)
+    assert any(fresh.run(sim.cost.explore_min * 4, n=16))  # alone, it tries at once
 
 
 def test_a_small_gain_inside_the_margin_stays_plain():
