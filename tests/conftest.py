@@ -289,7 +289,8 @@ class LiveServer:
 
     def start(self) -> LiveServer:
         self._thread.start()
-        deadline = time.time() + 120
+        # generous: a real model's pull, load and warm-up on a busy 2-core host took >120 s
+        deadline = time.time() + 600
         while not self._server.started:
             if not self._thread.is_alive():
                 raise RuntimeError(f"server failed to start (exit code {self.exit_code})")
