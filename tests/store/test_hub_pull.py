@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from conftest import run_mlxd
 from fake_hub import FakeHub
 from fixtures.tiny_models import make_tiny_chat_model
 
@@ -46,27 +47,15 @@ def _env(tmp_path, hub: FakeHub) -> dict:
     return env
 
 
-def _mlxd(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "mlxd", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert "Traceback" not in p.stderr, p.stderr
-    return p
-
-
 def _listed(env: dict) -> list[dict]:
-    p = _mlxd(env, "list", "--json")
+    p = run_mlxd(env, "list", "--json")
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
 
 def test_pull_from_the_hub(tmp_path, hub, tiny):
     env = _env(tmp_path, hub)
-    p = _mlxd(env, "pull", REPO)
+    p = run_mlxd(env, "pull", REPO)
     assert p.returncode == 0, p.stderr
     assert p.stderr.splitlines() == [
         "pulling manifest",
@@ -84,13 +73,13 @@ def test_pull_from_the_hub(tmp_path, hub, tiny):
     # the download cache has done its job once the model is in the store
     assert not (tmp_path / "home" / "models" / ".hf-cache" / "models--acme--tiny-chat").exists()
     # hf: prefix names the same store entry; pulling again is a no-op
-    p = _mlxd(env, "pull", f"hf:{REPO}")
+    p = run_mlxd(env, "pull", f"hf:{REPO}")
     assert p.returncode == 0 and p.stderr.splitlines()[-1] == "success"
     assert hub.gets("model.safetensors") == 1
 
 
 def test_missing_repo_is_one_clear_line(tmp_path, hub):
-    p = _mlxd(_env(tmp_path, hub), "pull", "acme/nope")
+    p = run_mlxd(_env(tmp_path, hub), "pull", "acme/nope", ok=False)
     assert p.returncode == 1
     assert p.stderr.splitlines()[-1] == (
         "mlxd: could not pull 'acme/nope': hf:acme/nope: no repository acme/nope on the hub "
@@ -109,7 +98,7 @@ def test_an_unreachable_hub_is_one_clear_line(tmp_path):
         HF_HOME=str(tmp_path / "hf"),
     )
     env.pop("HF_HUB_OFFLINE", None)
-    p = _mlxd(env, "pull", "acme/anything")
+    p = run_mlxd(env, "pull", "acme/anything", ok=False)
     assert p.returncode == 1
     assert p.stderr.splitlines()[-1].startswith(
         "mlxd: could not pull 'acme/anything': hf:acme/anything: hub unreachable: ConnectError"
@@ -132,7 +121,7 @@ def test_corrupt_download_is_rejected_and_leaves_nothing(tmp_path, hub, tiny):
 
     hub._entry = lying_entry
     env = _env(tmp_path, hub)
-    p = _mlxd(env, "pull", "acme/corrupt")
+    p = run_mlxd(env, "pull", "acme/corrupt", ok=False)
     assert p.returncode == 1
     assert "model.safetensors: sha256" in p.stderr and "does not match" in p.stderr
     assert _listed(env) == []
@@ -168,7 +157,7 @@ def test_killed_pull_leaves_no_model_and_the_next_one_resumes(tmp_path, hub):
     assert gets_before == 1
 
     hub.slow = 0.0
-    r = _mlxd(env, "pull", REPO)
+    r = run_mlxd(env, "pull", REPO)
     assert r.returncode == 0, r.stderr
     [m] = _listed(env)
     assert m["name"] == REPO
