@@ -11,22 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import LiveServer, make_settings
-from fixtures.lora import make_lora_adapter
-
-MSG = [{"role": "user", "content": "hello there"}]
-
-
-def _chat(url: str, model: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(
-        url + "/v1/chat/completions",
-        json={"model": model, "messages": MSG, "max_tokens": max_tokens, "temperature": 0},
-        timeout=120,
-    )
-
-
-def _text(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
+from fixtures.lora import MSG, chat, make_lora_adapter, replies_alone, reply_text
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +27,7 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def expected(tiny_llama, adapters, tmp_path_factory) -> dict[str, str]:
     """Each adapter's greedy reply from a server started with it alone, and the base's."""
-    out = {}
-    for name, path in [("tiny-llama", None), *adapters.items()]:
-        models = {"adapter_path": str(path)} if path else {}
-        srv = LiveServer(
-            make_settings(tmp_path_factory.mktemp("ref"), tiny_llama, models=models)
-        ).start()
-        try:
-            out[name] = _text(_chat(srv.url, "tiny-llama"))
-        finally:
-            srv.stop()
+    out = replies_alone(tmp_path_factory, tiny_llama, {"tiny-llama": None, **adapters})
     assert len(set(out.values())) == len(out), out  # each adapter really answers differently
     return out
 
@@ -84,15 +60,15 @@ def test_adapters_are_listed_with_their_base(srv, adapters):
 
 def test_each_adapter_alone_answers_as_its_own_server(srv, expected):
     for name in ("alpha", "beta", "gamma"):
-        assert _text(_chat(srv.url, name)) == expected[name], name
-    assert _text(_chat(srv.url, "tiny-llama:beta")) == expected["beta"]
-    assert _text(_chat(srv.url, "tiny-llama")) == expected["tiny-llama"]
+        assert reply_text(chat(srv.url, name)) == expected[name], name
+    assert reply_text(chat(srv.url, "tiny-llama:beta")) == expected["beta"]
+    assert reply_text(chat(srv.url, "tiny-llama")) == expected["tiny-llama"]
 
 
 def test_three_adapters_and_the_base_in_one_batch(srv, expected):
     names = ["alpha", "beta", "gamma", "tiny-llama"] * 3
     with cf.ThreadPoolExecutor(len(names)) as pool:
-        texts = list(pool.map(lambda n: _text(_chat(srv.url, n)), names))
+        texts = list(pool.map(lambda n: reply_text(chat(srv.url, n)), names))
     assert texts == [expected[n] for n in names]
     batch = {m["name"]: m for m in srv.health()["models"]}["tiny-llama"]
     assert {a["name"] for a in batch["lora_adapters"]} == {"alpha", "beta", "gamma"}
@@ -134,10 +110,10 @@ def test_unload_forgets_the_adapter(srv, adapters):
         timeout=60,
     )
     assert r.status_code == 200, r.text
-    assert _text(_chat(srv.url, "delta"))
+    assert reply_text(chat(srv.url, "delta"))
     r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "delta"})
     assert r.status_code == 200, r.text
-    r = _chat(srv.url, "delta")
+    r = chat(srv.url, "delta")
     assert r.status_code == 404, r.text
     assert "delta" not in {m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]}
 

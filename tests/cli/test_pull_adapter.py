@@ -13,26 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import LiveServer, cli_env, make_settings, run_mlxd
-from fixtures.lora import make_lora_adapter, make_peft_adapter
-
-MSG = [{"role": "user", "content": "hello there"}]
+from fixtures.lora import MSG, chat, make_lora_adapter, make_peft_adapter, replies_alone, reply_text
 
 
 def error_line(p: subprocess.CompletedProcess) -> str:
     return p.stderr.strip().splitlines()[-1]
-
-
-def _chat(url: str, model: str) -> httpx.Response:
-    return httpx.post(
-        url + "/v1/chat/completions",
-        json={"model": model, "messages": MSG, "max_tokens": 8, "temperature": 0},
-        timeout=120,
-    )
-
-
-def _text(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
 
 
 def _ollama(url: str, route: str, model: str) -> httpx.Response:
@@ -60,16 +45,9 @@ def loras(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 def expected(tiny_llama, loras, tmp_path_factory) -> dict[str, str]:
     """Greedy replies of servers started with `--adapter` on the mlx-lm directories, and of
     the base alone."""
-    out = {}
-    for name, path in [("base", None), ("mlx", loras["mlx"]), ("beta", loras["beta"])]:
-        models = {"adapter_path": str(path)} if path else {}
-        srv = LiveServer(
-            make_settings(tmp_path_factory.mktemp("ref"), tiny_llama, models=models)
-        ).start()
-        try:
-            out[name] = _text(_chat(srv.url, "tiny-llama"))
-        finally:
-            srv.stop()
+    out = replies_alone(
+        tmp_path_factory, tiny_llama, {"base": None, "mlx": loras["mlx"], "beta": loras["beta"]}
+    )
     assert len(set(out.values())) == 3, out  # each adapter really answers differently
     return out
 
@@ -113,10 +91,10 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
     srv = LiveServer(make_settings(home, "tiny-llama")).start()
     try:
         url = srv.url
-        assert _text(_chat(url, "sql-helper")) == expected["mlx"]
-        assert _text(_chat(url, "sql-peft")) == expected["mlx"]
-        assert _text(_chat(url, "tiny-llama:sql-peft")) == expected["mlx"]
-        assert _text(_chat(url, "tiny-llama")) == expected["base"]
+        assert reply_text(chat(url, "sql-helper")) == expected["mlx"]
+        assert reply_text(chat(url, "sql-peft")) == expected["mlx"]
+        assert reply_text(chat(url, "tiny-llama:sql-peft")) == expected["mlx"]
+        assert reply_text(chat(url, "tiny-llama")) == expected["base"]
         r = _ollama(url, "chat", "sql-peft")
         assert r.status_code == 200 and r.json()["message"]["content"] == expected["mlx"], r.text
         r = _ollama(url, "generate", "sql-helper")
@@ -126,23 +104,23 @@ def test_pulled_adapters_answer_as_their_own_server_in_every_dialect(
 
         # pulled while the server runs: a model name at once, no restart
         run_mlxd(env, "pull", str(loras["beta"]), "--base", "tiny-llama")
-        assert _text(_chat(url, "beta")) == expected["beta"]
+        assert reply_text(chat(url, "beta")) == expected["beta"]
         line = error_line(run_mlxd(env, "pull", str(loras["beta"]), "--as", "sql-peft", ok=False))
         assert "'sql-peft' already exists" in line, line
-        assert _text(_chat(url, "sql-peft")) == expected["mlx"]
+        assert reply_text(chat(url, "sql-peft")) == expected["mlx"]
 
         run_mlxd(env, "rm", "sql-helper")
         assert "sql-helper" not in _registry(home) and not (home / "models" / "sql-helper").exists()
-        r = _chat(url, "sql-helper")
+        r = chat(url, "sql-helper")
         assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
         r = _ollama(url, "chat", "sql-helper")
         assert r.status_code == 404 and isinstance(r.json()["error"], str), r.text
         assert "sql-helper" not in {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
-        assert _text(_chat(url, "sql-peft")) == expected["mlx"]  # the others still serve
+        assert reply_text(chat(url, "sql-peft")) == expected["mlx"]  # the others still serve
 
         # the name again, other weights: the core reads the new files, not the ones it held
         run_mlxd(env, "pull", str(loras["beta"]), "--as", "sql-helper", "--base", "tiny-llama")
-        assert _text(_chat(url, "sql-helper")) == expected["beta"]
+        assert reply_text(chat(url, "sql-helper")) == expected["beta"]
     finally:
         srv.stop()
 
@@ -202,11 +180,11 @@ def test_a_peft_directory_loads_at_run_time(tiny_llama, loras, expected, start_s
 
     r = load("sql-peft", loras["peft"])
     assert r.status_code == 200, r.text
-    assert _text(_chat(srv.url, "sql-peft")) == expected["mlx"]
+    assert reply_text(chat(srv.url, "sql-peft")) == expected["mlx"]
     # rsLoRA scales by alpha / sqrt(r): this alpha gives mlx-lm's scale of 20 again
     rs = _peft(loras, tmp_path, "rs", use_rslora=True, lora_alpha=20.0 * math.sqrt(4))
     assert load("rs", rs).status_code == 200
-    assert _text(_chat(srv.url, "rs")) == expected["mlx"]
+    assert reply_text(chat(srv.url, "rs")) == expected["mlx"]
 
     for name, config, feature in [
         ("dora", {"use_dora": True}, "DoRA"),
@@ -259,4 +237,4 @@ def test_a_pulled_peft_adapter_is_mlx_lms_format(
     run_mlxd(env, "pull", str(loras["peft"]))
     stored = home / "models" / "sql-helper-peft"
     srv = start_server(tiny_llama, models={"adapter_path": str(stored)})
-    assert _text(_chat(srv.url, "tiny-llama")) == expected["mlx"]
+    assert reply_text(chat(srv.url, "tiny-llama")) == expected["mlx"]
