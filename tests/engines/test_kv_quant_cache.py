@@ -14,6 +14,7 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxd.engines.kv_quant import (
+    PLAIN_ATTENTION_QUERIES,
     KVQuant,
     PlainSeqKVCache,
     QuantizedBatchKVCache,
@@ -130,6 +131,28 @@ def test_attention_dispatches_on_bits_and_masks_left_padding():
         q, *alone.keys_and_values(), cache=alone, scale=0.125, mask=alone_mask
     )
     np.testing.assert_allclose(np.array(both[0]), np.array(one[0]), atol=1e-5)
+
+
+def test_a_prefill_chunk_attends_over_dequantized_keys_as_the_quantized_path_does():
+    """A chunk of many queries gets plain arrays (BLAS attention on the CPU) holding the
+    quantized values; the next one-token step is quantized again, ``bits`` and all."""
+    n = PLAIN_ATTENTION_QUERIES + 8
+    prefix = merge_quantized([_one(5, 1), _one(11, 2)], 8, G)
+    twin = merge_quantized([_one(5, 1), _one(11, 2)], 8, G)
+    keys, values = _kv(2, n, 4)
+    q = mx.random.normal((2, 4, n, D), key=mx.random.key(5))
+    mask = prefix.make_mask(n)
+    k, v = prefix.update_and_fetch(keys, values)
+    twin.update_and_fetch(keys, values)
+    qk, qv = twin.keys_and_values()  # the same cache, quantized, as a GPU would read it
+    if mx.default_device() == mx.cpu:
+        assert isinstance(k, mx.array) and not hasattr(prefix, "bits")
+    plain = scaled_dot_product_attention(q, k, v, cache=prefix, scale=0.125, mask=mask)
+    twin._plain_fetch = False
+    quant = scaled_dot_product_attention(q, qk, qv, cache=twin, scale=0.125, mask=mask)
+    np.testing.assert_allclose(np.array(plain), np.array(quant), atol=1e-4)
+    k1, _ = prefix.update_and_fetch(*_kv(2, 1, 6))
+    assert isinstance(k1, tuple) and prefix.bits == 8
 
 
 def _one(n: int, seed: int) -> KVCache:
