@@ -255,13 +255,14 @@ def attends_plain(queries: int) -> bool:
     On the CPU a prefill chunk's attention through ``mx.quantized_matmul`` made a
     2,048-token prefill of SmolLM2-135M 3.3x slower than over plain keys (54 s against
     16 s, 2 cores); dequantizing a layer's cache for the chunk gives the same values to
-    BLAS. MLX 0.32's CUDA backend has no ``quantized_matmul`` for a chunk of queries
-    against the cache ("No implementation for problem shape"), so there every chunk of
-    more than one query attends plain. A decode step (one query a row) keeps the quantized
-    path, which reads the quantized bytes only; Metal keeps it for every chunk."""
+    BLAS. MLX 0.32's CUDA backend has no ``quantized_matmul`` for attention's shapes,
+    a decode step's included ("No implementation for problem shape: 1x65x64x112"), so
+    there every step attends plain: the cache still holds quantized bytes. A decode step
+    elsewhere keeps the quantized path, which reads the quantized bytes only; Metal keeps
+    it for every chunk."""
     if mx.default_device() == mx.cpu:
         return queries >= PLAIN_ATTENTION_QUERIES
-    return queries > 1 and mx.cuda.is_available()
+    return mx.cuda.is_available()
 
 
 def new_quantized(bits: int, group_size: int) -> Any:
