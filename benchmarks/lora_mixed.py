@@ -30,6 +30,9 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import mlxd_proc  # noqa: E402
 
 
 def make_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> None:
@@ -121,25 +124,40 @@ def main() -> None:
     adapters = [f"lora{i}" for i in range(4)]
     for i, name in enumerate(adapters):
         make_adapter(Path(args.model), work / name, args.rank, i)
-    port = 18000 + random.randrange(2000)
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "MLXD_HOME": str(work / "home"), "PYTHONPATH": str(ROOT / "src")}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlxd", "serve", "--model", args.model, "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    server, url = mlxd_proc.start(str(work / "home"), args.model)
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    runs: dict[str, list[float]] = {"base": [], "mixed": []}
+    ratios: list[float] = []
+
+    def save() -> dict[str, Any]:
+        """The result so far, written to --out after every pair (a run cut short keeps
+        what it measured)."""
+        result: dict[str, Any] = {
+            "benchmark": "lora_mixed",
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": commit,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "load_average": os.getloadavg(),
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "rank": args.rank,
+            "runs": runs,
+        }
+        if ratios:
+            result["mixed_over_base"] = {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "pairs": ratios,
+            }
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return result
+
     try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         base = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         for name in adapters:
             r = httpx.post(
@@ -151,8 +169,6 @@ def main() -> None:
         sides = {"base": [base], "mixed": [*adapters, base]}
         for side in sides.values():  # warm-up
             asyncio.run(one_pass(url, side, args.concurrency, 8))
-        runs: dict[str, list[float]] = {"base": [], "mixed": []}
-        ratios = []
         for k in range(args.pairs):
             order = ["base", "mixed"] if k % 2 == 0 else ["mixed", "base"]
             got = {
@@ -162,34 +178,14 @@ def main() -> None:
             for s, v in got.items():
                 runs[s].append(v)
             ratios.append(got["mixed"] / got["base"])
-            print(f"pair {k}: base {got['base']:.1f} tok/s, mixed {got['mixed']:.1f} tok/s")
+            print(
+                f"pair {k}: base {got['base']:.1f} tok/s, mixed {got['mixed']:.1f} tok/s",
+                flush=True,
+            )
+            save()
     finally:
-        server.terminate()
-        server.wait(60)
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    result: dict[str, Any] = {
-        "benchmark": "lora_mixed",
-        "command": " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "load_average": os.getloadavg(),
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "rank": args.rank,
-        "runs": runs,
-        "mixed_over_base": {
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-            "pairs": ratios,
-        },
-    }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        mlxd_proc.stop(server)
+    print(json.dumps(save(), indent=1))
 
 
 if __name__ == "__main__":
