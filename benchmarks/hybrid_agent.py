@@ -128,11 +128,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--out")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="mlxd-hybrid-agent-"))
-    try:
-        results = {arch: run_arch(arch, root, args) for arch in args.arch}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    results: dict[str, dict] = {}
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -144,6 +140,14 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "results": results,
     }
+    root = Path(tempfile.mkdtemp(prefix="mlxd-hybrid-agent-"))
+    try:
+        for arch in args.arch:
+            results[arch] = run_arch(arch, root, args)
+            if args.out:  # after each model: a run cut short keeps the models it finished
+                Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     print(f"{out['machine']}, commit {out['commit']}, {out['date']}")
     print(
         "| model | prompt tokens | cached | TTFT reuse (s) | TTFT no reuse (s) | speedup "
@@ -157,8 +161,6 @@ def main() -> None:
             f"| {r['speedup_median']:.1f}x ({r['speedup_range'][0]:.1f}-"
             f"{r['speedup_range'][1]:.1f}) | {r['greedy_text_identical']} |"
         )
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
