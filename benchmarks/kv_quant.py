@@ -214,7 +214,10 @@ def decode_rate(engine: LLMEngine, ps: list[list[int]], c: int, n: int) -> float
         engine.add(s)
     started: set[int] = set()
     t0, counted = None, 0
-    while engine.has_work():
+    while not all(s.finished for s in seqs):
+        if not engine.has_work():  # newcomers held back for a group (GPU): until they are due
+            time.sleep(max(0.0, (engine.next_deadline() or time.monotonic()) - time.monotonic()))
+            continue
         out = engine.step()
         for s, _ in out:
             if id(s) in started and t0 is not None:
