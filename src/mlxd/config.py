@@ -490,11 +490,11 @@ class EngineSettings(_Section):
             "such step at most, where each prompt's prefill_step_size chunk (up to "
             "prefill_batch_size of them) went in one step before. 'auto': no budget on a "
             "GPU, where those chunks already keep streams within 4x their usual gap while a "
-            "16k-token prompt prefills (H200, docs/benchmarks.md), and 64-128 clients ran "
-            "slower with 2048 than before the budget (not yet isolated); 256 on the CPU, "
-            "where prefill costs its "
-            "arithmetic from small chunks on, so a smaller step loses little throughput and "
-            "keeps streams moving. 0: no budget (mlx-lm's chunks). Never raises "
+            "16k-token prompt prefills (H200, docs/benchmarks.md); on the CPU, steered from "
+            "measured step times so that a step with a chunk costs about 3.5 decode steps "
+            "(engines/step_pace.py: no fixed number fits both a tiny model and a real one "
+            "there), up to twice "
+            "prefill_step_size. 0: no budget (mlx-lm's chunks). A number never raises "
             "prefill_step_size."
         ),
     )

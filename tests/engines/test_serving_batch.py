@@ -436,27 +436,36 @@ def test_a_full_decode_batch_leaves_the_least_chunk_to_a_prompt(model_and_tokeni
     assert len(gen._unprocessed_sequences) == 1  # waits for room in the budget
 
 
-def test_auto_is_a_number_per_backend_and_the_engine_shows_its_steps(tiny_llama):
-    """engine.max_step_tokens 'auto' resolves per backend (here the CPU's); the engine's
-    stats (/health, /api/ps) show the budget beside the largest step it fed."""
+def test_auto_is_paced_on_the_cpu_and_the_engine_shows_its_steps(tiny_llama):
+    """engine.max_step_tokens 'auto' on the CPU steers each step from measured step times
+    (engines/step_pace.py); the engine's stats (/health, /api/ps) show the budget, the
+    decode step's measured cost and the chunk it allows beside decoding rows."""
     from mlxd.core.types import SamplingParams
     from mlxd.engines.llm import LLMEngine
 
     engine = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, prefix_cache_bytes=0))
     engine.bind()
-    seq = engine.new_sequence(
+    first = engine.new_sequence(
+        engine.encode_prompt("the river runs"), SamplingParams(max_tokens=40, temperature=0.0)
+    )
+    engine.add(first)
+    for _ in range(6):
+        engine.step()
+    late = engine.new_sequence(
         engine.encode_prompt(" ".join(["ocean garden"] * 60)),
         SamplingParams(max_tokens=3, temperature=0.0),
     )
-    engine.add(seq)
-    while not seq.finished:
+    engine.add(late)
+    while not (first.finished and late.finished):
         engine.step()
     stats = engine.stats()["step_budget"]
-    assert stats["budget"] == serving_batch.AUTO_STEP_TOKENS["cpu"]
-    assert 0 < stats["largest_step_tokens"] <= stats["budget"]
+    assert stats["adaptive"] is True
+    assert stats["decode_step_ms"] > 0 and stats["prefill_chunk"] >= 16
+    assert stats["prefill_steps"] >= 1
     off = LLMEngine("tiny", tiny_llama, TextEngineOptions(max_num_seqs=4, max_step_tokens=0))
     off.bind()
     assert off.stats()["step_budget"]["budget"] == 0
+    assert off.stats()["step_budget"]["adaptive"] is False
 
 
 def test_speculative_steps_count_their_drafts_and_decode_alike_under_a_budget(tiny_llama):

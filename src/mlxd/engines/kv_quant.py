@@ -98,7 +98,11 @@ class QuantizedBatchKVCache(BatchKVCache):
 
     # -- what the model calls ------------------------------------------------------------
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Triple, Triple]:
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array
+    ) -> tuple[Triple, Triple] | tuple[mx.array, mx.array]:
+        """The quantized keys and values through this step; dequantized arrays for a chunk
+        that :func:`attends_plain`."""
         n, prev = keys.shape[2], self._idx
         qk = quantize(keys, self.kv_bits, self.group_size)
         qv = quantize(values, self.kv_bits, self.group_size)

@@ -51,6 +51,7 @@ from mlxd.engines.scheduler import FairScheduler, queue_by_priority
 from mlxd.engines.serving_batch import ServingBatchGenerator, step_budget
 from mlxd.engines.spec_batch import SpeculativeBatchGenerator, can_speculate
 from mlxd.engines.speculative import DraftModel, Speculator
+from mlxd.engines.step_pace import StepPace
 from mlxd.engines.think_budget import ThinkBudgetProcessor
 from mlxd.observability import metrics
 from mlxd.text.processor import TextProcessor
@@ -114,6 +115,8 @@ class LLMEngine(DecodeEngine):
             self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
             # tokens per step, decode rows first (engines/serving_batch.py)
             self._step_tokens = step_budget(o.max_step_tokens, mx.default_device() != mx.cpu)
+            # 'auto' on the CPU: from measured step costs (engines/step_pace.py)
+            self._paced = o.max_step_tokens == "auto" and mx.default_device() == mx.cpu
             if o.max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(
                     f"max_kv_size is set for '{name}', but none of its layers "
@@ -348,6 +351,7 @@ class LLMEngine(DecodeEngine):
             prefill_step_size=o.prefill_step_size,
             prompt_end=self._prompt_end,
             max_step_tokens=self._step_tokens,
+            pace=StepPace(self._step_tokens, 2 * o.prefill_step_size) if self._paced else None,
             kv_quant=self.kv_quant,
         )
         plain: dict[str, Any] = dict(
@@ -632,6 +636,9 @@ class LLMEngine(DecodeEngine):
         step_stats = getattr(self._gen, "step_stats", None)
         if step_stats is not None:
             out["step_budget"] = step_stats.as_dict()
+            pace = getattr(self._gen, "pace", None)
+            if pace is not None:
+                out["step_budget"].update(pace.as_dict())
         if self.speculator is not None:
             mode = "auto" if self.options.speculative == "auto" else self.speculator.mode
             out["speculative"] = {"mode": mode, **self.speculator.as_dict()}

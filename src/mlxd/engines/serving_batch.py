@@ -38,7 +38,9 @@ longest chunk and costs rows x longest. A prompt still gets
 :data:`MIN_PREFILL_TOKENS` when decode rows fill the budget, and the prompt batch takes in
 no more newcomers than the budget feeds that many tokens each, so every prompt progresses
 every step. Chunk boundaries change what a prompt is prefilled with per pass, not its
-tokens: greedy output is the same (float noise aside) at any budget.
+tokens: greedy output is the same (float noise aside) at any budget. With ``pace``
+(engines/step_pace.py, 'auto' on the CPU) the budget beside decoding rows is steered from
+the steps' measured times instead of fixed.
 
 Checkpoints (``checkpoint_tokens``, for models with recurrent or sliding-window layers and
 a prefix cache): after a step's prefill, each row that has advanced that many tokens since
@@ -85,11 +87,11 @@ from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, pool
 from mlxd.engines.lora import set_rows
 from mlxd.engines.prefix_cache import snapshot_row
 from mlxd.engines.prompt_end import last_logits
+from mlxd.engines.step_pace import MIN_PREFILL_TOKENS, StepPace
 
 CACHE_KEEP_BYTES = 1 << 30
-# the least a prompt being prefilled gets per step, however full the decode batch is
-MIN_PREFILL_TOKENS = 16
-# engine.max_step_tokens 'auto', per backend (config.py's description says why)
+# engine.max_step_tokens 'auto', per backend (config.py's description says why): on the
+# CPU the budget before StepPace has measured the steps
 AUTO_STEP_TOKENS = {"gpu": 0, "cpu": 256}
 
 
@@ -105,7 +107,8 @@ class StepStats:
     """What the budgeted steps carried (the engine's stats: /health, /api/ps): tokens fed
     per step, padding included, so an operator can see the bound hold."""
 
-    budget: int = 0
+    budget: int = 0  # with 'auto' on the CPU: the latest step's, from measured costs
+    adaptive: bool = False
     steps: int = 0
     prefill_steps: int = 0
     prefill_tokens: int = 0
@@ -120,7 +123,7 @@ class StepStats:
         self.largest_step_tokens = max(self.largest_step_tokens, decode + prefill)
         self.largest_prefill_tokens = max(self.largest_prefill_tokens, prefill)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -398,6 +401,7 @@ class ServingBatchGenerator(BatchGenerator):
         pipeline: bool = True,
         prompt_end: bool = False,
         max_step_tokens: int = 0,
+        pace: StepPace | None = None,
         checkpoint_tokens: int | None = None,
         kv_quant: KVQuant | None = None,
         **kwargs: Any,
@@ -409,7 +413,8 @@ class ServingBatchGenerator(BatchGenerator):
         self._checkpoints: dict[int, dict[int, list[Any]]] = {}  # uid -> position -> states
         self.prompt_end = prompt_end
         self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
-        self.step_stats = StepStats(budget=max_step_tokens)
+        self.pace = pace  # measured costs set the budget (engines/step_pace.py)
+        self.step_stats = StepStats(budget=max_step_tokens, adaptive=pace is not None)
         self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
@@ -439,9 +444,25 @@ class ServingBatchGenerator(BatchGenerator):
 
     def _prefill_left(self, decode_tokens: int) -> int | None:
         """The prefill tokens a step may carry beside ``decode_tokens``; None: unbounded."""
+        if self.pace is not None:
+            left = self.pace.prefill_tokens(decode_tokens)
+            self.step_stats.budget = decode_tokens + (left or 0)
+            return left
         if not self.max_step_tokens:
             return None
         return max(self.max_step_tokens - decode_tokens, MIN_PREFILL_TOKENS)
+
+    def _next(self) -> tuple[list, list]:
+        """:meth:`_step_once`, timed for the measured budget (engines/step_pace.py)."""
+        if self.pace is None:
+            return self._step_once()
+        decode = len(self._generation_batch.uids)
+        fed = self.step_stats.prefill_tokens
+        tic = time.perf_counter()
+        out = self._step_once()
+        prefill = self.step_stats.prefill_tokens - fed
+        self.pace.observe(decode, prefill, time.perf_counter() - tic)
+        return out
 
     def _prompt_rows(self, left: int | None) -> int:
         """How many prompts the prompt batch may prefill together under ``left``."""
@@ -449,7 +470,7 @@ class ServingBatchGenerator(BatchGenerator):
             return self.prefill_batch_size
         return min(self.prefill_batch_size, max(left // MIN_PREFILL_TOKENS, 1))
 
-    def _next(self) -> tuple[list, list]:
+    def _step_once(self) -> tuple[list, list]:
         """mlx-lm's step under the token budget (see the module docstring): the decode
         step, newcomers into the prompt batch, one chunk each for the prompts being
         prefilled, as long as the budget's share allows.
@@ -499,7 +520,8 @@ class ServingBatchGenerator(BatchGenerator):
         chunks, ends, finals = [], [], []
         size = self.prefill_step_size
         if left is not None and rows:
-            size = max(min(size, left // len(rows)), 1)
+            most = size if self.pace is None else max(size, self.pace.most)
+            size = max(min(most, left // len(rows)), 1)
         for uid, seq in zip(prompts.uids, rows, strict=True):
             segments = seq[0]
             chunk = segments[0][:size]
