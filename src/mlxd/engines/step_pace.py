@@ -12,7 +12,7 @@ the context the prompt has reached.
 :class:`StepPace` steers instead of modelling: decode-only steps give a decode step's
 cost (a moving average); after each step with a chunk beside decoding rows, the next
 chunk is this one scaled by how far its cost over a decode step was from :data:`STALL`
-decode steps (at most doubled or halved a step). With nothing decoding there is nobody to
+decode steps (growing by at most a quarter a step, shrinking by at most half). With nothing decoding there is nobody to
 hold back, and prompts get mlx-lm's chunks (``prefill_step_size``).
 """
 
@@ -23,9 +23,11 @@ from dataclasses import dataclass
 # the least a prompt being prefilled gets per step, however full the decode batch is
 MIN_PREFILL_TOKENS = 16
 # a step with a chunk aims at 1 + STALL decode steps: streams' gaps stay within ~4x
-STALL = 2.5
-# how much one step may change the next chunk
-MOST_CHANGE = 2.0
+STALL = 2.0
+# how much one step may grow or shrink the next chunk: growth is slow, since a prompt's
+# tokens cost more as its context grows, and a shrink is quick
+MOST_GROWTH = 1.25
+MOST_SHRINK = 0.5
 
 
 @dataclass
@@ -75,7 +77,7 @@ class StepPace:
             self.chunk = float(prefill_tokens)
             self.steered = True
         over = max(seconds - self.decode_s, 1e-4)
-        change = min(max(STALL * self.decode_s / over, 1 / MOST_CHANGE), MOST_CHANGE)
+        change = min(max(STALL * self.decode_s / over, MOST_SHRINK), MOST_GROWTH)
         scaled = prefill_tokens * change
         # under the aim, a chunk cut short by its prompt's end does not shrink the next
         chunk = max(scaled, self.chunk) if change >= 1 else scaled
