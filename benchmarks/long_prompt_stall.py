@@ -110,27 +110,42 @@ async def ttft(client: httpx.AsyncClient, model: str, text: str) -> float:
     return stamps[0] - t0
 
 
+async def keep_streaming(
+    client: httpx.AsyncClient,
+    model: str,
+    text: str,
+    max_tokens: int,
+    runs: list[list[float]],
+    stop: asyncio.Event,
+) -> None:
+    """One stream, restarted whenever its reply ends (a real model stops on its own), a
+    list of stamps per request: a gap is between two tokens of one reply."""
+    while not stop.is_set():
+        runs.append([])
+        await stream(client, model, text, max_tokens, runs[-1], stop)
+
+
 async def trial(url: str, model: str, args: argparse.Namespace, rng: random.Random) -> dict:
     """One long prompt alone, then one beside ``args.streams`` decoding streams."""
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
         alone = await ttft(client, model, words(args.prompt_tokens, rng))
         stop = asyncio.Event()
-        stamps: list[list[float]] = [[] for _ in range(args.streams)]
+        runs: list[list[list[float]]] = [[] for _ in range(args.streams)]
         tasks = [
             asyncio.create_task(
-                stream(
+                keep_streaming(
                     client,
                     model,
                     f"story {i}: " + words(40, rng),
                     args.stream_tokens,
-                    stamps[i],
+                    runs[i],
                     stop,
                 )
             )
             for i in range(args.streams)
         ]
         deadline = time.monotonic() + 600
-        while any(len(s) < args.warm_tokens for s in stamps):
+        while any(sum(map(len, r)) < args.warm_tokens for r in runs):
             if time.monotonic() > deadline or any(t.done() for t in tasks):
                 raise RuntimeError("the streams did not start")
             await asyncio.sleep(0.005)
@@ -143,7 +158,7 @@ async def trial(url: str, model: str, args: argparse.Namespace, rng: random.Rand
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     before, during = [], []
-    for s in stamps:
+    for s in (s for r in runs for s in r):
         for a, b in zip(s, s[1:], strict=False):
             if b <= submitted:
                 before.append(b - a)

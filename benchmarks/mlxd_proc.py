@@ -36,6 +36,9 @@ def start(
     """``mlxd serve --model MODEL`` on a free port with ``MLXD_HOME=home`` and the extra
     ``env`` (settings as MLXD_* variables); returns when /health says 200."""
     port = free_port()
+    # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
+    os.makedirs(home, exist_ok=True)
+    log = open(os.path.join(home, "serve.log"), "wb")  # noqa: SIM115 - lives with the server
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -51,13 +54,14 @@ def start(
         ],
         env={**os.environ, "MLXD_HOME": home, "HF_HUB_OFFLINE": "1", **(env or {})},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-2000:])
+            with open(log.name, "rb") as f:
+                raise RuntimeError(f.read().decode(errors="replace")[-2000:])
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
