@@ -12,8 +12,9 @@ the context the prompt has reached.
 :class:`StepPace` steers instead of modelling: decode-only steps give a decode step's
 cost (a moving average); after each step with a chunk beside decoding rows, the next
 chunk is this one scaled by how far its cost over a decode step was from :data:`STALL`
-decode steps (growing by at most a quarter a step, shrinking by at most half). With nothing decoding there is nobody to
-hold back, and prompts get mlx-lm's chunks (``prefill_step_size``).
+decode steps (growing by at most a quarter a step, shrinking by at most half). With
+nothing decoding there is nobody to hold back, and prompts get mlx-lm's chunks
+(``prefill_step_size``).
 """
 
 from __future__ import annotations
