@@ -115,8 +115,11 @@ class LLMEngine(DecodeEngine):
             self.text = TextProcessor(name, tokenizer, self.vocab_size, self.eos_token_ids)
             # tokens per step, decode rows first (engines/serving_batch.py)
             self._step_tokens = step_budget(o.max_step_tokens, mx.default_device() != mx.cpu)
-            # 'auto' on the CPU: from measured step costs (engines/step_pace.py)
-            self._paced = o.max_step_tokens == "auto" and mx.default_device() == mx.cpu
+            # 'auto' on the CPU: from measured step costs (engines/step_pace.py); a rank
+            # group's followers replay the leader's steps, which must not depend on timing
+            self._paced = (
+                o.max_step_tokens == "auto" and mx.default_device() == mx.cpu and not sharded
+            )
             if o.max_kv_size is not None and not can_bound(self.model):
                 raise ModelLoadError(
                     f"max_kv_size is set for '{name}', but none of its layers "
