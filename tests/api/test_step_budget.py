@@ -58,10 +58,10 @@ def _wait_for(pred, timeout: float = 60.0) -> bool:
     return False
 
 
-def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_server, long_llama):
-    srv = start_server(
-        long_llama, engine={"max_step_tokens": BUDGET, "max_num_seqs": 8, "prefix_cache_bytes": 0}
-    )
+def _long_beside_streams(srv) -> tuple[dict, dict, list[int], str]:
+    """The long prompt alone, then beside ``STREAMS`` decoding streams: its reply alone,
+    the step budget's stats between the two, how many tokens each stream got while it
+    prefilled, and its text beside them."""
     long = {
         "model": MODEL,
         "messages": [{"role": "user", "content": _long_prompt()}],
@@ -70,73 +70,7 @@ def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_serve
     }
     with httpx.Client(base_url=srv.url, timeout=120) as c:
         alone = c.post("/v1/chat/completions", json=long).json()
-    prompt_tokens = alone["usage"]["prompt_tokens"]
-    assert prompt_tokens > 25 * BUDGET
-    before = _budget_stats(srv)
-    assert before["budget"] == BUDGET
-
-    stop = threading.Event()
-    stamps: list[list[float]] = [[] for _ in range(STREAMS)]
-    streams = [
-        threading.Thread(
-            target=_stream,
-            daemon=True,
-            args=(
-                srv,
-                {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": f"story number {i}"}],
-                    "max_tokens": 4000,
-                    "temperature": 0,
-                },
-                stamps[i],
-                stop,
-            ),
-        )
-        for i in range(STREAMS)
-    ]
-    for t in streams:
-        t.start()
-    try:
-        assert _wait_for(lambda: all(len(s) >= 3 for s in stamps)), [len(s) for s in stamps]
-        first: list[float] = []
-        text: list[str] = []
-        submitted = time.monotonic()
-        _stream(srv, long, first, threading.Event(), text)
-        assert first, "the long prompt answered nothing"
-        during = [sum(1 for t in s if submitted < t < first[0]) for s in stamps]
-    finally:
-        stop.set()
-        for t in streams:
-            t.join(60)
-    after = _budget_stats(srv)
-
-    # every stream got tokens while the long prompt was being prefilled
-    assert all(n > 0 for n in during), during
-    # and the long prompt answered what it answers alone
-    assert "".join(text) == alone["choices"][0]["message"]["content"]
-    # no step carried more than the budget, padding and decode rows counted; the long
-    # prompt took a step per (budget - decode rows) tokens or more
-    assert after["largest_step_tokens"] <= BUDGET, after
-    assert after["prefill_steps"] - before["prefill_steps"] >= prompt_tokens // BUDGET
-    assert after["prefill_tokens"] - before["prefill_tokens"] >= prompt_tokens
-
-
-def test_auto_on_the_cpu_steers_the_budget_and_health_shows_it(start_server, long_llama):
-    """`auto` (the default) on the CPU: each step's prefill beside the streams is steered
-    from measured step times (engines/step_pace.py); the streams keep getting tokens, the
-    long prompt answers what it answers alone, and /health shows the measured figures."""
-    srv = start_server(
-        long_llama, engine={"max_num_seqs": 8, "prefix_cache_bytes": 0, "prefill_step_size": 64}
-    )
-    long = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": _long_prompt()}],
-        "max_tokens": 12,
-        "temperature": 0,
-    }
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
-        alone = c.post("/v1/chat/completions", json=long).json()
+    between = _budget_stats(srv)
     stop = threading.Event()
     stamps: list[list[float]] = [[] for _ in range(STREAMS)]
     body = {"model": MODEL, "max_tokens": 4000, "temperature": 0}
@@ -167,9 +101,41 @@ def test_auto_on_the_cpu_steers_the_budget_and_health_shows_it(start_server, lon
         stop.set()
         for t in streams:
             t.join(60)
+    return alone, between, during, "".join(text)
+
+
+def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_server, long_llama):
+    srv = start_server(
+        long_llama, engine={"max_step_tokens": BUDGET, "max_num_seqs": 8, "prefix_cache_bytes": 0}
+    )
+    alone, before, during, text = _long_beside_streams(srv)
+    prompt_tokens = alone["usage"]["prompt_tokens"]
+    assert prompt_tokens > 25 * BUDGET
+    assert before["budget"] == BUDGET
+    after = _budget_stats(srv)
+
+    # every stream got tokens while the long prompt was being prefilled
+    assert all(n > 0 for n in during), during
+    # and the long prompt answered what it answers alone
+    assert text == alone["choices"][0]["message"]["content"]
+    # no step carried more than the budget, padding and decode rows counted; the long
+    # prompt took a step per (budget - decode rows) tokens or more
+    assert after["largest_step_tokens"] <= BUDGET, after
+    assert after["prefill_steps"] - before["prefill_steps"] >= prompt_tokens // BUDGET
+    assert after["prefill_tokens"] - before["prefill_tokens"] >= prompt_tokens
+
+
+def test_auto_on_the_cpu_steers_the_budget_and_health_shows_it(start_server, long_llama):
+    """`auto` (the default) on the CPU: each step's prefill beside the streams is steered
+    from measured step times (engines/step_pace.py); the streams keep getting tokens, the
+    long prompt answers what it answers alone, and /health shows the measured figures."""
+    srv = start_server(
+        long_llama, engine={"max_num_seqs": 8, "prefix_cache_bytes": 0, "prefill_step_size": 64}
+    )
+    alone, _, during, text = _long_beside_streams(srv)
     stats = _budget_stats(srv)
     assert all(n > 0 for n in during), during
-    assert "".join(text) == alone["choices"][0]["message"]["content"]
+    assert text == alone["choices"][0]["message"]["content"]
     assert stats["adaptive"] is True
     assert stats["decode_step_ms"] > 0
     assert 16 <= stats["prefill_chunk"] <= 2 * 64
