@@ -491,7 +491,7 @@ class EngineSettings(_Section):
             "prefill_batch_size of them) went in one step before. 'auto': no budget on a "
             "GPU, where those chunks already keep streams within 4x their usual gap while a "
             "16k-token prompt prefills (H200, docs/benchmarks.md); on the CPU, steered from "
-            "measured step times so that a step with a chunk costs about 3.5 decode steps "
+            "measured step times so that a step with a chunk costs about 3 decode steps "
             "(engines/step_pace.py: no fixed number fits both a tiny model and a real one "
             "there), up to twice "
             "prefill_step_size. 0: no budget (mlx-lm's chunks). A number never raises "
