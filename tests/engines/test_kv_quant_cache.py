@@ -1,7 +1,8 @@
 """engines/kv_quant.py: the quantized batch cache holds, row for row, what mlx-lm's
 ``BatchKVCache`` holds (quantized) through any sequence of steps, joins, leaves, trims and
 rollbacks; a row comes out as mlx-lm's own ``QuantizedKVCache``; mlx-lm's attention takes
-it with the batch's padding mask; ``kv_quant_start`` quantizes a plain batch once it is due."""
+it with the batch's padding mask and gives what attention over the plain keys gives, within
+the quantization's error; ``kv_quant_start`` quantizes a plain batch once it is due."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxd.engines.kv_quant import (
     PLAIN_ATTENTION_QUERIES,
+    Fetched,
     KVQuant,
     PlainSeqKVCache,
     QuantizedBatchKVCache,
     QuantizedSeqKVCache,
     as_quantized,
     for_batch,
+    hadamard,
     joined_kinds,
     merge_quantized,
     quantized_when_due,
+    rotate,
 )
 from mlxd.engines.kv_rows import join_caches
 
@@ -55,13 +59,13 @@ def _rows_q(c: QuantizedBatchKVCache) -> list[np.ndarray]:
 
 
 def _rows_plain(c: BatchKVCache, bits: int) -> list[np.ndarray]:
-    """What the quantized cache should hold: each row quantized, then dequantized."""
+    """What the quantized cache should hold: each row turned, quantized, dequantized."""
     k, v = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
     out = []
     for i, p in enumerate(c.left_padding.tolist()):
         pair = []
         for x in (k, v):
-            q = mx.quantize(x[i : i + 1, :, p:], group_size=G, bits=bits)
+            q = mx.quantize(rotate(x[i : i + 1, :, p:]), group_size=G, bits=bits)
             pair.append(np.array(mx.dequantize(*q, group_size=G, bits=bits))[0])
         out.append(np.concatenate(pair))
     return out
@@ -114,45 +118,65 @@ def test_steps_joins_leaves_trims_and_rollbacks_match_mlx_lm(bits, seed):
         )
 
 
-def test_attention_dispatches_on_bits_and_masks_left_padding():
-    """mlx-lm's attention runs quantized over the batch: a left-padded row attends as it
-    does alone."""
-    c = merge_quantized([_one(4, 1), _one(9, 2)], 8, G)
-    alone = merge_quantized([_one(4, 1)], 8, G)
+def _attend(q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> np.ndarray:
+    return np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+
+
+@pytest.mark.parametrize("dim", [64, 128, 96])
+def test_the_turn_is_its_own_inverse_up_to_a_power_of_two(dim):
+    h, c = hadamard(dim, mx.float32)
+    assert c in (1, 2)
+    np.testing.assert_array_equal(np.array(h @ h), c * np.eye(dim))
+    assert hadamard(40, mx.float32) is None  # blocks of 8: left plain
+    x = mx.ones((1, 1, 2, 40))
+    assert rotate(x) is x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_attention_over_the_batch_is_attention_over_the_plain_keys(bits):
+    """mlx-lm's attention, as every model calls it, over the quantized batch: a
+    left-padded row attends as it does alone, and both as over the unquantized keys."""
+    rows = [_one(4, 1), _one(9, 2)]
+    c = merge_quantized(rows, bits, G)
+    alone = merge_quantized([_one(4, 1)], bits, G)
+    plain = BatchKVCache.merge(rows)
     q = mx.random.normal((1, 4, 1, D), key=mx.random.key(3))
     batch_mask, alone_mask = c.make_mask(1), alone.make_mask(1)
     k1 = _kv(2, 1, 4)
-    c.update_and_fetch(*k1)
-    alone.update_and_fetch(k1[0][:1], k1[1][:1])
     both = scaled_dot_product_attention(
-        mx.concatenate([q, q]), *c.keys_and_values(), cache=c, scale=0.125, mask=batch_mask
+        mx.concatenate([q, q]), *c.update_and_fetch(*k1), cache=c, scale=0.125, mask=batch_mask
     )
     one = scaled_dot_product_attention(
-        q, *alone.keys_and_values(), cache=alone, scale=0.125, mask=alone_mask
+        q,
+        *alone.update_and_fetch(k1[0][:1], k1[1][:1]),
+        cache=alone,
+        scale=0.125,
+        mask=alone_mask,
     )
     np.testing.assert_allclose(np.array(both[0]), np.array(one[0]), atol=1e-5)
+    plain_mask = plain.make_mask(1)
+    exact = _attend(mx.concatenate([q, q]), *plain.update_and_fetch(*k1), plain_mask)
+    np.testing.assert_allclose(np.array(both), exact, atol=0.06 if bits == 8 else 0.6)
 
 
 def test_a_prefill_chunk_attends_over_dequantized_keys_as_the_quantized_path_does():
-    """A chunk of many queries gets plain arrays (BLAS attention on the CPU) holding the
-    quantized values; the next one-token step is quantized again, ``bits`` and all."""
+    """A chunk of many queries is marked plain (BLAS attention on the CPU) and attends over
+    the same quantized values; the next one-token step is quantized again."""
     n = PLAIN_ATTENTION_QUERIES + 8
     prefix = merge_quantized([_one(5, 1), _one(11, 2)], 8, G)
-    twin = merge_quantized([_one(5, 1), _one(11, 2)], 8, G)
     keys, values = _kv(2, n, 4)
     q = mx.random.normal((2, 4, n, D), key=mx.random.key(5))
     mask = prefix.make_mask(n)
     k, v = prefix.update_and_fetch(keys, values)
-    twin.update_and_fetch(keys, values)
-    qk, qv = twin.keys_and_values()  # the same cache, quantized, as a GPU would read it
+    assert isinstance(k, Fetched) and prefix.bits == 8
     if mx.default_device() == mx.cpu:
-        assert isinstance(k, mx.array) and not hasattr(prefix, "bits")
+        assert k.plain and v.plain
     plain = scaled_dot_product_attention(q, k, v, cache=prefix, scale=0.125, mask=mask)
-    twin._plain_fetch = False
-    quant = scaled_dot_product_attention(q, qk, qv, cache=twin, scale=0.125, mask=mask)
+    qk, qv = Fetched(k), Fetched(v)  # the same triples, read through quantized_matmul
+    quant = scaled_dot_product_attention(q, qk, qv, cache=prefix, scale=0.125, mask=mask)
     np.testing.assert_allclose(np.array(plain), np.array(quant), atol=1e-4)
     k1, _ = prefix.update_and_fetch(*_kv(2, 1, 6))
-    assert isinstance(k1, tuple) and prefix.bits == 8
+    assert isinstance(k1, Fetched) and k1.plain == bool(mx.cuda.is_available())
 
 
 def _one(n: int, seed: int) -> KVCache:

@@ -40,7 +40,7 @@ from mlxd.engines.backend import apply_dtype
 from mlxd.engines.bounded_kv import BoundedBatchGenerator, can_bound
 from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepOutput
 from mlxd.engines.grammar_mask import GrammarProcessor
-from mlxd.engines.kv_quant import KVQuant
+from mlxd.engines.kv_quant import ROTATION, KVQuant
 from mlxd.engines.lora import RowAdapters, files_stamp, read_adapter
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
@@ -303,7 +303,11 @@ class LLMEngine(DecodeEngine):
             "dtype": str(self.dtype),
             "max_kv_size": self.options.max_kv_size,
             **(
-                {"kv_bits": self.options.kv_bits, "kv_group_size": self.options.kv_group_size}
+                {
+                    "kv_bits": self.options.kv_bits,
+                    "kv_group_size": self.options.kv_group_size,
+                    "kv_rotation": ROTATION,
+                }
                 if self.options.kv_bits is not None
                 else {}
             ),
