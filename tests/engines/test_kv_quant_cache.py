@@ -159,6 +159,23 @@ def test_attention_over_the_batch_is_attention_over_the_plain_keys(bits):
     np.testing.assert_allclose(np.array(both), exact, atol=0.06 if bits == 8 else 0.6)
 
 
+@pytest.mark.parametrize(("dim", "group"), [(128, 64), (96, 32)])
+def test_heads_of_other_widths_turn_and_attend_as_over_plain_keys(dim, group):
+    """128 (H @ H = 2 I) and 96 (blocks of 32) wide heads: the output
+    is attention over the plain keys, within 8-bit error, on the quantized path and the
+    plain one alike."""
+    k = mx.random.normal((1, H, 40, dim), key=mx.random.key(7))
+    v = mx.random.normal((1, H, 40, dim), key=mx.random.key(8))
+    q = mx.random.normal((1, 4, 1, dim), key=mx.random.key(9))
+    c = QuantizedBatchKVCache([0], 8, group)
+    fk, fv = c.update_and_fetch(k, v)
+    exact = _attend(q, k, v, None)
+    for plain in (False, True):
+        fk.plain = fv.plain = plain
+        out = scaled_dot_product_attention(q, fk, fv, cache=c, scale=0.125, mask=None)
+        np.testing.assert_allclose(np.array(out), exact, atol=0.03)
+
+
 def test_a_prefill_chunk_attends_over_dequantized_keys_as_the_quantized_path_does():
     """A chunk of many queries is marked plain (BLAS attention on the CPU) and attends over
     the same quantized values; the next one-token step is quantized again."""
