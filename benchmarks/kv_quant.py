@@ -149,10 +149,11 @@ def forced(model, ids: list[int], cont: list[int], bits: int | None) -> tuple[li
     return lps, top
 
 
-def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    """The full-precision greedy continuation and its log-probabilities (one pass)."""
+def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
+    """The full-precision greedy continuation, its log-probabilities and at each position
+    the margin between its top two log-probabilities (one pass)."""
     cache = cache_for(model, None)
-    out, lps = [], []
+    out, lps, margins = [], [], []
     body = getattr(model, "model", model)
     for s in range(0, len(ids) - 1, 512):  # the head runs on the last position only
         body(mx.array([ids[s : min(s + 512, len(ids) - 1)]]), cache=cache)
@@ -162,40 +163,53 @@ def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
         logits = model(mx.array([x]), cache=cache)[0, -1].astype(mx.float32)
         lp = logits - mx.logsumexp(logits)
         t = int(mx.argmax(lp).item())
+        top2 = sorted(mx.topk(lp, 2).tolist(), reverse=True)
         out.append(t)
         lps.append(lp[t].item())
+        margins.append(top2[0] - top2[1])
         x = [t]
-    return out, lps
+    return out, lps, margins
 
 
 def quality(engine: LLMEngine, ps: list[list[int]], gen: int, progress=None) -> dict:
     """Teacher-forced comparison per width, over the prompts done so far (``progress`` is
     called with the summary after each prompt)."""
     model = engine.model
-    stats = {b: {"abs": [], "agree": 0, "n": 0} for b in WIDTHS if b is not None}
+    stats = {b: {"abs": [], "agree": 0, "n": 0, "ties": []} for b in WIDTHS if b is not None}
     lengths: list[int] = []
+    margins: list[float] = []
 
     def summary() -> dict:
         return {
             "prompts_done": len(lengths),
             "prompt_tokens_done": {"min": min(lengths), "max": max(lengths)},
+            # how many reference positions a small change can flip: top-two margin in nats
+            "reference_margin_under": {
+                str(m): sum(x < m for x in margins) for m in (0.01, 0.02, 0.05)
+            },
             **{
                 str(b): {
                     "mean_abs_logprob_diff": statistics.fmean(s["abs"]),
                     "max_abs_logprob_diff": max(s["abs"]),
                     "greedy_agreement": s["agree"] / s["n"],
                     "positions": s["n"],
+                    # the reference's top-two margin where this width's argmax differs
+                    "differing_reference_margins": sorted(round(x, 4) for x in s["ties"]),
                 }
                 for b, s in stats.items()
             },
         }
 
     for i, ids in enumerate(ps):
-        ref_cont, ref_lp = reference(model, ids, gen)
+        ref_cont, ref_lp, ref_margin = reference(model, ids, gen)
+        margins += ref_margin
         for b in stats:
             lp, top = forced(model, ids, ref_cont, b)
             stats[b]["abs"] += [abs(a - r) for a, r in zip(lp, ref_lp, strict=True)]
             stats[b]["agree"] += sum(t == r for t, r in zip(top, ref_cont, strict=True))
+            stats[b]["ties"] += [
+                m for t, r, m in zip(top, ref_cont, ref_margin, strict=True) if t != r
+            ]
             stats[b]["n"] += len(ref_cont)
         lengths.append(len(ids))
         print(f"quality {i + 1}/{len(ps)}", file=sys.stderr, flush=True)
