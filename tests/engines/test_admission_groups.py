@@ -298,3 +298,34 @@ def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
     seq = engine.new_sequence(engine.encode_prompt("now"), SamplingParams(max_tokens=2))
     engine.add(seq)
     assert engine.has_work() and engine.next_deadline() == 0.0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3_text", "mamba2"])
+def test_a_hybrid_models_batch_on_the_gpus_path(tmp_path, monkeypatch, arch):
+    """A GPU's defaults (clean prefill groups, finished rows held, the warm-up at every
+    batch shape) on a model with recurrent or sliding-window layers: those layers join a
+    running batch through mlx-lm's own extend (only plain KV layers go into row pools),
+    and each sequence decodes what it decodes alone."""
+    from fixtures.hybrid_models import make_tiny_hybrid_model
+
+    from mlxd.engines import llm
+
+    monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
+    engine = LLMEngine(
+        "tiny",
+        make_tiny_hybrid_model(tmp_path / arch, arch),
+        TextEngineOptions(max_num_seqs=8, clean_prefill_groups=True, defer_leaves=True),
+    )
+    engine.bind()
+    engine.warmup()
+    texts = {"the river runs": 3, "a city of music": 6, "winter morning in the library": 6}
+    seen: dict[int, list[int]] = {}
+    seqs = [_seq(engine, t, n) for t, n in list(texts.items())[:2]]
+    _step(engine, seen)
+    _step(engine, seen)
+    seqs.append(_seq(engine, "winter morning in the library"))  # joins the running batch
+    got = _tokens(engine, seqs, seen)
+    assert [len(got[id(s)]) for s in seqs] == list(texts.values())
+    for s, (text, n) in zip(seqs, texts.items(), strict=True):
+        alone = _seq(engine, text, n)
+        assert _tokens(engine, [alone])[id(alone)] == got[id(s)]

@@ -302,8 +302,8 @@ class ServingGenerationBatch(GenerationBatch):
         if (
             mine
             and theirs
-            and all(c.keys is not None for c in mine)
             and all(map(poolable, mine + theirs))
+            and all(c.keys is not None for c in mine)
         ):
             self.prompt_cache = [join_into(c, o) for c, o in zip(mine, theirs, strict=True)]
             batch.prompt_cache = []  # taken: mlx-lm's extend then keeps ours
