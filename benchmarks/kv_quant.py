@@ -123,10 +123,31 @@ def prompts(n: int, tokens_of, lo: int = 1024, hi: int = 4096) -> list[list[int]
     return out
 
 
-def cache_for(model, bits: int | None) -> list:
+class RoundedKVCache(BatchKVCache):
+    """A plain batch cache whose keys and values are rounded to ``dtype`` as they are
+    stored: the error of a 16-bit cache (what a GPU server holds by default) against a
+    float32 one, for scale."""
+
+    def __init__(self, left_padding: list[int], dtype: mx.Dtype) -> None:
+        super().__init__(left_padding)
+        self.round_to = dtype
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        t = keys.dtype
+        return super().update_and_fetch(
+            keys.astype(self.round_to).astype(t), values.astype(self.round_to).astype(t)
+        )
+
+
+def cache_for(model, bits: int | str | None) -> list:
+    """A batch cache of one row per layer: plain (None), quantized (4, 8) or rounded to
+    16 bits ("bf16", "fp16")."""
     n = len(model.layers)
     if bits is None:
         return [BatchKVCache([0]) for _ in range(n)]
+    if isinstance(bits, str):
+        dtype = {"bf16": mx.bfloat16, "fp16": mx.float16}[bits]
+        return [RoundedKVCache([0], dtype) for _ in range(n)]
     return [QuantizedBatchKVCache([0], bits, 64) for _ in range(n)]
 
 
@@ -171,11 +192,11 @@ def reference(model, ids: list[int], n: int) -> tuple[list[int], list[float], li
     return out, lps, margins
 
 
-def quality(engine: LLMEngine, ps: list[list[int]], gen: int, progress=None) -> dict:
+def quality(engine: LLMEngine, ps: list[list[int]], gen: int, widths: list, progress=None) -> dict:
     """Teacher-forced comparison per width, over the prompts done so far (``progress`` is
     called with the summary after each prompt)."""
     model = engine.model
-    stats = {b: {"abs": [], "agree": 0, "n": 0, "ties": []} for b in WIDTHS if b is not None}
+    stats = {b: {"abs": [], "agree": 0, "n": 0, "ties": []} for b in widths}
     lengths: list[int] = []
     margins: list[float] = []
 
@@ -252,6 +273,11 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=4.0)
     ap.add_argument("--prompt-tokens", default="1024-4096", help="quality prompts' range, LO-HI")
     ap.add_argument("--concurrency", default="1,16,64", help="speed levels")
+    ap.add_argument(
+        "--quality-widths",
+        default="8,4",
+        help="quality: kv_bits to compare, and bf16/fp16 (a cache rounded to 16 bits)",
+    )
     ap.add_argument("--skip", choices=("quality", "speed"), action="append", default=[])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -317,7 +343,8 @@ def main() -> None:
         save(result, args.out)
 
     if "quality" not in args.skip:
-        result["quality"] = quality(base, ps, args.gen, progress)
+        widths = [w if w in ("bf16", "fp16") else int(w) for w in args.quality_widths.split(",")]
+        result["quality"] = quality(base, ps, args.gen, widths, progress)
         print(json.dumps(result["quality"]), file=sys.stderr, flush=True)
         save(result, args.out)
     if "speed" in args.skip:
