@@ -166,6 +166,7 @@ def test_prompt_lookup_speculates_on_a_quantized_cache(tmp_path, wide_llama):
         wide_llama,
         kv_bits=8,
         speculative="prompt-lookup",
+        speculative_policy="always",  # verify every step: the cost policy is not under test
         speculative_max_batch=8,
         prefix_cache_bytes=0,
     )
