@@ -11,11 +11,12 @@ batch's boolean mask (left padding, from ``BatchKVCache.make_mask``) as it is.
 
 Keys and values are turned by a Hadamard matrix along the head dimension before they are
 quantized (:func:`hadamard`), as QuaRot and TurboQuant do: a few large channels no longer
-set a whole group's range, which halves the error (SmolLM2-135M, 8 bits: mean |dlogprob|
-0.0087 -> 0.0055). Attention over them turns the queries the same way and the output back,
-so this module puts its own function in ``mlx_lm.models.base``'s
-``quantized_scaled_dot_product_attention`` (the one name every mlx-lm model's attention
-reaches a quantized cache through); it passes anything but this cache's keys to mlx-lm's.
+set a whole group's range, which cuts the error by about a third (SmolLM2-135M, 64
+prompts, 8 bits: mean |dlogprob| 0.0115 -> 0.0078). Attention over them turns the queries
+the same way and the output back, so this module puts its own function in
+``mlx_lm.models.base``'s ``quantized_scaled_dot_product_attention`` (the one name every
+mlx-lm model's attention reaches a quantized cache through); it passes anything but this
+cache's keys to mlx-lm's.
 
 Rows join (``extend``, ``merge``), leave (``filter``), roll back (``trim``,
 ``prepare(right_padding=...)`` + ``finalize``, as speculative decoding rolls back a plain
