@@ -9,6 +9,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from fixtures.hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_model
 
 from mlxd.core.types import SamplingParams
 from mlxd.engines.llm import LLMEngine
@@ -300,14 +301,12 @@ def test_on_the_cpu_an_idle_batch_takes_a_newcomer_at_once(tiny_llama):
     assert engine.has_work() and engine.next_deadline() == 0.0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "gemma3_text", "mamba2"])
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_a_hybrid_models_batch_on_the_gpus_path(tmp_path, monkeypatch, arch):
     """A GPU's defaults (clean prefill groups, finished rows held, the warm-up at every
     batch shape) on a model with recurrent or sliding-window layers: those layers join a
     running batch through mlx-lm's own extend (only plain KV layers go into row pools),
     and each sequence decodes what it decodes alone."""
-    from fixtures.hybrid_models import make_tiny_hybrid_model
-
     from mlxd.engines import llm
 
     monkeypatch.setattr(llm, "compiles_per_shape", lambda: True)
