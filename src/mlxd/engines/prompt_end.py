@@ -21,7 +21,7 @@ differ, keeps mlx-lm's extra pass.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,20 +32,19 @@ from mlx_lm.models.cache import make_prompt_cache
 log = logging.getLogger(__name__)
 
 
-class _LastPositions(nn.Module):
-    """The final norm, applied to one position per row (``index[i]`` of row ``i``)."""
+class _Picked(nn.Module):
+    """The final norm over the positions ``pick`` keeps of its input."""
 
-    def __init__(self, norm: nn.Module, index: mx.array) -> None:
+    def __init__(self, norm: nn.Module, pick: Callable[[mx.array], mx.array]) -> None:
         super().__init__()
         self.norm = norm
-        self.index = index
+        self.pick = pick
 
     def __call__(self, h: mx.array) -> mx.array:
-        rows = mx.arange(h.shape[0])
-        return self.norm(h[rows, self.index][:, None, :])
+        return self.norm(self.pick(h))
 
 
-def _decoder(model: Any) -> Any:
+def decoder(model: Any) -> Any:
     """The module whose ``norm`` is the model's final norm (mlx-lm's layout), or None."""
     for inner in (
         getattr(model, "model", None),
@@ -57,22 +56,25 @@ def _decoder(model: Any) -> Any:
 
 
 @contextmanager
-def _last_positions(model: Any, index: mx.array) -> Iterator[None]:
-    decoder = _decoder(model)
-    if decoder is None:
+def final_norm_over(model: Any, pick: Callable[[mx.array], mx.array]) -> Iterator[None]:
+    """During the block, the model's final norm (so its head too) sees only what ``pick``
+    keeps of the last hidden states ``[rows, positions, dim]``."""
+    inner = decoder(model)
+    if inner is None:
         raise ValueError("the model has no final norm where mlx-lm's layout puts it")
-    norm = decoder.norm
-    decoder.norm = _LastPositions(norm, index)
+    norm = inner.norm
+    inner.norm = _Picked(norm, pick)
     try:
         yield
     finally:
-        decoder.norm = norm
+        inner.norm = norm
 
 
 def last_logits(model: Any, inputs: mx.array, cache: list[Any], last: list[int]) -> mx.array:
     """``model(inputs, cache)`` (filling the cache as a prefill does), returning only the
     logits at position ``last[i]`` of row ``i``: ``[rows, vocab]``."""
-    with _last_positions(model, mx.array(last)):
+    index = mx.array(last)
+    with final_norm_over(model, lambda h: h[mx.arange(h.shape[0]), index][:, None, :]):
         logits = model(inputs, cache=cache)
     return logits[:, -1, :]
 
@@ -80,7 +82,7 @@ def last_logits(model: Any, inputs: mx.array, cache: list[Any], last: list[int])
 def supports_prompt_end(model: Any) -> bool:
     """Whether :func:`last_logits` gives this model's own logits: a short prompt run both
     ways, compared. False (mlx-lm's extra pass stays) for any doubt."""
-    if _decoder(model) is None:
+    if decoder(model) is None:
         return False
     tokens = mx.array([[1, 2, 3, 4]])
     try:
