@@ -509,6 +509,15 @@ class EngineSettings(_Section):
             "(docs/benchmarks.md, pipelined decode)."
         ),
     )
+    mixed_steps: bool = Field(
+        True,
+        description=(
+            "Text models: a step's prefill chunks go into the decode rows' forward pass "
+            "(one read of the weights for both) when the model passes a check at load "
+            "(engines/mixed_step.py); false: decode and prefill run as separate passes. "
+            "Models with sliding-window or recurrent layers always run them separately."
+        ),
+    )
     fair_preemption: bool = Field(
         True,
         description=(

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 MODEL = "long-llama"
 BUDGET = 32
@@ -104,9 +105,20 @@ def _long_beside_streams(srv) -> tuple[dict, dict, list[int], str]:
     return alone, between, during, "".join(text)
 
 
-def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_server, long_llama):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(
+    start_server, long_llama, mixed
+):
+    """With engine.mixed_steps (the default) the budgeted chunks go into the streams'
+    decode passes; without it, in passes of their own: the same text either way."""
     srv = start_server(
-        long_llama, engine={"max_step_tokens": BUDGET, "max_num_seqs": 8, "prefix_cache_bytes": 0}
+        long_llama,
+        engine={
+            "max_step_tokens": BUDGET,
+            "max_num_seqs": 8,
+            "prefix_cache_bytes": 0,
+            "mixed_steps": mixed,
+        },
     )
     alone, before, during, text = _long_beside_streams(srv)
     prompt_tokens = alone["usage"]["prompt_tokens"]
@@ -123,6 +135,8 @@ def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(start_serve
     assert after["largest_step_tokens"] <= BUDGET, after
     assert after["prefill_steps"] - before["prefill_steps"] >= prompt_tokens // BUDGET
     assert after["prefill_tokens"] - before["prefill_tokens"] >= prompt_tokens
+    mixed_steps = after["mixed_steps"] - before["mixed_steps"]
+    assert mixed_steps > 0 if mixed else after["mixed_steps"] == 0, after
 
 
 def test_auto_on_the_cpu_steers_the_budget_and_health_shows_it(start_server, long_llama):

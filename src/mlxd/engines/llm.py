@@ -42,6 +42,7 @@ from mlxd.engines.decode import DecodeEngine, GuardedProcessors, Sequence, StepO
 from mlxd.engines.grammar_mask import GrammarProcessor
 from mlxd.engines.kv_quant import ROTATION, KVQuant
 from mlxd.engines.lora import RowAdapters, files_stamp, read_adapter
+from mlxd.engines.mixed_step import supports_mixed_steps
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.prefix_cache import PrefixCache
 from mlxd.engines.prefix_disk import DiskPrefixCache, model_fingerprint
@@ -183,6 +184,8 @@ class LLMEngine(DecodeEngine):
             # a first token from the prefill pass (engines/prompt_end.py); rank groups keep
             # mlx-lm's pass (their followers replay the same steps, so all ranks must agree)
             self._prompt_end = not sharded and supports_prompt_end(self.model)
+            # decode rows and prefill chunks in one pass (engines/mixed_step.py)
+            self._mixed = o.mixed_steps and self._prompt_end and supports_mixed_steps(self.model)
             self.nbytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             if self.speculator is not None and self.speculator.drafter is not None:
                 draft = self.speculator.drafter.model
@@ -360,6 +363,7 @@ class LLMEngine(DecodeEngine):
             max_step_tokens=self._step_tokens,
             pace=StepPace(self._step_tokens, 2 * o.prefill_step_size) if self._paced else None,
             kv_quant=self.kv_quant,
+            mixed=self._mixed,
         )
         plain: dict[str, Any] = dict(
             defer_leaves=self._defer_leaves, pipeline=o.pipeline_decode != "off"

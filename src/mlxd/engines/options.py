@@ -101,6 +101,7 @@ class TextEngineOptions:
     clean_prefill_groups: bool | None = None  # None: on a GPU only (LLMEngine._admit)
     defer_leaves: bool | None = None  # None: on a GPU only (engines/serving_batch.py)
     pipeline_decode: str = "auto"  # auto|on|off (engines/serving_batch.py)
+    mixed_steps: bool = True  # decode and prefill in one pass (engines/mixed_step.py)
     fair_preemption: bool = True  # a starved key takes a slot (engines/scheduler.py)
 
     def __post_init__(self) -> None:
@@ -143,6 +144,7 @@ class TextEngineOptions:
             prefill_step_size=opts["prefill_step_size"],
             max_step_tokens=e.max_step_tokens,
             pipeline_decode=e.pipeline_decode,
+            mixed_steps=e.mixed_steps,
             fair_preemption=e.fair_preemption,
             dtype=settings.models.dtype,
             trust_remote_code=settings.models.trust_remote_code,

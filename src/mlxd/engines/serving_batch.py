@@ -85,6 +85,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlxd.engines.kv_quant import KVQuant, for_batch, joined_kinds, quantized_when_due
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.lora import set_rows
+from mlxd.engines.mixed_step import mixable, mixed_forward
 from mlxd.engines.prefix_cache import snapshot_row
 from mlxd.engines.prompt_end import last_logits
 from mlxd.engines.step_pace import MIN_PREFILL_TOKENS, StepPace
@@ -114,6 +115,8 @@ class StepStats:
     prefill_tokens: int = 0
     largest_step_tokens: int = 0
     largest_prefill_tokens: int = 0
+    mixed: bool = False  # prefill may go into the decode pass (engines/mixed_step.py)
+    mixed_steps: int = 0  # steps whose prefill did
 
     def record(self, decode: int, prefill: int) -> None:
         self.steps += 1
@@ -404,17 +407,19 @@ class ServingBatchGenerator(BatchGenerator):
         pace: StepPace | None = None,
         checkpoint_tokens: int | None = None,
         kv_quant: KVQuant | None = None,
+        mixed: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
         self.kv_quant = kv_quant
+        self.mixed = mixed  # decode and prefill in one pass (engines/mixed_step.py)
         # None: no checkpoints; 0: at each prompt's end only (see the module docstring)
         self.checkpoint_tokens = checkpoint_tokens
         self._checkpoints: dict[int, dict[int, list[Any]]] = {}  # uid -> position -> states
         self.prompt_end = prompt_end
         self.max_step_tokens = max_step_tokens  # 0: no budget, mlx-lm's chunks
         self.pace = pace  # measured costs set the budget (engines/step_pace.py)
-        self.step_stats = StepStats(budget=max_step_tokens, adaptive=pace is not None)
+        self.step_stats = StepStats(budget=max_step_tokens, adaptive=pace is not None, mixed=mixed)
         self._prompt_batch = self._empty_prompt_batch()
         batch = ServingGenerationBatch.empty(self.model, self.sampler)
         batch.defer_leaves = defer_leaves
@@ -480,26 +485,47 @@ class ServingBatchGenerator(BatchGenerator):
         step, its first token sampled from that pass (engines/prompt_end.py): no pass of
         its own for the last token, and the first token a step earlier. Otherwise as
         mlx-lm's: a row prefilled up to its last token joins the decode batch the next
-        step, in a pass of that token."""
+        step, in a pass of that token.
+
+        With ``mixed`` (engines/mixed_step.py), the chunks are chosen before the decode
+        step and, when the prompts' chunks are of one length, go into the decode step's
+        forward pass."""
         prompt_responses: list = []
         generation_responses: list = []
         batch = self._generation_batch
-        counters = self._counters
-        fed = 0
         if len(batch) > 0:
             batch.prompt_cache = quantized_when_due(batch.prompt_cache, self.kv_quant)
-            fed = len(batch.uids)  # held finished rows decode too
-            tic = time.perf_counter()
-            generation_responses = batch.next()
-            counters.decode_time += time.perf_counter() - tic
-            counters.generation_tokens += len(generation_responses)
-            counters.generation_steps += 1
-            if counters.generation_steps % 512 == 0:
-                mx.clear_cache()
-            fed = getattr(batch, "fed_tokens", fed)  # a verify step's drafts count
+            if self._mixes(batch):
+                return self._mixed_step(batch)
+            generation_responses, fed = self._decode(batch)
+        else:
+            fed = 0
         if len(batch) >= self.completion_batch_size:
             self.step_stats.record(fed, 0)
             return prompt_responses, generation_responses
+        rows, chunks, ends, finals = self._plan(fed, prompt_responses)
+        self._prefill(rows, chunks, ends, finals)
+        return prompt_responses, generation_responses
+
+    def _decode(self, batch: Any) -> tuple[list, int]:
+        """The decode batch's step, timed; with the tokens it fed the model."""
+        counters = self._counters
+        fed = len(batch.uids)  # held finished rows decode too
+        tic = time.perf_counter()
+        responses = batch.next()
+        counters.decode_time += time.perf_counter() - tic
+        counters.generation_tokens += len(responses)
+        counters.generation_steps += 1
+        if counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        return responses, getattr(batch, "fed_tokens", fed)  # a verify step's drafts count
+
+    def _plan(self, fed: int, prompt_responses: list) -> tuple[list, list, list, list]:
+        """Newcomers into the prompt batch under the budget left beside ``fed`` decode
+        tokens, rows prefilled up to their last token into the decode batch (mlx-lm's
+        path), and this step's chunk of every prompt being prefilled: the rows, their
+        chunks, whether each prompt ends with its chunk, and whether its prefill is done."""
+        batch = self._generation_batch
         staying = len(self._currently_processing) - len(self._joining())
         left = self._prefill_left(fed + len(self._currently_processing) - staying)
         n = min(
@@ -544,8 +570,15 @@ class ServingBatchGenerator(BatchGenerator):
             prompt_responses.append(
                 PromptProcessingBatch.Response(uid, (seq[1], seq[2]), end_of_segment, not segments)
             )
-        counters.prompt_tokens += sum(len(c) for c in chunks)
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
         self.step_stats.record(fed, len(chunks) * max(map(len, chunks), default=0))
+        return rows, chunks, ends, finals
+
+    def _prefill(self, rows: list, chunks: list, ends: list, finals: list) -> None:
+        """The planned chunks in a prefill pass of their own."""
+        if not chunks:
+            return
+        prompts = self._prompt_batch
         tic = time.perf_counter()
         if not any(ends):
             prompts.prompt(chunks)
@@ -554,14 +587,75 @@ class ServingBatchGenerator(BatchGenerator):
         else:
             logits = prompts.prompt_end(chunks)
             self._checkpoint(prompts, finals)
-            done = [i for i, end in enumerate(ends) if end]
-            if len(done) == len(ends):
-                group, self._prompt_batch = prompts, self._empty_prompt_batch()
-            else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
-                group, logits = prompts.split(done), logits[mx.array(done)]
-            self._currently_processing = [s for s, end in zip(rows, ends, strict=True) if not end]
-            self._extend(batch, prefilled_group(self.model, group, logits))
-        counters.prompt_time += time.perf_counter() - tic
+            self._ended(rows, ends, logits)
+        self._counters.prompt_time += time.perf_counter() - tic
+
+    def _ended(self, rows: list, ends: list, logits: mx.array) -> None:
+        """The prompts whose prefill ended (``ends``) join the decode batch, their first
+        tokens sampled from ``logits`` (their last positions)."""
+        prompts = self._prompt_batch
+        done = [i for i, end in enumerate(ends) if end]
+        if len(done) == len(ends):
+            group, self._prompt_batch = prompts, self._empty_prompt_batch()
+        else:  # a longer prompt goes on: mlx-lm's split (copies the caches)
+            group, logits = prompts.split(done), logits[mx.array(done)]
+        self._currently_processing = [s for s, end in zip(rows, ends, strict=True) if not end]
+        self._extend(self._generation_batch, prefilled_group(self.model, group, logits))
+
+    def _mixes(self, batch: Any) -> bool:
+        """Whether this step's prefill may go into the decode step's pass: prompts to
+        prefill, room in the batch, the first token from the prefill pass (no rows
+        joining through mlx-lm's pass) and no checkpoints to take between chunks."""
+        return (
+            self.mixed
+            and self.prompt_end
+            and self.checkpoint_tokens is None
+            and len(batch) < self.completion_batch_size
+            and bool(self._currently_processing or self._unprocessed_sequences)
+            and mixable(batch.prompt_cache)
+        )
+
+    def _mixed_step(self, batch: Any) -> tuple[list, list]:
+        """The chunks chosen first, then the decode step with them in its forward pass
+        (engines/mixed_step.py); chunks of unequal length (a prompt ending) or caches
+        that cannot mix go in a pass of their own after the decode step, as without
+        ``mixed``. The decode step's tokens count as what a plain step feeds, since its
+        kind (plain or verify) is known only when it runs."""
+        prompt_responses: list = []
+        rows, chunks, ends, finals = self._plan(len(batch.uids), prompt_responses)
+        prompts = self._prompt_batch
+        if not chunks or len({len(c) for c in chunks}) > 1 or not mixable(prompts.prompt_cache):
+            generation_responses, _ = self._decode(batch)
+            self._prefill(rows, chunks, ends, finals)
+            return prompt_responses, generation_responses
+        for held, new in zip(prompts.tokens, chunks, strict=True):
+            held += new  # what the KV cache will hold, as the prompt batch keeps it
+        inputs, last = mx.array(chunks), any(ends)
+        prompt_logits: list[mx.array | None] = [None]
+        model = batch.model
+
+        def forward(decode_inputs: mx.array, cache: list[Any]) -> mx.array:
+            logits, prompt_logits[0] = mixed_forward(
+                model, decode_inputs, cache, batch.uids, inputs, prompts.prompt_cache,
+                prompts.uids, last,
+            )  # fmt: skip
+            return logits
+
+        batch.model = forward
+        try:
+            generation_responses, _ = self._decode(batch)
+        finally:
+            batch.model = model
+        tic = time.perf_counter()
+        logits = prompt_logits[0]
+        mx.eval([c.state for c in prompts.prompt_cache], [] if logits is None else logits)
+        trim_buffer_cache()
+        self.step_stats.mixed_steps += 1
+        if logits is not None:
+            self._ended(rows, ends, logits)
+        else:
+            prompts.prompt_cache = quantized_when_due(prompts.prompt_cache, self.kv_quant)
+        self._counters.prompt_time += time.perf_counter() - tic
         return prompt_responses, generation_responses
 
     def _checkpoint(self, prompts: PromptProcessingBatch, finals: list[bool]) -> None:
