@@ -315,6 +315,12 @@ def main() -> None:
     )
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--budget", default="auto", help="engine.max_step_tokens of the 'on' side")
+    ap.add_argument(
+        "--mlxd-sides",
+        default="budget_on,unmixed,budget_off",
+        help="mlxd sides, comma-separated: budget_on (--budget, mixed steps: the defaults), "
+        "unmixed (--budget, engine.mixed_steps false), budget_off (no budget)",
+    )
     ap.add_argument("--skip-mlx-lm", action="store_true")
     ap.add_argument(
         "--vllm-mlx-python",
@@ -349,10 +355,18 @@ def main() -> None:
         "MLXD_ENGINE__MAX_NUM_SEQS": str(max(16, args.streams + 1)),
     }
     try:
-        for side, budget in (("budget_on", args.budget), ("budget_off", "0")):
+        settings = {
+            "budget_on": {"MLXD_ENGINE__MAX_STEP_TOKENS": args.budget},
+            "unmixed": {
+                "MLXD_ENGINE__MAX_STEP_TOKENS": args.budget,
+                "MLXD_ENGINE__MIXED_STEPS": "false",
+            },
+            "budget_off": {"MLXD_ENGINE__MAX_STEP_TOKENS": "0"},
+        }
+        for side in (s.strip() for s in args.mlxd_sides.split(",") if s.strip()):
             home = Path(tmp.name) / side
             procs[side], urls[side] = mlxd_proc.start(
-                str(home), model_dir, {**common, "MLXD_ENGINE__MAX_STEP_TOKENS": budget}
+                str(home), model_dir, {**common, **settings[side]}
             )
         mlxd_sides = list(urls)
         models = {side: loaded_model(urls[side])["name"] for side in mlxd_sides}
@@ -368,7 +382,7 @@ def main() -> None:
                 procs[side], urls[side] = start_vllm_mlx(
                     args.vllm_mlx_python, model_dir, models[side], args, chunk, Path(tmp.name), penv
                 )
-        budgets = {side: loaded_model(urls[side])["step_budget"]["budget"] for side in mlxd_sides}
+        budgets = {side: loaded_model(urls[side])["step_budget"] for side in mlxd_sides}
         sides = list(urls)
         rng = random.Random(0)
         trials: dict[str, list[dict]] = {s: [] for s in sides}
@@ -406,7 +420,8 @@ def main() -> None:
                     "model_dir": args.model_dir or "qwen2.5-vocab-tiny (random, float32)",
                     "prompt_tokens": args.prompt_tokens,
                     "streams": args.streams,
-                    "budgets": budgets,
+                    "step_budgets": budgets,  # each mlxd side's /health at the start
+                    "commit": mlxd_proc.commit(),
                     "vllm_mlx_python": args.vllm_mlx_python,
                     "peer_ld_preload": penv.get("LD_PRELOAD") if args.peer_blas else None,
                     "summary": summary,

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -80,3 +81,15 @@ def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
+
+
+def commit() -> str | None:
+    """The benchmarks' checkout's commit, for a results file (None outside git)."""
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        return out.stdout.strip() or None
+    except OSError:
+        return None
