@@ -57,3 +57,16 @@ def test_the_chunk_stays_within_its_bounds():
     for _ in range(20):
         pace.observe(8, pace.prefill_tokens(8) or 0, 5.0)  # each step far too slow
     assert pace.prefill_tokens(8) == MIN_PREFILL_TOKENS
+
+
+def test_a_mixed_pass_starts_from_the_whole_guess():
+    """Before a step with a chunk is measured, the chunk is guessed from a prompt token's
+    cost alone: STALL decode steps of tokens when the chunk rides in the decode pass,
+    half that when it is a pass of its own (whose fixed cost the guess does not know)."""
+    guesses = []
+    for mixed in (False, True):
+        pace = StepPace(fallback=256, most=4096, mixed=mixed)
+        pace.observe(0, 500, 0.5)  # 1 ms a prompt token, alone
+        pace.observe(8, 0, 0.1)
+        guesses.append(pace.prefill_tokens(8))
+    assert guesses == [int(0.5 * STALL * 100), int(STALL * 100)]

@@ -361,7 +361,9 @@ class LLMEngine(DecodeEngine):
             prefill_step_size=o.prefill_step_size,
             prompt_end=self._prompt_end,
             max_step_tokens=self._step_tokens,
-            pace=StepPace(self._step_tokens, 2 * o.prefill_step_size) if self._paced else None,
+            pace=StepPace(self._step_tokens, 2 * o.prefill_step_size, mixed=self._mixed)
+            if self._paced
+            else None,
             kv_quant=self.kv_quant,
             mixed=self._mixed,
         )

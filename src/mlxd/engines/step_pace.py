@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 # the least a prompt being prefilled gets per step, however full the decode batch is
 MIN_PREFILL_TOKENS = 16
-# a step with a chunk aims at 1 + STALL decode steps: streams' gaps stay within ~4x
-STALL = 2.0
+# a step with a chunk aims at 1 + STALL decode steps: streams' gaps stay within 4x, and
+# with the chunk in the decode pass (engines/mixed_step.py) a prompt waits about
+# 1 + 1/STALL times its prefill alone
+STALL = 2.25
 # how much one step may grow or shrink the next chunk: growth is slow, since a prompt's
 # tokens cost more as its context grows, and a shrink is quick
 MOST_GROWTH = 1.25
@@ -38,6 +40,7 @@ class StepPace:
 
     fallback: int
     most: int
+    mixed: bool = False  # the chunk goes into the decode pass (engines/mixed_step.py)
     decode_s: float | None = None  # a decode-only step's wall time (moving average)
     chunk: float = 0.0  # prefill tokens for the next step beside decoding rows
     steered: bool = False  # a step with a chunk beside decoding rows has been measured
@@ -54,8 +57,9 @@ class StepPace:
         if self.decode_s is None:
             return max(self.fallback - decode_tokens, MIN_PREFILL_TOKENS)
         if not self.steered and self.alone_token_s:
-            # a first guess from prefill alone, halved: a pass's fixed costs are not in it
-            guess = 0.5 * STALL * self.decode_s / self.alone_token_s
+            # a first guess from prefill alone; halved when the chunk is a pass of its own,
+            # whose fixed costs are not in it
+            guess = (1.0 if self.mixed else 0.5) * STALL * self.decode_s / self.alone_token_s
             return int(min(max(guess, MIN_PREFILL_TOKENS), self.most))
         return int(self.chunk)
 
