@@ -13,7 +13,7 @@ from mlx_lm.utils import load
 from mlxd.core.types import SamplingParams
 from mlxd.engines.kv_quant import KVQuant
 from mlxd.engines.llm import LLMEngine
-from mlxd.engines.mixed_step import mixed_forward, supports_mixed_steps
+from mlxd.engines.mixed_step import MOST_MIXED_TOKENS, mixed_forward, supports_mixed_steps
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.serving_batch import ServingBatchGenerator
 
@@ -115,6 +115,20 @@ def test_a_mixed_batch_decodes_what_separate_passes_do(llama, budget, kv_bits):
     assert _greedy(gen, prompts, late) == apart
     assert all(len(t) == 10 for t in apart)
     assert gen.step_stats.mixed_steps > 0
+
+
+def test_chunks_longer_than_the_mixing_bound_go_in_passes_of_their_own(llama):
+    """A step whose prompts bring more than MOST_MIXED_TOKENS tokens prefills them in a
+    pass of its own: the same tokens, and no step mixed."""
+    model, tok = llama
+    prompts = [tok.encode("the river runs to the sea")]
+    late = [tok.encode(" ".join(["ocean garden market"] * 90))]
+    assert len(late[0]) > 2 * MOST_MIXED_TOKENS
+    kw = dict(prefill_step_size=2 * MOST_MIXED_TOKENS, prompt_end=True)
+    apart = _greedy(ServingBatchGenerator(model, **kw), prompts, late)
+    gen = ServingBatchGenerator(model, mixed=True, **kw)
+    assert _greedy(gen, prompts, late) == apart
+    assert gen.step_stats.mixed_steps == 0
 
 
 def test_a_speculative_engine_mixes_its_verify_steps_alike(tiny_llama):

@@ -85,7 +85,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlxd.engines.kv_quant import KVQuant, for_batch, joined_kinds, quantized_when_due
 from mlxd.engines.kv_rows import RowPoolKVCache, filter_pools, join_caches, poolable
 from mlxd.engines.lora import set_rows
-from mlxd.engines.mixed_step import mixable, mixed_forward
+from mlxd.engines.mixed_step import MOST_MIXED_TOKENS, mixable, mixed_forward
 from mlxd.engines.prefix_cache import snapshot_row
 from mlxd.engines.prompt_end import last_logits
 from mlxd.engines.step_pace import MIN_PREFILL_TOKENS, StepPace
@@ -617,14 +617,20 @@ class ServingBatchGenerator(BatchGenerator):
 
     def _mixed_step(self, batch: Any) -> tuple[list, list]:
         """The chunks chosen first, then the decode step with them in its forward pass
-        (engines/mixed_step.py); chunks of unequal length (a prompt ending) or caches
-        that cannot mix go in a pass of their own after the decode step, as without
-        ``mixed``. The decode step's tokens count as what a plain step feeds, since its
-        kind (plain or verify) is known only when it runs."""
+        (engines/mixed_step.py); chunks of unequal length (a prompt ending), more than
+        :data:`MOST_MIXED_TOKENS` tokens, or caches that cannot mix go in a pass of their
+        own after the decode step, as without ``mixed``. The decode step's tokens count
+        as what a plain step feeds, since its kind (plain or verify) is known only when it
+        runs."""
         prompt_responses: list = []
         rows, chunks, ends, finals = self._plan(len(batch.uids), prompt_responses)
         prompts = self._prompt_batch
-        if not chunks or len({len(c) for c in chunks}) > 1 or not mixable(prompts.prompt_cache):
+        if (
+            not chunks
+            or len({len(c) for c in chunks}) > 1
+            or len(chunks) * len(chunks[0]) > MOST_MIXED_TOKENS
+            or not mixable(prompts.prompt_cache)
+        ):
             generation_responses, _ = self._decode(batch)
             self._prefill(rows, chunks, ends, finals)
             return prompt_responses, generation_responses
