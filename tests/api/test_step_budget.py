@@ -124,6 +124,7 @@ def test_a_long_prompt_beside_streams_is_prefilled_in_budgeted_steps(
     prompt_tokens = alone["usage"]["prompt_tokens"]
     assert prompt_tokens > 25 * BUDGET
     assert before["budget"] == BUDGET
+    assert before["mixed"] is mixed
     after = _budget_stats(srv)
 
     # every stream got tokens while the long prompt was being prefilled

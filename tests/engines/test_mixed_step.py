@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from fixtures.hybrid_models import HYBRID_ARCHS, make_tiny_hybrid_model
+from fixtures.lora import make_lora_adapter
 from fixtures.tiny_models import SUPPORTED_ARCHS, make_tiny_chat_model
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
@@ -13,6 +14,7 @@ from mlx_lm.utils import load
 from mlxd.core.types import SamplingParams
 from mlxd.engines.kv_quant import KVQuant
 from mlxd.engines.llm import LLMEngine
+from mlxd.engines.lora import RowAdapters, read_adapter
 from mlxd.engines.mixed_step import MOST_MIXED_TOKENS, mixed_forward, supports_mixed_steps
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.serving_batch import ServingBatchGenerator
@@ -115,6 +117,42 @@ def test_a_mixed_batch_decodes_what_separate_passes_do(llama, budget, kv_bits):
     assert _greedy(gen, prompts, late) == apart
     assert all(len(t) == 10 for t in apart)
     assert gen.step_stats.mixed_steps > 0
+
+
+def test_per_row_adapters_apply_to_each_token_of_a_mixed_pass(tmp_path):
+    """Rows decoding with one LoRA adapter and none while a prompt with another is
+    prefilled: every row's tokens are what separate passes give, and steps did mix."""
+    path = make_tiny_chat_model(tmp_path / "m", "llama", hidden_size=128, head_dim=64)
+    model, tok = load(str(path))
+    rows = RowAdapters(model, lambda name: False)
+    for i, name in enumerate(("alpha", "beta")):
+        rows.load(read_adapter(name, make_lora_adapter(path, tmp_path / name, seed=i)))
+
+    def run(mixed: bool) -> list[list[int]]:
+        gen = ServingBatchGenerator(
+            model, mixed=mixed, prefill_step_size=16, prompt_end=True, max_step_tokens=24
+        )
+        uids = gen.insert([tok.encode("the river"), tok.encode("a city")], max_tokens=[12] * 2)
+        rows.admit(uids[0], "alpha")
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        for _ in range(200):
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+            if len(out) == 2 and responses:
+                (late,) = gen.insert([tok.encode(" ".join(["winter morning"] * 20))], [12])
+                rows.admit(late, "beta")
+                out[late] = []
+            if len(out) == 3 and all(len(v) == 12 for v in out.values()):
+                break
+        assert gen.step_stats.mixed_steps > 0 if mixed else True
+        for u in out:
+            rows.release(u)
+        return list(out.values())
+
+    apart = run(False)
+    assert run(True) == apart
+    assert len({tuple(t) for t in apart}) == 3
 
 
 def test_chunks_longer_than_the_mixing_bound_go_in_passes_of_their_own(llama):
