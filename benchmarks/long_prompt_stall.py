@@ -316,6 +316,12 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--budget", default="auto", help="engine.max_step_tokens of the 'on' side")
     ap.add_argument(
+        "--speculative",
+        default="off",
+        help="engine.speculative of every mlxd side; off by default, so that the streams' "
+        "gaps are decode steps' and not bursts of accepted drafts",
+    )
+    ap.add_argument(
         "--mlxd-sides",
         default="budget_on,unmixed,budget_off",
         help="mlxd sides, comma-separated: budget_on (--budget, mixed steps: the defaults), "
@@ -353,6 +359,7 @@ def main() -> None:
     common = {
         "MLXD_ENGINE__PREFIX_CACHE_BYTES": "0",
         "MLXD_ENGINE__MAX_NUM_SEQS": str(max(16, args.streams + 1)),
+        "MLXD_ENGINE__SPECULATIVE": args.speculative,
     }
     try:
         settings = {
@@ -420,6 +427,7 @@ def main() -> None:
                     "model_dir": args.model_dir or "qwen2.5-vocab-tiny (random, float32)",
                     "prompt_tokens": args.prompt_tokens,
                     "streams": args.streams,
+                    "speculative": args.speculative,
                     "step_budgets": budgets,  # each mlxd side's /health at the start
                     "commit": mlxd_proc.commit(),
                     "vllm_mlx_python": args.vllm_mlx_python,
