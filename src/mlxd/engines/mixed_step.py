@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 
 # the layer caches a mixed step can carry, on either side
 MIXABLE = (BatchKVCache, RowPoolKVCache, QuantizedBatchKVCache)
-# the most prompt tokens a step mixes: on a CPU, a tiny model's 512-token chunk cost 1.7x
-# in one pass what it cost beside 8 decode rows in two (its attention evaluated beside
-# theirs), while SmolLM2-135M's 64-token chunks saved 13% (benchmarks/long_prompt_stall.py)
+# the most prompt tokens a step mixes: on a CPU a tiny model's 512-token chunk and 8 decode
+# rows cost 1.7x in one pass what they cost in two, SmolLM2-135M's 32-128-token chunks
+# 0.87-0.97x (benchmarks/mixed_pass.py)
 MOST_MIXED_TOKENS = 128
 
 
