@@ -26,11 +26,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlxd_proc  # noqa: E402
 
 MODES = (
     "generate_step",
@@ -141,17 +144,6 @@ def summary(xs: list[float]) -> dict[str, float]:
     }
 
 
-def commit() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="an MLX model directory")
@@ -225,7 +217,7 @@ def main() -> None:
         "benchmark": "pipeline_decode",
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit(),
+        "commit": mlxd_proc.commit(),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
