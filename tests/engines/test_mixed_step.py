@@ -15,7 +15,12 @@ from mlxd.core.types import SamplingParams
 from mlxd.engines.kv_quant import KVQuant
 from mlxd.engines.llm import LLMEngine
 from mlxd.engines.lora import RowAdapters, read_adapter
-from mlxd.engines.mixed_step import MOST_MIXED_TOKENS, mixed_forward, supports_mixed_steps
+from mlxd.engines.mixed_step import (
+    MOST_MIXED_TOKENS,
+    MixedCache,
+    mixed_forward,
+    supports_mixed_steps,
+)
 from mlxd.engines.options import TextEngineOptions
 from mlxd.engines.serving_batch import ServingBatchGenerator
 
@@ -66,6 +71,23 @@ def test_one_pass_gives_what_two_passes_give(arch_model):
         assert a._idx == b._idx and a.offset.tolist() == b.offset.tolist()
         assert mx.allclose(a.keys[..., : a._idx, :], b.keys[..., : b._idx, :], atol=1e-4).item()
         assert mx.allclose(a.values[..., : a._idx, :], b.values[..., : b._idx, :], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("part", ["decode", "prompt"])
+def test_the_check_at_load_catches_a_pass_that_loses_a_mask(llama, monkeypatch, part):
+    """A model whose mixed pass would attend without the decode rows' padding mask, or
+    without the prompt's causal mask, fails the check (and keeps separate passes)."""
+    model, _ = llama
+    assert supports_mixed_steps(model)
+    real = MixedCache.make_mask
+
+    def lossy(self, n, **kwargs):
+        masks = real(self, n, **kwargs)
+        setattr(masks, part, None)
+        return masks
+
+    monkeypatch.setattr(MixedCache, "make_mask", lossy)
+    assert not supports_mixed_steps(model)
 
 
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)

@@ -196,29 +196,29 @@ def mixable(caches: list[Any]) -> bool:
 
 
 def supports_mixed_steps(model: Any) -> bool:
-    """Whether :func:`mixed_forward` gives what separate passes give for this model: one
-    decode row and a 4-token prompt chunk, both ways, compared (logits and caches). False
-    for any doubt."""
+    """Whether :func:`mixed_forward` gives what separate passes give for this model: two
+    decode rows of different lengths (one left-padded) with two tokens each, and a 4-token
+    prompt chunk over a cached prefix, both ways, compared (logits and caches). False for
+    any doubt."""
     if decoder(model) is None or not all(type(c) is KVCache for c in make_prompt_cache(model)):
         return False
     try:
         n = len(make_prompt_cache(model))
 
-        def batch(prefill: list[int]) -> list[Any]:
-            caches = [BatchKVCache([0]) for _ in range(n)]
-            if prefill:
-                model(mx.array([prefill]), cache=caches)
+        def batch(rows: list[list[int]], padding: list[int]) -> list[Any]:
+            caches = [BatchKVCache(padding) for _ in range(n)]
+            model(mx.array(rows), cache=caches)
             return caches
 
-        dec_a, pro_a = batch([5, 6, 7]), batch([])
-        alone = model(mx.array([[8]]), cache=dec_a)[:, -1, :]
-        chunk_alone = model(mx.array([[1, 2, 3, 4]]), cache=pro_a)[:, -1, :]
-        dec_b, pro_b = batch([5, 6, 7]), batch([])
-        mixed, last = mixed_forward(
-            model, mx.array([[8]]), dec_b, [0], mx.array([[1, 2, 3, 4]]), pro_b, [1], True
-        )
+        steps, chunk = mx.array([[8, 11], [10, 12]]), mx.array([[1, 2, 3, 4]])
+        decoding, prompt = ([[5, 6, 7], [0, 0, 9]], [0, 2]), ([[20, 21]], [0])
+        dec_a, pro_a = batch(*decoding), batch(*prompt)
+        alone = model(steps, cache=dec_a)
+        chunk_alone = model(chunk, cache=pro_a)[:, -1, :]
+        dec_b, pro_b = batch(*decoding), batch(*prompt)
+        mixed, last = mixed_forward(model, steps, dec_b, [0, 1], chunk, pro_b, [2], True)
         assert last is not None
-        pairs = [(alone, mixed[:, -1, :]), (chunk_alone, last)]
+        pairs = [(alone, mixed), (chunk_alone, last)]
         for a, b in zip(dec_a + pro_a, dec_b + pro_b, strict=True):
             pairs.append((a.keys[..., : a._idx, :], b.keys[..., : b._idx, :]))
         same = all(
