@@ -75,15 +75,12 @@ class MixedCache:
     bits = 0  # mlx-lm's attention sends a cache with ``bits`` to the quantized function
     group_size = 0
 
-    def __init__(self, decode: Any, prompt: Any, shape: tuple[int, int, int, int]) -> None:
+    def __init__(
+        self, decode: Any, prompt: Any, shape: tuple[int, int, int, int], offset: mx.array
+    ) -> None:
         self.decode, self.prompt = decode, prompt
         self.rows, self.steps, self.prompts, self.chunk = shape
-        self.offset = mx.concatenate(
-            [
-                _positions(decode, self.rows, self.steps),
-                _positions(prompt, self.prompts, self.chunk),
-            ]
-        )
+        self.offset = offset  # every token's position (:func:`positions`)
 
     def make_mask(self, n: int, *, return_array: bool = False, **kwargs: Any) -> MixedMask:
         return MixedMask(
@@ -120,10 +117,16 @@ def _flat(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], 1, x.shape[3])
 
 
-def _positions(cache: Any, rows: int, length: int) -> mx.array:
-    """The positions of ``length`` new tokens in each of ``rows`` rows of ``cache``."""
-    start = mx.broadcast_to(mx.array(cache.offset), (rows,))
-    return (start[:, None] + mx.arange(length)).reshape(-1)
+def positions(decode: Any, prompt: Any, shape: tuple[int, int, int, int]) -> mx.array:
+    """Each token's position in its sequence, as a mixed step lays them out (``shape``:
+    decode rows, their tokens, prompts, their chunk): the same in every layer, whose
+    batch caches share their rows' offsets."""
+    rows, steps, prompts, chunk = shape
+    parts = []
+    for cache, n, length in ((decode, rows, steps), (prompt, prompts, chunk)):
+        start = mx.broadcast_to(mx.array(cache.offset), (n,))
+        parts.append((start[:, None] + mx.arange(length)).reshape(-1))
+    return mx.concatenate(parts)
 
 
 _PREVIOUS_ATTENTION = mlx_lm_base.quantized_scaled_dot_product_attention
@@ -173,7 +176,10 @@ def mixed_forward(
     prompts, chunk = chunks.shape
     tokens = mx.concatenate([decode_inputs.reshape(-1), chunks.reshape(-1)])[:, None]
     shape = (rows, steps, prompts, chunk)
-    caches = [MixedCache(d, p, shape) for d, p in zip(decode_cache, prompt_cache, strict=True)]
+    offset = positions(decode_cache[0], prompt_cache[0], shape)
+    caches = [
+        MixedCache(d, p, shape, offset) for d, p in zip(decode_cache, prompt_cache, strict=True)
+    ]
     set_rows(
         model,
         [u for u in decode_uids for _ in range(steps)]
